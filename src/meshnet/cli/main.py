@@ -1,0 +1,57 @@
+"""``meshnet`` entry point: argument parsing and dispatch. Exit codes: 0 ok, 1 runtime failure, 2 usage."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshnet import __version__
+
+__all__ = ["main"]
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshnet", description="Meshnet: run GGUF models, alone or split over a swarm of nodes."
+    )
+    parser.add_argument("--version", action="version", version=f"meshnet {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="serve one GGUF on this machine with the OpenAI API")
+    serve.add_argument("--gguf", type=Path, help="GGUF file (default: the bundled SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--threads", type=int, help="llama.cpp threads (default: all cores)")
+    serve.add_argument("--ctx", type=int, help="context window in tokens (default: the context cap)")
+    serve.add_argument("--batch", type=int, default=512, help="prefill chunk / llama.cpp batch (default 512)")
+    serve.add_argument("--model-id", help="model id clients use (default: the GGUF file name)")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait (default 64)")
+
+    chat = sub.add_parser("chat", help="chat with a Meshnet server from the terminal")
+    chat.add_argument("prompt", nargs="?", help="one prompt; without it, an interactive session starts")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (default http://127.0.0.1:8000)")
+    chat.add_argument("--model", help="model id (default: the server's first model)")
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--no-status", action="store_true", help="hide the live status line")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "serve":
+        from meshnet.cli.serve import run_serve
+
+        return run_serve(args)
+    if args.command == "chat":
+        from meshnet.cli.chat import run_chat
+
+        return run_chat(args)
+    raise AssertionError(args.command)  # argparse enforces the choices
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""``meshnet serve``: one GGUF, one llama.cpp context, the OpenAI API and telemetry."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import socket
+import sys
+import time
+
+from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
+from meshnet.config import ServeConfig
+from meshnet.errors import MeshnetError
+
+__all__ = ["bind_socket", "run_serve"]
+
+log = logging.getLogger("meshnet")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading anything, so a taken port fails in a second, not after the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(f"meshnet: port {port} on {host} is already in use; pick another with --port") from None
+        raise SystemExit(f"meshnet: cannot bind {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _config(args: argparse.Namespace) -> ServeConfig:
+    try:
+        gguf = args.gguf or bundled_gguf()
+        return ServeConfig(
+            gguf=gguf,
+            host=args.host,
+            port=args.port,
+            threads=args.threads,
+            ctx=args.ctx,
+            batch=args.batch,
+            model_id=args.model_id,
+            max_queue=args.max_queue,
+        )
+    except (ValueError, BundledModelMissing) as exc:
+        raise SystemExit(f"meshnet serve: {exc}") from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = _config(args)
+    sock = bind_socket(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
+
+    from meshnet.backends.llama_full import LlamaFullEngine
+    from meshnet.gateway import create_app
+
+    size_mib = config.gguf.stat().st_size / 2**20 if config.gguf.exists() else 0
+    print(f"meshnet: loading {config.gguf} ({size_mib:.0f} MiB) ...", flush=True)
+    started = time.monotonic()
+    try:
+        engine = LlamaFullEngine(
+            config.gguf,
+            n_ctx=config.ctx,
+            n_threads=config.threads,
+            n_batch=config.batch,
+            model_id=config.model_id,
+        )
+    except MeshnetError as exc:
+        sock.close()
+        print(f"meshnet serve: {exc.message}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # llama-cpp-python's way of saying the file did not load
+        sock.close()
+        print(f"meshnet serve: llama.cpp could not load {config.gguf}: {exc}", file=sys.stderr)
+        return 2
+    info = engine.info
+    app = create_app(engine, node_url=url, max_queue=config.max_queue)
+    print(
+        f"meshnet: {info.model_id} ({info.architecture}, {info.quantization}, {info.n_layers} layers) "
+        f"loaded in {time.monotonic() - started:.1f}s; context cap {engine.n_ctx} tokens, "
+        f"{engine.n_threads} threads",
+        flush=True,
+    )
+    print(f"meshnet: OpenAI API on {url}/v1  (telemetry: {url}/v1/generations/ID/events, metrics: {url}/metrics)")
+    print(f"meshnet: listening on {url}", flush=True)
+
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    )
+    try:
+        server.run(sockets=[sock])  # handles SIGINT/SIGTERM: finish in-flight responses, then stop
+    finally:
+        engine.close()
+        sock.close()
+    print("meshnet: stopped", flush=True)
+    return 0

@@ -1,0 +1,88 @@
+"""The one exception tree of Meshnet, and its HTTP mapping.
+
+    MeshnetError                      500  server_error
+    ├── InvalidRequest                400  invalid_request_error
+    │   └── ContextOverflow           400  context_length_exceeded
+    ├── NotFound                      404  not_found_error
+    │   └── UnknownModel              404  model_not_found
+    ├── Conflict                      409  conflict_error
+    ├── Overloaded                    503  overloaded_error   (carries Retry-After)
+    └── EngineError                   500  engine_error       (a backend failed mid-generation)
+
+Foreign errors (pydantic, llama.cpp, JSON) are mapped into this tree at the boundary that
+meets them, never further in. The HTTP layers translate with :func:`http_status` only.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Conflict",
+    "ContextOverflow",
+    "EngineError",
+    "InvalidRequest",
+    "MeshnetError",
+    "NotFound",
+    "Overloaded",
+    "UnknownModel",
+    "http_status",
+]
+
+
+class MeshnetError(Exception):
+    """Base of every error Meshnet raises on purpose.
+
+    ``param`` names the request field at fault (OpenAI's error shape carries it);
+    ``code`` is a stable machine-readable string.
+    """
+
+    status = 500
+    error_type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(MeshnetError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextOverflow(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class NotFound(MeshnetError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class UnknownModel(NotFound):
+    code = "model_not_found"
+
+
+class Conflict(MeshnetError):
+    status = 409
+    error_type = "conflict_error"
+
+
+class Overloaded(MeshnetError):
+    status = 503
+    error_type = "overloaded_error"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class EngineError(MeshnetError):
+    error_type = "engine_error"
+
+
+def http_status(error: MeshnetError) -> int:
+    """The HTTP status of an error: the single place the mapping lives."""
+    return error.status

@@ -1,0 +1,490 @@
+"""The gateway's HTTP surface: OpenAI-compatible API, Generation Telemetry, metrics.
+
+This module is a thin shell: it parses, validates, checks the context cap, opens telemetry and
+formats responses. Generation itself lives in ``generation``; telemetry state in ``telemetry``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from meshnet.backends.base import TextEngine
+from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError, NotFound, UnknownModel
+from meshnet.gateway.chat_template import ChatTemplate
+from meshnet.gateway.generation import (
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    GenerationService,
+    Heartbeat,
+    StreamItem,
+)
+from meshnet.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest, error_body, parse_body
+from meshnet.gateway.telemetry import EventType, GenerationTelemetry, Hop, TelemetryHub
+from meshnet.ids import GenerationId, new_generation_id, new_route_id, new_session_id, parse_generation_id
+from meshnet.protocol.headers import GENERATION_ID
+from meshnet.tracker.billing import FORMULA
+
+__all__ = ["GatewayState", "create_app"]
+
+PRODUCT_CONTEXT_CAP = 131072
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_EVENTS_KEEPALIVE_S = 5.0
+_MAX_ANNOUNCE_WAIT_S = 30.0
+
+
+@dataclass
+class GatewayState:
+    engine: TextEngine
+    node_url: str
+    hub: TelemetryHub
+    metrics: GatewayMetrics
+    service: GenerationService
+    template: ChatTemplate
+    started: int
+
+
+def create_app(engine: TextEngine, *, node_url: str = "local", max_queue: int = 64) -> Starlette:
+    """Compose a gateway around one engine; the caller owns the engine's lifetime."""
+    hub = TelemetryHub()
+    metrics = GatewayMetrics()
+    info = engine.info
+    state = GatewayState(
+        engine=engine,
+        node_url=node_url,
+        hub=hub,
+        metrics=metrics,
+        service=GenerationService(engine, hub, metrics, max_queue=max_queue),
+        template=ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token),
+        started=int(time.time()),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        state.service.close()
+
+    routes = [
+        Route("/v1/models", _with(state, list_models), methods=["GET"]),
+        Route("/v1/chat/completions", _with(state, chat_completions), methods=["POST"]),
+        Route("/v1/completions", _with(state, completions), methods=["POST"]),
+        Route("/v1/generations", _with(state, list_generations), methods=["GET"]),
+        Route("/v1/generations/{generation_id}", _with(state, get_generation), methods=["GET"]),
+        Route("/v1/generations/{generation_id}/events", _with(state, generation_events), methods=["GET"]),
+        Route("/v1/health", _with(state, health), methods=["GET"]),
+        Route("/health", _with(state, health), methods=["GET"]),
+        Route("/metrics", _with(state, prometheus), methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={MeshnetError: _meshnet_error, HTTPException: _http_error},
+    )
+    app.state.gateway = state
+    app.add_middleware(_CountRequests, metrics=metrics, paths=frozenset(r.path for r in routes))
+    return app
+
+
+Handler = Callable[[GatewayState, Request], Awaitable[Response]]
+
+
+def _with(state: GatewayState, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await handler(state, request)
+
+    return endpoint
+
+
+# -- errors ---------------------------------------------------------------------------------------
+def error_response(error: MeshnetError, headers: dict[str, str] | None = None) -> JSONResponse:
+    retry = getattr(error, "retry_after_s", None)
+    extra = {"Retry-After": str(retry)} if retry is not None else {}
+    return JSONResponse(error_body(error), status_code=error.status, headers={**extra, **(headers or {})})
+
+
+async def _meshnet_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, MeshnetError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        error: MeshnetError = NotFound(f"no route {request.method} {request.url.path}")
+    else:
+        error = InvalidRequest(f"{request.method} {request.url.path}: {exc.detail}")
+        error.status = exc.status_code
+    return error_response(error)
+
+
+class _CountRequests:
+    """Counts responses by endpoint and status for /metrics (ids folded out of the path)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, paths: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if path.startswith("/v1/generations/"):
+            endpoint = "/v1/generations/{id}"
+        else:  # unknown paths share one label, so scanners cannot blow up the series count
+            endpoint = path if path in self.paths else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+# -- OpenAI endpoints -----------------------------------------------------------------------------
+async def list_models(state: GatewayState, _: Request) -> Response:
+    info = state.engine.info
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": info.model_id,
+                    "object": "model",
+                    "created": state.started,
+                    "owned_by": "meshnet",
+                    "meshnet": {
+                        "architecture": info.architecture,
+                        "quantization": info.quantization,
+                        "layers": info.n_layers,
+                        "context_cap": state.engine.n_ctx,
+                        "trained_context": info.n_ctx_train,
+                    },
+                }
+            ],
+        }
+    )
+
+
+async def chat_completions(state: GatewayState, request: Request) -> Response:
+    body = parse_body(await request.body(), ChatCompletionRequest)
+    _check_model(state, body.model)
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+    text = state.template.render(messages)
+    # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
+    bos = state.engine.info.bos_token
+    add_special = not (bos and text.startswith(bos))
+    tokens = state.engine.tokenize(text, add_special=add_special)
+    return await _serve(state, request, "chat", body.stream, body.include_usage, _gen_request(state, body, tokens))
+
+
+async def completions(state: GatewayState, request: Request) -> Response:
+    body = parse_body(await request.body(), CompletionRequest)
+    _check_model(state, body.model)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        tokens = [int(t) for t in prompt]
+        bad = [t for t in tokens if not 0 <= t < state.engine.info.n_vocab]
+        if bad:
+            raise InvalidRequest(f"token ids out of the vocabulary [0, {state.engine.info.n_vocab}): {bad[:5]}")
+    else:
+        text = prompt if isinstance(prompt, str) else str(prompt[0])
+        if not text:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        tokens = state.engine.tokenize(text, add_special=True)
+    return await _serve(
+        state, request, "text", body.stream, body.include_usage, _gen_request(state, body, tokens)
+    )
+
+
+def _check_model(state: GatewayState, model: str) -> None:
+    if model != state.engine.info.model_id:
+        raise UnknownModel(
+            f"model {model!r} is not served here; GET /v1/models lists {state.engine.info.model_id!r}",
+            param="model",
+        )
+
+
+def _gen_request(
+    state: GatewayState, body: ChatCompletionRequest | CompletionRequest, tokens: list[int]
+) -> GenerationRequest:
+    """Apply the context cap before any compute: never a silent truncation."""
+    engine = state.engine
+    cap = engine.n_ctx
+    why = (
+        f"the context cap is {cap} tokens (the smaller of the product cap {PRODUCT_CONTEXT_CAP}, "
+        f"the model's trained context {engine.info.n_ctx_train} and the server's --ctx)"
+    )
+    n = len(tokens)
+    if n == 0:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if n >= cap:
+        raise ContextOverflow(f"the prompt is {n} tokens but {why}; shorten the prompt", param="messages")
+    limit = body.token_limit
+    if limit is not None and n + limit > cap:
+        raise ContextOverflow(
+            f"the prompt ({n} tokens) plus max_tokens ({limit}) is {n + limit} tokens but {why}; "
+            f"lower max_tokens to at most {cap - n}",
+            param="max_tokens",
+        )
+    return GenerationRequest(
+        prompt_tokens=tuple(tokens),
+        sampling=body.sampling,
+        max_tokens=limit if limit is not None else cap - n,
+        stop=body.stop_sequences,
+    )
+
+
+def _open_telemetry(state: GatewayState, request: Request, prompt_tokens: int) -> GenerationTelemetry:
+    proposed = request.headers.get(GENERATION_ID)
+    try:
+        gid = parse_generation_id(proposed) if proposed else new_generation_id()
+    except ValueError as exc:
+        raise InvalidRequest(f"header {GENERATION_ID}: {exc}", param=GENERATION_ID) from None
+    info = state.engine.info
+    tel = state.hub.open(
+        GenerationTelemetry(
+            generation_id=gid,
+            model=info.model_id,
+            quantization=info.quantization,
+            route=(Hop(node="local", url=state.node_url, layers=info.layers),),
+            session_id=new_session_id(),
+            route_id=new_route_id(),
+            prompt_tokens=prompt_tokens,
+        )
+    )
+    tel.emit(
+        EventType.ROUTE_ACCEPTED,
+        session_id=tel.session_id,
+        route_id=tel.route_id,
+        nodes=[hop.as_json() for hop in tel.route],
+    )
+    tel.emit(
+        EventType.MODEL_SELECTED,
+        model=info.model_id,
+        quantization=info.quantization,
+        architecture=info.architecture,
+        layers=info.n_layers,
+        context_cap=state.engine.n_ctx,
+    )
+    return tel
+
+
+async def _serve(
+    state: GatewayState, request: Request, kind: str, stream: bool, include_usage: bool, gen: GenerationRequest
+) -> Response:
+    tel = _open_telemetry(state, request, len(gen.prompt_tokens))
+    headers = {GENERATION_ID: tel.generation_id}
+    state.service.admit(tel)
+    shape = _Shape(kind, tel, state.engine.info.model_id, int(time.time()))
+    items = state.service.stream(gen, tel)
+    if stream:
+        return StreamingResponse(
+            _sse_chunks(state, shape, items, include_usage),
+            media_type="text/event-stream",
+            headers={**headers, **_SSE_HEADERS},
+        )
+    return await _collect(state, shape, items, request, headers)
+
+
+# -- response shapes ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Shape:
+    kind: str  # "chat" | "text"
+    tel: GenerationTelemetry
+    model: str
+    created: int
+
+    @property
+    def id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.tel.generation_id
+
+    def usage(self) -> dict[str, int]:
+        p, c = self.tel.prompt_tokens, self.tel.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def chunk(self, text: str | None, finish_reason: str | None, *, first: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
+            if text and not first:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "meshnet": self.tel.snapshot(),
+        }
+
+    def final(self, text: str, finish_reason: str) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(),
+            "meshnet": self.tel.snapshot(),
+        }
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+async def _sse_chunks(
+    state: GatewayState, shape: _Shape, items: AsyncIterator[StreamItem], include_usage: bool
+) -> AsyncIterator[bytes]:
+    # The first chunk goes out at once: the client sees the route accepted before any compute.
+    yield _sse(shape.chunk("", None, first=True))
+    try:
+        async for item in items:
+            if isinstance(item, Heartbeat):
+                yield _sse(shape.chunk(None, None))
+            elif isinstance(item, Delta):
+                if item.text:
+                    yield _sse(shape.chunk(item.text, None))
+            elif isinstance(item, Finished):
+                if item.text:
+                    yield _sse(shape.chunk(item.text, None))
+                yield _sse(shape.chunk(None, _client_reason(item.finish_reason)))
+                if include_usage:
+                    yield _sse({**shape.chunk(None, None), "choices": [], "usage": shape.usage()})
+            elif isinstance(item, Failed):
+                yield _sse(error_body(item.error))
+                return
+        yield _sse("[DONE]")
+    finally:
+        await items.aclose()  # type: ignore[attr-defined]
+        if not shape.tel.finished:
+            state.service.abandon(shape.tel, "the client disconnected")
+
+
+def _client_reason(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+async def _collect(
+    state: GatewayState,
+    shape: _Shape, items: AsyncIterator[StreamItem], request: Request, headers: dict[str, str]
+) -> Response:
+    """Non-streaming: gather the text; stop early if the client hangs up."""
+    parts: list[str] = []
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        async for item in items:
+            if watcher.done():
+                break  # leaving the loop closes the stream, which cancels the worker
+            if isinstance(item, Delta):
+                parts.append(item.text)
+            elif isinstance(item, Finished):
+                parts.append(item.text)
+                return JSONResponse(shape.final("".join(parts), _client_reason(item.finish_reason)), headers=headers)
+            elif isinstance(item, Failed):
+                return error_response(item.error, headers)
+    finally:
+        watcher.cancel()
+        await items.aclose()  # type: ignore[attr-defined]
+        if not shape.tel.finished:
+            state.service.abandon(shape.tel, "the client disconnected")
+    return error_response(InvalidRequest("the client disconnected"), headers)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.5)
+
+
+# -- telemetry endpoints --------------------------------------------------------------------------
+async def list_generations(state: GatewayState, _: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [g.snapshot() for g in state.hub.active()]})
+
+
+async def get_generation(state: GatewayState, request: Request) -> Response:
+    tel = state.hub.get(GenerationId(request.path_params["generation_id"]))
+    return JSONResponse(tel.snapshot())
+
+
+async def generation_events(state: GatewayState, request: Request) -> Response:
+    gid = GenerationId(request.path_params["generation_id"])
+    try:
+        wait_s = float(request.query_params.get("wait", "0"))
+    except ValueError:
+        raise InvalidRequest("query parameter 'wait' must be a number of seconds", param="wait") from None
+    if not 0 <= wait_s <= _MAX_ANNOUNCE_WAIT_S:
+        raise InvalidRequest(f"'wait' must be within [0, {_MAX_ANNOUNCE_WAIT_S:g}] seconds", param="wait")
+    tel = await state.hub.wait_for(gid, wait_s)
+    skip = _last_event_id(request)
+
+    async def events() -> AsyncIterator[bytes]:
+        seq = 0
+        async for event in tel.follow(keepalive_s=_EVENTS_KEEPALIVE_S):
+            if event is None:
+                yield b": keepalive\n\n"
+                continue
+            seq += 1
+            if seq > skip:
+                yield f"id: {seq}\ndata: {event.encode()}\n\n".encode()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+def _last_event_id(request: Request) -> int:
+    raw = request.headers.get("last-event-id", "0")
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise InvalidRequest("Last-Event-ID must be the integer id of an event") from None
+
+
+async def health(state: GatewayState, _: Request) -> Response:
+    info = state.engine.info
+    return JSONResponse(
+        {
+            "status": "ok",
+            "model": info.model_id,
+            "layers": str(info.layers),
+            "active_generations": len(state.hub.active()),
+            "queue_depth": state.service.waiting,
+            "billing_formula": FORMULA,
+        }
+    )
+
+
+async def prometheus(state: GatewayState, _: Request) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,57 @@
+"""Chat templates from the GGUF (``tokenizer.chat_template``), rendered in a Jinja sandbox."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from meshnet.errors import InvalidRequest
+
+__all__ = ["CHATML_TEMPLATE", "ChatTemplate"]
+
+log = logging.getLogger(__name__)
+
+# The fallback llama-server uses too, for GGUFs that carry no template.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _raise_exception(message: str) -> None:
+    raise InvalidRequest(f"the chat template rejected the messages: {message}", param="messages")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    def __init__(self, source: str | None, *, bos_token: str, eos_token: str) -> None:
+        if not source:
+            log.warning("the GGUF has no tokenizer.chat_template; falling back to ChatML")
+            source = CHATML_TEMPLATE
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        self._template = env.from_string(source)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequest(f"the chat template failed on these messages: {exc}", param="messages") from None

@@ -1,0 +1,334 @@
+"""Running one generation: the blocking worker, and the async service that feeds telemetry.
+
+Threading: ``run_worker`` runs on an executor thread and owns the engine call, the text decoding
+and the stop logic, so the engine never computes a token nobody asked for. It reports through a
+callback; ``GenerationService`` hands each report to the event loop, where all telemetry is
+recorded. A client that goes away sets ``cancel``; the worker stops at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from meshnet.backends.base import PrefillProgress, TextEngine
+from meshnet.errors import EngineError, MeshnetError, Overloaded
+from meshnet.gateway.metrics import GatewayMetrics
+from meshnet.gateway.telemetry import EventType, GenerationTelemetry, Phase, TelemetryHub
+from meshnet.sampling import Sampler, SamplingParams
+from meshnet.tracker.billing import estimate
+
+__all__ = [
+    "Delta",
+    "Failed",
+    "Finished",
+    "GenerationRequest",
+    "GenerationService",
+    "Heartbeat",
+    "StopMatcher",
+    "run_worker",
+]
+
+HEARTBEAT_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One decoded token and the text it released (may be empty: partial UTF-8, held stop prefix)."""
+
+    text: str
+    token: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    text: str  # text held back until the end (a stop-string prefix that never completed)
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: MeshnetError
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Nothing new for a while; streaming clients get an empty delta with telemetry."""
+
+
+WorkerReport = PrefillProgress | Delta | Finished | Failed
+StreamItem = Delta | Finished | Failed | Heartbeat
+
+
+class StopMatcher:
+    """Holds back text that might be the start of a stop string; cuts at the first full match."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return ``(text safe to emit, stopped)``."""
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        cut = min((i for s in self._stops if (i := buf.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            return buf[:cut], True
+        keep = max((_overlap(buf, s) for s in self._stops), default=0)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def _overlap(buf: str, stop: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of ``stop``."""
+    for n in range(min(len(buf), len(stop) - 1), 0, -1):
+        if buf.endswith(stop[:n]):
+            return n
+    return 0
+
+
+def run_worker(
+    engine: TextEngine,
+    request: GenerationRequest,
+    cancel: threading.Event,
+    report: Callable[[WorkerReport], None],
+) -> None:
+    """Drive ``engine`` for one generation; every outcome, errors included, ends in a report."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    stops = StopMatcher(request.stop)
+    produced = 0
+    steps = engine.generate(request.prompt_tokens, Sampler(request.sampling), cancel)
+    try:
+        with contextlib.closing(steps):
+            for step in steps:
+                if isinstance(step, PrefillProgress):
+                    report(step)
+                    continue
+                if engine.is_end_of_generation(step.token):
+                    report(Finished("stop", stops.flush() + decoder.decode(b"", final=True)))
+                    return
+                produced += 1
+                text, stopped = stops.feed(decoder.decode(engine.token_bytes(step.token)))
+                report(Delta(text, step.token, step.logprob))
+                if stopped:
+                    report(Finished("stop", ""))
+                    return
+                if produced >= request.max_tokens:
+                    report(Finished("length", stops.flush() + decoder.decode(b"", final=True)))
+                    return
+        # The engine ran out of context (or was cancelled) before any other stop condition.
+        reason = "cancelled" if cancel.is_set() else "length"
+        report(Finished(reason, stops.flush() + decoder.decode(b"", final=True)))
+    except MeshnetError as exc:
+        report(Failed(exc))
+    except Exception as exc:  # a backend bug must still end the generation visibly
+        report(Failed(EngineError(f"{type(exc).__name__}: {exc}")))
+
+
+class GenerationService:
+    """Queues generations in front of an engine and turns worker reports into telemetry."""
+
+    def __init__(
+        self, engine: TextEngine, hub: TelemetryHub, metrics: GatewayMetrics, *, max_queue: int = 64
+    ) -> None:
+        self.engine = engine
+        self.hub = hub
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._slots = asyncio.Semaphore(engine.max_concurrency)
+        self._executor = ThreadPoolExecutor(engine.max_concurrency, thread_name_prefix="meshnet-engine")
+        self.waiting = 0
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def stream(self, request: GenerationRequest, tel: GenerationTelemetry) -> AsyncIterator[StreamItem]:
+        """Yield deltas (and heartbeats) until one ``Finished`` or ``Failed``; always ends the telemetry."""
+        cancel = threading.Event()
+        try:
+            async for beat in self._acquire_slot(tel):
+                yield beat
+        except BaseException:
+            self._fail(tel, EngineError("cancelled while queued"), reason="cancelled")
+            raise
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[WorkerReport] = asyncio.Queue()
+
+        def report(item: WorkerReport) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        self._begin_prefill(tel)
+        future = loop.run_in_executor(self._executor, run_worker, self.engine, request, cancel, report)
+        # The slot frees only when the worker really stopped, so the next generation never
+        # finds the engine busy.
+        future.add_done_callback(lambda _: self._slots.release())
+        ended = False
+        try:
+            while not ended:
+                if queue.empty():
+                    try:
+                        item = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+                    except TimeoutError:
+                        yield Heartbeat()
+                        continue
+                else:
+                    item = queue.get_nowait()
+                if isinstance(item, PrefillProgress):
+                    self._on_prefill(tel, item)
+                    continue
+                if isinstance(item, Delta):
+                    self._on_token(tel)
+                elif isinstance(item, Finished):
+                    self._complete(tel, item.finish_reason)
+                    ended = True
+                else:
+                    self._fail(tel, item.error)
+                    ended = True
+                yield item
+        finally:
+            cancel.set()
+            if not ended:
+                self._fail(tel, EngineError("the client disconnected"), reason="cancelled")
+
+    def admit(self, tel: GenerationTelemetry) -> None:
+        """Refuse up front (before any response starts) when the queue is full."""
+        if self.waiting >= self.max_queue:
+            error = Overloaded(f"{self.waiting} requests are already queued; retry shortly", retry_after_s=2)
+            self._fail(tel, error)
+            raise error
+
+    def abandon(self, tel: GenerationTelemetry, reason: str) -> None:
+        """End the telemetry of a generation whose client left before it ever started."""
+        self._fail(tel, EngineError(reason), reason="cancelled")
+
+    async def _acquire_slot(self, tel: GenerationTelemetry) -> AsyncIterator[Heartbeat]:
+        self.waiting += 1
+        self.metrics.queue_depth.set(self.waiting)
+        try:
+            reported = False
+            while True:
+                try:
+                    await asyncio.wait_for(self._slots.acquire(), HEARTBEAT_S)
+                    return
+                except TimeoutError:
+                    if not reported:
+                        tel.emit(EventType.ROUTE_HEALTH, status="queued", queue_depth=self.waiting, hops=[])
+                        reported = True
+                    yield Heartbeat()
+        finally:
+            self.waiting -= 1
+            self.metrics.queue_depth.set(self.waiting)
+
+    # -- telemetry transitions (event loop thread only) ----------------------------------------
+    def _begin_prefill(self, tel: GenerationTelemetry) -> None:
+        tel.phase = Phase.PREFILL
+        tel.prefill_started_at = time.monotonic()
+        tel.emit(EventType.PREFILL_STARTED, prompt_tokens=tel.prompt_tokens)
+        self.metrics.active.inc()
+
+    def _on_prefill(self, tel: GenerationTelemetry, progress: PrefillProgress) -> None:
+        tel.prefill_done = progress.done
+        tel.emit(EventType.PREFILL_PROGRESS, done=progress.done, total=progress.total)
+        if progress.done < progress.total:
+            return
+        now = time.monotonic()
+        seconds = now - (tel.prefill_started_at or now)
+        tel.prefill_seconds = seconds
+        self.metrics.prefill_seconds.observe(seconds)
+        tel.emit(
+            EventType.PREFILL_COMPLETED,
+            prompt_tokens=progress.total,
+            seconds=round(seconds, 4),
+            tokens_per_second=round(progress.total / seconds, 2) if seconds > 0 else None,
+        )
+        self._emit_billing(tel)
+        tel.phase = Phase.DECODE
+        tel.decode_started_at = time.monotonic()
+        tel.emit(EventType.DECODE_STARTED)
+
+    def _on_token(self, tel: GenerationTelemetry) -> None:
+        if tel.record_token(time.monotonic()):
+            tel.emit(
+                EventType.DECODE_PROGRESS,
+                completion_tokens=tel.completion_tokens,
+                tokens_per_second=round(tel.tokens_per_second(), 2),
+            )
+
+    def _emit_billing(self, tel: GenerationTelemetry) -> None:
+        layers = sum(len(hop.layers) for hop in tel.route)
+        tel.billing = estimate(
+            prompt_tokens=tel.prompt_tokens, completion_tokens=tel.completion_tokens, layers=layers
+        )
+        tel.emit(EventType.BILLING_ESTIMATE, **tel.billing.as_json())
+
+    def _emit_health(self, tel: GenerationTelemetry) -> None:
+        decode_s = (time.monotonic() - tel.decode_started_at) if tel.decode_started_at else 0.0
+        step_ms = 1000 * decode_s / tel.completion_tokens if tel.completion_tokens else None
+        hops = [
+            {**hop.as_json(), "status": "ok", "decode_step_ms": None if step_ms is None else round(step_ms, 3)}
+            for hop in tel.route
+        ]
+        tel.emit(EventType.ROUTE_HEALTH, status="ok", hops=hops)
+
+    def _complete(self, tel: GenerationTelemetry, finish_reason: str) -> None:
+        tel.finish_reason = finish_reason
+        tel.emit(
+            EventType.DECODE_PROGRESS,
+            completion_tokens=tel.completion_tokens,
+            tokens_per_second=round(tel.tokens_per_second(), 2),
+        )
+        self._emit_health(tel)
+        self._emit_billing(tel)
+        tel.phase = Phase.COMPLETED
+        tel.emit(
+            EventType.GENERATION_COMPLETED,
+            finish_reason=finish_reason,
+            prompt_tokens=tel.prompt_tokens,
+            completion_tokens=tel.completion_tokens,
+            tokens_per_second=round(tel.mean_tokens_per_second(), 2),
+            seconds=round(tel.elapsed(), 4),
+        )
+        self._record_metrics(tel, "completed")
+
+    def _fail(self, tel: GenerationTelemetry, error: MeshnetError, *, reason: str | None = None) -> None:
+        if tel.finished:
+            return
+        tel.error = error.message
+        tel.finish_reason = reason or "error"
+        tel.phase = Phase.FAILED
+        tel.emit(EventType.ROUTE_HEALTH, status="failed", reason=error.message, hops=[])
+        tel.emit(EventType.GENERATION_FAILED, reason=error.message, code=error.code or error.error_type)
+        self._record_metrics(tel, reason or "failed")
+
+    def _record_metrics(self, tel: GenerationTelemetry, outcome: str) -> None:
+        self.hub.finish(tel)
+        m = self.metrics
+        if tel.prefill_started_at is not None:
+            m.active.dec()
+        m.generations.labels(outcome=outcome).inc()
+        m.prompt_tokens.inc(tel.prompt_tokens)
+        m.completion_tokens.inc(tel.completion_tokens)
+        if tel.decode_started_at is not None and tel.completion_tokens:
+            m.decode_seconds.observe(time.monotonic() - tel.decode_started_at)
+            m.decode_tokens_per_second.set(tel.mean_tokens_per_second())

@@ -1,0 +1,170 @@
+"""OpenAI request schemas, their validation, and the response/chunk shapes.
+
+Pydantic errors become ``InvalidRequest`` here, naming the field at fault; nothing above this
+module sees a ``ValidationError``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.sampling import SamplingParams
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "error_body",
+    "parse_body",
+]
+
+MAX_STOP_SEQUENCES = 4
+
+
+class _Strict(BaseModel):
+    # Unknown fields are ignored, as OpenAI and llama-server do: clients send many optional ones.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationParams(_Strict):
+    model: str = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        return value
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise InvalidRequest("only n=1 is supported", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise InvalidRequest(f"{name} is not supported yet; leave it at 0", param=name)
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationParams):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise InvalidRequest("messages must hold at least one message", param="messages")
+        if self.logprobs:
+            raise InvalidRequest("logprobs are not supported yet", param="logprobs")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_GenerationParams):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for legacy completions
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported", param="echo")
+        if self.logprobs:
+            raise InvalidRequest("logprobs are not supported yet", param="logprobs")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise InvalidRequest("prompt must not be empty", param="prompt")
+            if isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+                raise InvalidRequest("a batch of prompts is not supported; send one prompt", param="prompt")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+RequestT = TypeVar("RequestT", bound=_GenerationParams)
+
+
+def parse_body(raw: bytes, schema: type[RequestT]) -> RequestT:
+    """JSON bytes → a validated request, or ``InvalidRequest`` naming what to fix."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    try:
+        request = schema.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"])
+        raise InvalidRequest(f"invalid value for '{param}': {first['msg']}", param=param) from None
+    request.check_supported()
+    return request
+
+
+def error_body(error: MeshnetError) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.error_type,
+            "param": error.param,
+            "code": error.code,
+        }
+    }

@@ -1,0 +1,1 @@
+"""A shard node: serves the binary prefill/decode protocol for one layer range (route issue)."""

@@ -1,0 +1,77 @@
+"""Token sampling over a logits vector: one pure implementation for every backend.
+
+The single-node server and (later) the tail node of a route sample with this same code, so a
+seeded request gives the same tokens whichever way it is served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["Sampler", "SamplingParams"]
+
+Logits = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """``temperature == 0`` means greedy (argmax, deterministic); ``top_k == 0`` disables top-k."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be within [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Draws tokens for one generation. Not thread-safe: one sampler per generation."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+
+    def sample(self, logits: Logits) -> tuple[int, float]:
+        """Return ``(token_id, logprob)``; the logprob is the model's, before temperature."""
+        token = self._choose(logits)
+        return token, _logprob(logits, token)
+
+    def _choose(self, logits: Logits) -> int:
+        p = self.params
+        if p.greedy:
+            return int(np.argmax(logits))
+        candidates = np.arange(logits.shape[0])
+        values = logits.astype(np.float64)
+        if 0 < p.top_k < values.shape[0]:
+            keep = np.argpartition(values, -p.top_k)[-p.top_k :]
+            candidates, values = candidates[keep], values[keep]
+        order = np.argsort(-values, kind="stable")
+        candidates, values = candidates[order], values[order] / p.temperature
+        probs = np.exp(values - values[0])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+            candidates, probs = candidates[:cut], probs[:cut] / probs[:cut].sum()
+        return int(candidates[self._rng.choice(probs.shape[0], p=probs)])
+
+
+def _logprob(logits: Logits, token: int) -> float:
+    # float32 keeps this ~30 µs for a 50K vocabulary: it runs on every decode step.
+    top = float(np.max(logits))
+    log_z = top + float(np.log(np.sum(np.exp(logits - np.float32(top)), dtype=np.float64)))
+    return float(logits[token]) - log_z

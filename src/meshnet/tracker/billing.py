@@ -1,0 +1,59 @@
+"""The billing formula, in one place: the gateway estimates with it, the tracker records with it.
+
+A *layer-token* is one token pushed through one transformer block on some node. Decode
+layer-tokens weigh more than prefill layer-tokens because a decode step is bound by reading all
+weights for a single token, while prefill amortizes that read over a whole chunk (measured on the
+reference machine: llama.cpp prefill ~211 tok/s vs decode ~101 tok/s for the same model, so a
+decode token costs about twice a prefill token).
+
+    billing_units = (prefill_layer_tokens * PREFILL_WEIGHT
+                     + decode_layer_tokens * DECODE_WEIGHT) / LAYER_TOKENS_PER_UNIT
+
+See docs/billing.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "DECODE_WEIGHT",
+    "FORMULA",
+    "LAYER_TOKENS_PER_UNIT",
+    "PREFILL_WEIGHT",
+    "BillingEstimate",
+    "estimate",
+]
+
+PREFILL_WEIGHT = 1.0
+DECODE_WEIGHT = 2.0
+LAYER_TOKENS_PER_UNIT = 1000.0
+FORMULA = (
+    f"(prefill_layer_tokens*{PREFILL_WEIGHT:g} + decode_layer_tokens*{DECODE_WEIGHT:g})"
+    f" / {LAYER_TOKENS_PER_UNIT:g}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BillingEstimate:
+    prefill_layer_tokens: int
+    decode_layer_tokens: int
+    units: float
+
+    def as_json(self) -> dict[str, float | int | str]:
+        return {
+            "prefill_layer_tokens": self.prefill_layer_tokens,
+            "decode_layer_tokens": self.decode_layer_tokens,
+            "units": self.units,
+            "formula": FORMULA,
+        }
+
+
+def estimate(*, prompt_tokens: int, completion_tokens: int, layers: int) -> BillingEstimate:
+    """Billing units for tokens that went through ``layers`` blocks (all hops of a route summed)."""
+    if min(prompt_tokens, completion_tokens, layers) < 0:
+        raise ValueError("token and layer counts are never negative")
+    prefill = prompt_tokens * layers
+    decode = completion_tokens * layers
+    units = (prefill * PREFILL_WEIGHT + decode * DECODE_WEIGHT) / LAYER_TOKENS_PER_UNIT
+    return BillingEstimate(prefill, decode, round(units, 6))

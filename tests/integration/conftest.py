@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.procs import Proc, meshnet_process
+
+# Small context keeps the KV allocation (and CI memory) low; 2 threads = this machine's cores.
+SERVE_ARGS = ["serve", "--port", "0", "--threads", "2", "--ctx", "2048"]
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Proc]:
+    with meshnet_process(SERVE_ARGS) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="session")
+def model_id(server: Proc) -> str:
+    import httpx
+
+    return str(httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"])

@@ -1,0 +1,75 @@
+"""The ``meshnet`` command as a user runs it: chat against a real server, and clear failures."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.procs import MESHNET, Proc
+
+pytestmark = pytest.mark.real
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MESHNET, *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "meshnet"
+    out = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=30, check=False)
+    assert out.returncode == 0 and out.stdout.startswith("meshnet ")
+
+
+def test_chat_one_prompt_streams_the_answer(server: Proc, model_id: str) -> None:
+    prompt = "What is the capital of France?"
+    out = run("chat", prompt, "--url", server.url, "--temperature", "0", "--max-tokens", "30")
+    assert out.returncode == 0, out.stderr
+    expected = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": model_id, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+              "max_tokens": 30},
+        timeout=60,
+    ).json()["choices"][0]["message"]["content"]
+    assert expected and out.stdout == expected + "\n"
+    assert "tok/s" in out.stderr and "completed" in out.stderr  # the closing status line
+
+
+def test_chat_reports_an_unreachable_server() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = run("chat", "hi", "--url", f"http://127.0.0.1:{port}", timeout=30)
+    assert out.returncode == 1
+    assert "cannot reach" in out.stderr
+
+
+def test_serve_refuses_a_missing_or_non_gguf_file(tmp_path: Path) -> None:
+    out = run("serve", "--gguf", str(tmp_path / "missing.gguf"), "--port", "0", timeout=60)
+    assert out.returncode == 2
+    assert "not found" in out.stderr
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all")
+    out = run("serve", "--gguf", str(junk), "--port", "0", timeout=60)
+    assert out.returncode == 2
+    assert "not a GGUF file" in out.stderr
+
+
+def test_serve_refuses_a_taken_port() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        out = run("serve", "--port", str(port), timeout=60)
+    assert out.returncode != 0
+    assert "already in use" in out.stderr
+
+
+def test_serve_refuses_bad_flags() -> None:
+    out = run("serve", "--threads", "0", "--port", "0", timeout=60)
+    assert out.returncode != 0
+    assert "--threads must be >= 1" in out.stderr

@@ -1,0 +1,87 @@
+"""Start and stop real Meshnet processes for tests: bounded waits, nothing left running."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MESHNET = [sys.executable, "-m", "meshnet.cli.main"]
+_LISTENING = re.compile(r"listening on (http://\S+)")
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[str]
+    url: str
+    lines: list[str] = field(default_factory=list)
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def _pump(stream: object, sink: queue.Queue[str | None], lines: list[str]) -> None:
+    assert hasattr(stream, "readline")
+    for line in iter(stream.readline, ""):
+        lines.append(line)
+        sink.put(line)
+    sink.put(None)
+
+
+def stop(popen: subprocess.Popen[str], timeout_s: float = 15.0) -> None:
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGINT)
+        try:
+            popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout_s)
+
+
+@contextlib.contextmanager
+def meshnet_process(args: Sequence[str], *, ready_timeout_s: float = 180.0) -> Iterator[Proc]:
+    """Run ``meshnet ARGS`` until it prints ``listening on URL``; always stop it afterwards."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    popen = subprocess.Popen(
+        [*MESHNET, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    lines: list[str] = []
+    sink: queue.Queue[str | None] = queue.Queue()
+    pump = threading.Thread(target=_pump, args=(popen.stdout, sink, lines), daemon=True)
+    pump.start()
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        url = None
+        while url is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"meshnet {' '.join(args)} not ready in {ready_timeout_s}s:\n{''.join(lines)}")
+            try:
+                line = sink.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                popen.wait(10)
+                raise RuntimeError(f"meshnet exited with {popen.returncode}:\n{''.join(lines)}")
+            if match := _LISTENING.search(line):
+                url = match.group(1)
+        yield Proc(popen, url, lines)
+    finally:
+        stop(popen)
+        pump.join(10)
+        assert popen.stdout is not None
+        popen.stdout.close()
