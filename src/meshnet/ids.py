@@ -44,7 +44,7 @@ def new_route_id() -> RouteId:
 
 def parse_generation_id(raw: str) -> GenerationId:
     """Validate a client-proposed generation id; raises ``ValueError`` with the rule."""
-    if not _ID_PATTERN.match(raw):
+    if not _ID_PATTERN.fullmatch(raw):
         raise ValueError(
             "a generation id must be 1-128 characters of letters, digits, '.', '_', ':' or '-', "
             "starting with a letter or digit"

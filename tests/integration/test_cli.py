@@ -31,8 +31,12 @@ def test_chat_one_prompt_streams_the_answer(server: Proc, model_id: str) -> None
     assert out.returncode == 0, out.stderr
     expected = httpx.post(
         f"{server.url}/v1/chat/completions",
-        json={"model": model_id, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-              "max_tokens": 30},
+        json={
+            "model": model_id,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": 30,
+        },
         timeout=60,
     ).json()["choices"][0]["message"]["content"]
     assert expected and out.stdout == expected + "\n"

@@ -62,8 +62,12 @@ def test_events_stream_live_in_order_and_polling_agrees(server: Proc, model_id: 
     response = httpx.post(
         f"{server.url}/v1/chat/completions",
         headers={"X-Meshnet-Generation-Id": gid},
-        json={"model": model_id, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 20,
-              "temperature": 0},
+        json={
+            "model": model_id,
+            "messages": [{"role": "user", "content": "Say hi."}],
+            "max_tokens": 20,
+            "temperature": 0,
+        },
         timeout=120,
     )
     assert response.status_code == 200
@@ -127,21 +131,49 @@ def test_non_streaming_request_is_observable_while_it_runs(server: Proc, model_i
 BAD_REQUESTS = [
     ("/v1/chat/completions", b"{not json", 400, None),
     ("/v1/chat/completions", b"[1, 2]", 400, None),
-    ("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}, 404,
-     "model"),
+    (
+        "/v1/chat/completions",
+        {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]},
+        404,
+        "model",
+    ),
     ("/v1/chat/completions", {"model": "MODEL", "messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "wizard", "content": "x"}]}, 400,
-     "messages.0.role"),
-    ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
-                              "temperature": 2.5}, 400, "temperature"),
-    ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "top_p": 0},
-     400, "top_p"),
-    ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
-                              "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400,
-     "n"),
-    ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
-                              "max_tokens": 5000}, 400, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages.0.role",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "temperature": 2.5},
+        400,
+        "temperature",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "top_p": 0},
+        400,
+        "top_p",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+        400,
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": 3},
+        400,
+        "n",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000},
+        400,
+        "max_tokens",
+    ),
     ("/v1/completions", {"model": "MODEL", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "MODEL"}, 400, "prompt"),
     ("/v1/completions", {"model": "MODEL", "prompt": [999999999]}, 400, None),
@@ -157,7 +189,9 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(
     else:
         assert isinstance(body, bytes)
         content = body
-    r = httpx.post(f"{server.url}{path}", content=content, headers={"Content-Type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{server.url}{path}", content=content, headers={"Content-Type": "application/json"}, timeout=30
+    )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -212,6 +246,11 @@ def test_metrics_are_prometheus_text(server: Proc) -> None:
     r = httpx.get(f"{server.url}/metrics", timeout=10)
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
-    for name in ("meshnet_generations_total", "meshnet_prefill_seconds_bucket", "meshnet_decode_seconds_count",
-                 "meshnet_completion_tokens_total", "meshnet_http_requests_total"):
+    for name in (
+        "meshnet_generations_total",
+        "meshnet_prefill_seconds_bucket",
+        "meshnet_decode_seconds_count",
+        "meshnet_completion_tokens_total",
+        "meshnet_http_requests_total",
+    ):
         assert name in r.text

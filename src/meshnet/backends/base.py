@@ -10,7 +10,7 @@ the next step and closing the generator. ``max_concurrency`` tells the caller ho
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,6 +73,6 @@ class TextEngine(Protocol):
 
     def generate(
         self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event
-    ) -> Iterator[EngineStep]: ...
+    ) -> Generator[EngineStep, None, None]: ...
 
     def close(self) -> None: ...

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 import numpy as np
 
@@ -74,7 +74,7 @@ class FakeEngine:
 
     def generate(
         self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event
-    ) -> Iterator[EngineStep]:
+    ) -> Generator[EngineStep, None, None]:
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")
         if not self._busy.acquire(blocking=False):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,9 @@ def _trained_context(llama_cpp: Any, gguf: Path) -> int:
         arch = _meta(llama_cpp, model, "general.architecture")
         value = _meta(llama_cpp, model, f"{arch}.context_length")
         if not value.isdigit():
-            raise InvalidRequest(f"{gguf} has no {arch}.context_length metadata; it is not a usable model GGUF")
+            raise InvalidRequest(
+                f"{gguf} has no {arch}.context_length metadata; it is not a usable model GGUF"
+            )
         return int(value)
     finally:
         llama_cpp.llama_model_free(model)
@@ -164,7 +166,7 @@ class LlamaFullEngine:
 
     def generate(
         self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event
-    ) -> Iterator[EngineStep]:
+    ) -> Generator[EngineStep, None, None]:
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")
         if not self._busy.acquire(blocking=False):
@@ -176,7 +178,7 @@ class LlamaFullEngine:
 
     def _generate(
         self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event
-    ) -> Iterator[EngineStep]:
+    ) -> Generator[EngineStep, None, None]:
         llm = self._llm
         llm.reset()
         total = len(prompt)

@@ -31,7 +31,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="chat with a Meshnet server from the terminal")
     chat.add_argument("prompt", nargs="?", help="one prompt; without it, an interactive session starts")
-    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (default http://127.0.0.1:8000)")
+    chat.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="server URL (default http://127.0.0.1:8000)"
+    )
     chat.add_argument("--model", help="model id (default: the server's first model)")
     chat.add_argument("--max-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)

@@ -28,7 +28,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise SystemExit(f"meshnet: port {port} on {host} is already in use; pick another with --port") from None
+            raise SystemExit(
+                f"meshnet: port {port} on {host} is already in use; pick another with --port"
+            ) from None
         raise SystemExit(f"meshnet: cannot bind {host}:{port}: {exc.strerror}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -89,7 +91,8 @@ def run_serve(args: argparse.Namespace) -> int:
         f"{engine.n_threads} threads",
         flush=True,
     )
-    print(f"meshnet: OpenAI API on {url}/v1  (telemetry: {url}/v1/generations/ID/events, metrics: {url}/metrics)")
+    print(f"meshnet: OpenAI API on {url}/v1")
+    print(f"meshnet: telemetry {url}/v1/generations/ID/events, metrics {url}/metrics")
     print(f"meshnet: listening on {url}", flush=True)
 
     import uvicorn

@@ -186,13 +186,15 @@ async def list_models(state: GatewayState, _: Request) -> Response:
 async def chat_completions(state: GatewayState, request: Request) -> Response:
     body = parse_body(await request.body(), ChatCompletionRequest)
     _check_model(state, body.model)
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+    messages = [
+        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
+    ]
     text = state.template.render(messages)
     # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
     bos = state.engine.info.bos_token
     add_special = not (bos and text.startswith(bos))
     tokens = state.engine.tokenize(text, add_special=add_special)
-    return await _serve(state, request, "chat", body.stream, body.include_usage, _gen_request(state, body, tokens))
+    return await _serve(state, request, body, _gen_request(state, body, tokens), kind="chat")
 
 
 async def completions(state: GatewayState, request: Request) -> Response:
@@ -203,15 +205,15 @@ async def completions(state: GatewayState, request: Request) -> Response:
         tokens = [int(t) for t in prompt]
         bad = [t for t in tokens if not 0 <= t < state.engine.info.n_vocab]
         if bad:
-            raise InvalidRequest(f"token ids out of the vocabulary [0, {state.engine.info.n_vocab}): {bad[:5]}")
+            raise InvalidRequest(
+                f"token ids out of the vocabulary [0, {state.engine.info.n_vocab}): {bad[:5]}"
+            )
     else:
         text = prompt if isinstance(prompt, str) else str(prompt[0])
         if not text:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         tokens = state.engine.tokenize(text, add_special=True)
-    return await _serve(
-        state, request, "text", body.stream, body.include_usage, _gen_request(state, body, tokens)
-    )
+    return await _serve(state, request, body, _gen_request(state, body, tokens), kind="text")
 
 
 def _check_model(state: GatewayState, model: str) -> None:
@@ -236,7 +238,8 @@ def _gen_request(
     if n == 0:
         raise InvalidRequest("the prompt is empty", param="prompt")
     if n >= cap:
-        raise ContextOverflow(f"the prompt is {n} tokens but {why}; shorten the prompt", param="messages")
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        raise ContextOverflow(f"the prompt is {n} tokens but {why}; shorten the prompt", param=param)
     limit = body.token_limit
     if limit is not None and n + limit > cap:
         raise ContextOverflow(
@@ -288,16 +291,24 @@ def _open_telemetry(state: GatewayState, request: Request, prompt_tokens: int) -
 
 
 async def _serve(
-    state: GatewayState, request: Request, kind: str, stream: bool, include_usage: bool, gen: GenerationRequest
+    state: GatewayState,
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    gen: GenerationRequest,
+    *,
+    kind: str,
 ) -> Response:
     tel = _open_telemetry(state, request, len(gen.prompt_tokens))
-    headers = {GENERATION_ID: tel.generation_id}
-    state.service.admit(tel)
+    headers = {GENERATION_ID: str(tel.generation_id)}
+    try:
+        state.service.admit(tel)
+    except MeshnetError as exc:
+        return error_response(exc, headers)
     shape = _Shape(kind, tel, state.engine.info.model_id, int(time.time()))
     items = state.service.stream(gen, tel)
-    if stream:
+    if body.stream:
         return StreamingResponse(
-            _sse_chunks(state, shape, items, include_usage),
+            _sse_chunks(state, shape, items, body.include_usage),
             media_type="text/event-stream",
             headers={**headers, **_SSE_HEADERS},
         )
@@ -325,7 +336,12 @@ class _Shape:
             delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
             obj = "chat.completion.chunk"
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
@@ -401,7 +417,10 @@ def _client_reason(reason: str) -> str:
 
 async def _collect(
     state: GatewayState,
-    shape: _Shape, items: AsyncIterator[StreamItem], request: Request, headers: dict[str, str]
+    shape: _Shape,
+    items: AsyncIterator[StreamItem],
+    request: Request,
+    headers: dict[str, str],
 ) -> Response:
     """Non-streaming: gather the text; stop early if the client hangs up."""
     parts: list[str] = []
@@ -414,7 +433,9 @@ async def _collect(
                 parts.append(item.text)
             elif isinstance(item, Finished):
                 parts.append(item.text)
-                return JSONResponse(shape.final("".join(parts), _client_reason(item.finish_reason)), headers=headers)
+                return JSONResponse(
+                    shape.final("".join(parts), _client_reason(item.finish_reason)), headers=headers
+                )
             elif isinstance(item, Failed):
                 return error_response(item.error, headers)
     finally:

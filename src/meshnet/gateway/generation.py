@@ -286,7 +286,11 @@ class GenerationService:
         decode_s = (time.monotonic() - tel.decode_started_at) if tel.decode_started_at else 0.0
         step_ms = 1000 * decode_s / tel.completion_tokens if tel.completion_tokens else None
         hops = [
-            {**hop.as_json(), "status": "ok", "decode_step_ms": None if step_ms is None else round(step_ms, 3)}
+            {
+                **hop.as_json(),
+                "status": "ok",
+                "decode_step_ms": None if step_ms is None else round(step_ms, 3),
+            }
             for hop in tel.route
         ]
         tel.emit(EventType.ROUTE_HEALTH, status="ok", hops=hops)

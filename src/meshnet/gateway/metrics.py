@@ -15,7 +15,10 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "meshnet_http_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+            "meshnet_http_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
         )
         self.generations = Counter("meshnet_generations", "Generations by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("meshnet_prompt_tokens", "Prompt tokens prefilled", registry=r)
@@ -23,7 +26,9 @@ class GatewayMetrics:
         self.active = Gauge("meshnet_generations_active", "Generations running now", registry=r)
         self.queue_depth = Gauge("meshnet_queue_depth", "Generations waiting for the engine", registry=r)
         self.decode_tokens_per_second = Gauge(
-            "meshnet_decode_tokens_per_second", "Mean decode speed of the last finished generation", registry=r
+            "meshnet_decode_tokens_per_second",
+            "Mean decode speed of the last finished generation",
+            registry=r,
         )
         self.prefill_seconds = Histogram(
             "meshnet_prefill_seconds", "Prefill time per generation", buckets=_SECONDS_BUCKETS, registry=r

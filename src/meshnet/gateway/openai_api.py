@@ -70,7 +70,9 @@ class _GenerationParams(_Strict):
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed
+        )
 
     @property
     def include_usage(self) -> bool:

@@ -78,7 +78,12 @@ class TelemetryEvent:
     data: Mapping[str, Any]
 
     def as_json(self) -> dict[str, Any]:
-        return {"type": str(self.type), "generation_id": self.generation_id, "t": round(self.t, 4), **self.data}
+        return {
+            "type": str(self.type),
+            "generation_id": self.generation_id,
+            "t": round(self.t, 4),
+            **self.data,
+        }
 
     def encode(self) -> str:
         return json.dumps(self.as_json(), separators=(",", ":"))
@@ -191,22 +196,25 @@ class GenerationTelemetry:
         """
         queue: asyncio.Queue[TelemetryEvent | None] = asyncio.Queue()
         history = list(self.events)
-        if not self.finished:
+        # Decide once, at subscription: events emitted while the history is being yielded land
+        # in the queue and must still be delivered, even if the generation finishes meanwhile.
+        finished_before = self.finished
+        if not finished_before:
             self._subscribers.add(queue)
         try:
             for event in history:
                 yield event
-            if self.finished:
+            if finished_before:
                 return
             while True:
                 try:
-                    event = await asyncio.wait_for(queue.get(), keepalive_s)
+                    live = await asyncio.wait_for(queue.get(), keepalive_s)
                 except TimeoutError:
                     yield None
                     continue
-                if event is None:
+                if live is None:
                     return
-                yield event
+                yield live
         finally:
             self._subscribers.discard(queue)
 

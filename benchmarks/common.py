@@ -1,0 +1,62 @@
+"""Shared benchmark plumbing: machine description, medians, a markdown section record."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Section:
+    title: str
+    command: str
+    rows: list[tuple[str, str, str, str]] = field(default_factory=list)  # metric, value, goal, verdict
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, metric: str, value: str, goal: str = "", met: bool | None = None) -> None:
+        verdict = "" if met is None else ("met" if met else "**missed**")
+        self.rows.append((metric, value, goal, verdict))
+
+    def markdown(self) -> str:
+        lines = [f"## {self.title}", "", f"Command: `{self.command}`", ""]
+        lines += ["| metric | value | goal | |", "|---|---|---|---|"]
+        lines += [f"| {m} | {v} | {g} | {ok} |" for m, v, g, ok in self.rows]
+        if self.notes:
+            lines += ["", *[f"- {n}" for n in self.notes]]
+        return "\n".join(lines) + "\n"
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import llama_cpp
+
+        llama_version = llama_cpp.__version__
+    except ImportError:
+        llama_version = "not installed"
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=False
+    ).stdout.strip()
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB RAM; {platform.system()} {platform.release()}; "
+        f"Python {sys.version.split()[0]}; llama-cpp-python {llama_version}; commit {commit or 'uncommitted'}"
+    )

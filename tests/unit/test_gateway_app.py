@@ -1,0 +1,543 @@
+"""The gateway's HTTP surface over the FakeEngine, through Starlette's TestClient (lifespan on)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from meshnet.backends.fake import FakeEngine
+from meshnet.gateway import create_app
+from meshnet.protocol.headers import GENERATION_ID
+
+pytestmark = pytest.mark.timeout(20)
+
+REPLY = "Hello from the fake engine."
+MODEL = "fake-model"
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+
+# One generation's events, in the only order the contract allows.
+EVENT_ORDER = re.compile(
+    r"route\.accepted model\.selected prefill\.started (prefill\.progress )+prefill\.completed "
+    r"billing\.estimate decode\.started (decode\.progress )+route\.health billing\.estimate "
+    r"generation\.completed"
+)
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine(reply=REPLY, n_ctx=256)
+
+
+@pytest.fixture
+def client(engine: FakeEngine) -> Iterator[TestClient]:
+    with TestClient(create_app(engine)) as c:
+        yield c
+
+
+def _chat(client: TestClient, headers: dict[str, str] | None = None, **fields: Any):
+    body = {"model": MODEL, "messages": MESSAGES, "temperature": 0, **fields}
+    return client.post("/v1/chat/completions", json=body, headers=headers or {})
+
+
+def _completion(client: TestClient, headers: dict[str, str] | None = None, **fields: Any):
+    body = {"model": MODEL, "prompt": "Once upon", "temperature": 0, "max_tokens": 64, **fields}
+    body = {k: v for k, v in body.items() if v is not None}  # None: leave the field out
+    return client.post("/v1/completions", json=body, headers=headers or {})
+
+
+def _sse_data(text: str) -> list[str]:
+    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def _stream(client: TestClient, path: str, body: dict[str, Any], headers: dict[str, str] | None = None):
+    """POST with stream=True; return (response, parsed chunks) after checking the SSE framing."""
+    with client.stream("POST", path, json={**body, "stream": True}, headers=headers or {}) as resp:
+        text = resp.read().decode()
+    assert resp.status_code == 200, text
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    data = _sse_data(text)
+    assert data[-1] == "[DONE]"
+    assert data.count("[DONE]") == 1
+    chunks = [json.loads(d) for d in data[:-1]]
+    for chunk in chunks:
+        assert isinstance(chunk["meshnet"], dict)
+        assert chunk["meshnet"]["generation_id"] == resp.headers[GENERATION_ID]
+    return resp, chunks
+
+
+def _chat_stream_text(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+
+
+def _events(client: TestClient, gid: str, headers: dict[str, str] | None = None) -> list[tuple[int, dict]]:
+    resp = client.get(f"/v1/generations/{gid}/events", headers=headers or {})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    out: list[tuple[int, dict]] = []
+    for block in resp.text.split("\n\n"):
+        lines = [line for line in block.splitlines() if line and not line.startswith(":")]
+        if not lines:
+            continue
+        assert lines[0].startswith("id: ") and lines[1].startswith("data: "), block
+        out.append((int(lines[0][4:]), json.loads(lines[1][6:])))
+    return out
+
+
+def _error(resp, status: int, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if code is not None:
+        assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def _assert_good_request_succeeds(client: TestClient) -> None:
+    resp = _chat(client)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == REPLY
+
+
+# -- models, health, metrics -----------------------------------------------------------------------
+def test_models_shape(client: TestClient, engine: FakeEngine):
+    resp = client.get("/v1/models")
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["object"] == "list"
+    assert len(body["data"]) == 1
+    model = body["data"][0]
+    assert model["id"] == MODEL
+    assert model["object"] == "model"
+    assert model["owned_by"] == "meshnet"
+    assert isinstance(model["created"], int)
+    assert model["meshnet"] == {
+        "architecture": "fake",
+        "quantization": "F32",
+        "layers": 4,
+        "context_cap": engine.n_ctx,
+        "trained_context": 1024,
+    }
+
+
+def test_health(client: TestClient):
+    for path in ("/health", "/v1/health"):
+        body = client.get(path).json()
+        assert body["status"] == "ok"
+        assert body["model"] == MODEL
+        assert body["layers"] == "0:4"
+        assert body["active_generations"] == 0
+
+
+def test_metrics_count_generations_and_tokens(client: TestClient):
+    resp = _chat(client)
+    usage = resp.json()["usage"]
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200
+    assert metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    assert 'meshnet_generations_total{outcome="completed"} 1.0' in text
+    assert f"meshnet_completion_tokens_total {float(usage['completion_tokens'])}" in text
+    assert f"meshnet_prompt_tokens_total {float(usage['prompt_tokens'])}" in text
+    assert "meshnet_http_requests_total" in text
+
+
+# -- chat and completions --------------------------------------------------------------------------
+def test_chat_non_streaming(client: TestClient):
+    resp = _chat(client)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    gid = resp.headers[GENERATION_ID]
+    assert body["id"] == f"chatcmpl-{gid}"
+    assert body["object"] == "chat.completion"
+    assert body["model"] == MODEL
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": REPLY}
+    assert choice["finish_reason"] == "stop"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == len(REPLY.encode())
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert body["meshnet"]["generation_id"] == gid
+    assert body["meshnet"]["phase"] == "completed"
+
+
+def test_chat_streaming(client: TestClient):
+    resp, chunks = _stream(
+        client, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "temperature": 0}
+    )
+    gid = resp.headers[GENERATION_ID]
+    first = chunks[0]
+    assert first["object"] == "chat.completion.chunk"
+    assert first["id"] == f"chatcmpl-{gid}"
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    assert first["choices"][0]["finish_reason"] is None
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert _chat_stream_text(chunks) == REPLY
+    assert all("usage" not in c for c in chunks)
+
+
+def test_completion_non_streaming(client: TestClient):
+    resp = _completion(client)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["id"] == f"cmpl-{resp.headers[GENERATION_ID]}"
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == REPLY
+    assert body["choices"][0]["finish_reason"] == "stop"
+    # BOS + the prompt's bytes.
+    assert body["usage"]["prompt_tokens"] == 1 + len(b"Once upon")
+
+
+def test_completion_default_max_tokens_is_16(client: TestClient):
+    body = _completion(client, max_tokens=None).json()
+    assert body["choices"][0]["text"] == REPLY[:16]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 16
+
+
+def test_completion_streaming(client: TestClient):
+    _, chunks = _stream(
+        client, "/v1/completions", {"model": MODEL, "prompt": "Once upon", "temperature": 0, "max_tokens": 64}
+    )
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_completion_with_token_prompt(client: TestClient):
+    resp = _completion(client, prompt=[256, 72, 105])
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["prompt_tokens"] == 3
+    _error(_completion(client, prompt=[72, 9999]), 400)
+    _assert_good_request_succeeds(client)
+
+
+def test_streaming_and_non_streaming_greedy_text_are_equal(client: TestClient):
+    plain = _chat(client, seed=1).json()["choices"][0]["message"]["content"]
+    _, chunks = _stream(
+        client, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "temperature": 0, "seed": 1}
+    )
+    assert _chat_stream_text(chunks) == plain == REPLY
+    text_plain = _completion(client).json()["choices"][0]["text"]
+    _, chunks = _stream(
+        client, "/v1/completions", {"model": MODEL, "prompt": "Once upon", "temperature": 0, "max_tokens": 64}
+    )
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text_plain
+
+
+def test_max_tokens_gives_length(client: TestClient):
+    body = _chat(client, max_tokens=5).json()
+    assert body["choices"][0]["message"]["content"] == REPLY[:5]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5
+
+
+def test_stop_strings_through_the_api(client: TestClient):
+    body = _chat(client, stop=["fake", "zzz"]).json()
+    assert body["choices"][0]["message"]["content"] == "Hello from the "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    _, chunks = _stream(
+        client,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "temperature": 0, "stop": "from"},
+    )
+    assert _chat_stream_text(chunks) == "Hello "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    body = _completion(client, stop="engine").json()
+    assert body["choices"][0]["text"] == "Hello from the fake "
+
+
+def test_include_usage_adds_a_final_usage_chunk(client: TestClient):
+    _, chunks = _stream(
+        client,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "temperature": 0, "stream_options": {"include_usage": True}},
+    )
+    last = chunks[-1]
+    assert last["choices"] == []
+    usage = last["usage"]
+    assert usage["completion_tokens"] == len(REPLY.encode())
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert all("usage" not in c for c in chunks[:-1])
+
+
+def test_utf8_reply_through_the_api():
+    reply = "héllo ✓"
+    with TestClient(create_app(FakeEngine(reply=reply))) as client:
+        assert _chat(client).json()["choices"][0]["message"]["content"] == reply
+        _, chunks = _stream(client, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES})
+        assert _chat_stream_text(chunks) == reply
+
+
+# -- generation ids --------------------------------------------------------------------------------
+def test_generation_id_header_is_returned(client: TestClient):
+    a = _chat(client).headers[GENERATION_ID]
+    b = _chat(client).headers[GENERATION_ID]
+    assert a.startswith("gen-") and b.startswith("gen-")
+    assert a != b
+
+
+def test_proposed_generation_id_is_honoured(client: TestClient):
+    resp = _chat(client, headers={GENERATION_ID: "client-req.1"})
+    assert resp.status_code == 200
+    assert resp.headers[GENERATION_ID] == "client-req.1"
+    assert resp.json()["id"] == "chatcmpl-client-req.1"
+    resp, chunks = _stream(
+        client,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 4},
+        headers={GENERATION_ID: "client-req.2"},
+    )
+    assert resp.headers[GENERATION_ID] == "client-req.2"
+    assert all(c["id"] == "cmpl-client-req.2" for c in chunks)
+
+
+def test_invalid_proposed_id_is_400(client: TestClient, engine: FakeEngine):
+    _error(_chat(client, headers={GENERATION_ID: "bad id!"}), 400, param=GENERATION_ID)
+    _error(_chat(client, headers={GENERATION_ID: "x" * 200}), 400, param=GENERATION_ID)
+    assert engine.prefill_calls == 0
+    _assert_good_request_succeeds(client)
+
+
+def test_reused_id_is_409(client: TestClient, engine: FakeEngine):
+    assert _chat(client, headers={GENERATION_ID: "once"}).status_code == 200
+    calls = engine.prefill_calls
+    err = _error(_chat(client, headers={GENERATION_ID: "once"}), 409)
+    assert err["type"] == "conflict_error"
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": MESSAGES, "stream": True},
+        headers={GENERATION_ID: "once"},
+    ) as resp:
+        resp.read()
+    assert resp.status_code == 409
+    assert engine.prefill_calls == calls
+    _assert_good_request_succeeds(client)
+
+
+# -- telemetry endpoints ---------------------------------------------------------------------------
+def _check_events(events: list[tuple[int, dict]], gid: str) -> None:
+    assert [seq for seq, _ in events] == list(range(1, len(events) + 1))
+    types = " ".join(e["type"] for _, e in events)
+    assert EVENT_ORDER.fullmatch(types), types
+    times = [e["t"] for _, e in events]
+    assert times == sorted(times)
+    assert all(e["generation_id"] == gid for _, e in events)
+
+
+def test_events_stream_is_ordered_and_complete(client: TestClient):
+    for stream in (False, True):
+        gid = f"gen-events-{stream}"
+        if stream:
+            _stream(
+                client, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}, {GENERATION_ID: gid}
+            )
+        else:
+            assert _chat(client, headers={GENERATION_ID: gid}).status_code == 200
+        events = _events(client, gid)
+        _check_events(events, gid)
+        by_type = {e["type"]: e for _, e in events}
+        assert by_type["route.accepted"]["nodes"][0]["layers"] == "0:4"
+        assert by_type["model.selected"]["model"] == MODEL
+        done = by_type["generation.completed"]
+        assert done["finish_reason"] == "stop"
+        assert done["completion_tokens"] == len(REPLY.encode())
+        progress = [e for _, e in events if e["type"] == "prefill.progress"]
+        assert progress[-1]["done"] == progress[-1]["total"] == done["prompt_tokens"]
+        billing = [e for _, e in events if e["type"] == "billing.estimate"]
+        assert billing[0]["decode_layer_tokens"] == 0
+        assert billing[-1]["decode_layer_tokens"] == 4 * done["completion_tokens"]
+        assert billing[-1]["prefill_layer_tokens"] == 4 * done["prompt_tokens"]
+
+
+def test_polling_agrees_with_the_events(client: TestClient):
+    resp = _chat(client, headers={GENERATION_ID: "gen-poll"})
+    events = _events(client, "gen-poll")
+    snap = client.get("/v1/generations/gen-poll").json()
+    done = events[-1][1]
+    assert done["type"] == "generation.completed"
+    assert snap["generation_id"] == "gen-poll"
+    assert snap["phase"] == "completed"
+    assert snap["finished"] is True
+    assert snap["finish_reason"] == "stop"
+    assert snap["completion_tokens"] == done["completion_tokens"] == resp.json()["usage"]["completion_tokens"]
+    assert snap["prompt_tokens"] == done["prompt_tokens"]
+    assert snap["prefill_done"] == snap["prompt_tokens"]
+    assert snap["last_event"] == "generation.completed"
+    assert snap["events"] == len(events)
+    billing = [e for _, e in events if e["type"] == "billing.estimate"][-1]
+    assert snap["billing_units"] == billing["units"]
+    # A finished generation is no longer active.
+    assert client.get("/v1/generations").json() == {"object": "list", "data": []}
+
+
+def test_last_event_id_skips_history(client: TestClient):
+    _chat(client, headers={GENERATION_ID: "gen-resume"})
+    full = _events(client, "gen-resume")
+    resumed = _events(client, "gen-resume", headers={"Last-Event-ID": "3"})
+    assert resumed == full[3:]
+    assert resumed[0][0] == 4
+    assert _events(client, "gen-resume", headers={"Last-Event-ID": str(len(full))}) == []
+    _error(client.get("/v1/generations/gen-resume/events", headers={"Last-Event-ID": "x"}), 400)
+
+
+def test_events_of_unknown_generation_are_404(client: TestClient):
+    _error(client.get("/v1/generations/gen-unknown/events"), 404)
+    _error(client.get("/v1/generations/gen-unknown/events?wait=0.05"), 404)
+    _error(client.get("/v1/generations/gen-unknown"), 404)
+    _error(client.get("/v1/generations/x/events?wait=abc"), 400, param="wait")
+    _error(client.get("/v1/generations/x/events?wait=31"), 400, param="wait")
+
+
+def test_events_subscriber_can_wait_for_a_proposed_id(engine: FakeEngine):
+    gid = "gen-announced"
+    result: dict[str, Any] = {}
+    app = create_app(engine)
+    hub = app.state.gateway.hub
+    with TestClient(app) as client:
+
+        def subscribe() -> None:
+            result["events"] = client.get(f"/v1/generations/{gid}/events?wait=10")
+
+        thread = threading.Thread(target=subscribe)
+        thread.start()
+        try:
+            # Send the generation only once the subscriber is really waiting for its id.
+            deadline = time.monotonic() + 10
+            while gid not in hub._arrivals and thread.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.002)
+            assert gid in hub._arrivals
+            resp = _chat(client, headers={GENERATION_ID: gid})
+        finally:
+            thread.join(timeout=15)
+        assert not thread.is_alive()
+        assert resp.status_code == 200
+        events = result["events"]
+        assert events.status_code == 200
+        types = [
+            json.loads(line[6:])["type"] for line in events.text.splitlines() if line.startswith("data: ")
+        ]
+        full = [e["type"] for _, e in _events(client, gid)]
+        assert full[-1] == "generation.completed"
+        assert types[:2] == ["route.accepted", "model.selected"]
+        assert types == full
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def test_over_context_prompt_is_rejected_before_compute():
+    engine = FakeEngine(reply=REPLY, n_ctx=64)
+    with TestClient(create_app(engine)) as client:
+        long = [{"role": "user", "content": "x" * 200}]
+        err = _error(_chat(client, messages=long), 400, code="context_length_exceeded", param="messages")
+        assert err["type"] == "invalid_request_error"
+        assert "64" in err["message"]
+        err = _error(_completion(client, prompt="y" * 100), 400, code="context_length_exceeded")
+        with client.stream(
+            "POST", "/v1/chat/completions", json={"model": MODEL, "messages": long, "stream": True}
+        ) as resp:
+            resp.read()
+        assert resp.status_code == 400
+        assert engine.prefill_calls == 0
+        assert client.get("/v1/generations").json()["data"] == []
+        resp = _chat(client, max_tokens=8)
+        assert resp.status_code == 200, resp.text
+        assert engine.prefill_calls == 1
+
+
+def test_prompt_plus_max_tokens_over_cap_names_max_tokens():
+    engine = FakeEngine(reply=REPLY, n_ctx=64)
+    with TestClient(create_app(engine)) as client:
+        err = _error(_completion(client, prompt="abc", max_tokens=61), 400, param="max_tokens")
+        assert err["code"] == "context_length_exceeded"
+        assert "at most 60" in err["message"]
+        assert _error(_chat(client, max_completion_tokens=1000), 400, param="max_tokens")
+        assert engine.prefill_calls == 0
+        # Exactly at the cap is allowed.
+        assert _completion(client, prompt="abc", max_tokens=60).status_code == 200
+
+
+def test_unknown_model_is_404(client: TestClient, engine: FakeEngine):
+    err = _error(_chat(client, model="gpt-9"), 404, code="model_not_found", param="model")
+    assert err["type"] == "not_found_error"
+    _error(_completion(client, model="gpt-9"), 404, code="model_not_found")
+    assert engine.prefill_calls == 0
+    _assert_good_request_succeeds(client)
+
+
+def test_unknown_path_is_an_openai_shaped_404(client: TestClient):
+    err = _error(client.get("/v1/nope"), 404)
+    assert err["type"] == "not_found_error"
+    assert "/v1/nope" in err["message"]
+    _error(client.post("/v1/engines/x/completions", json={}), 404)
+    _assert_good_request_succeeds(client)
+
+
+def test_wrong_method_is_an_openai_shaped_405(client: TestClient):
+    _error(client.get("/v1/chat/completions"), 405)
+    _assert_good_request_succeeds(client)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[]", None),
+        (json.dumps({"model": MODEL, "messages": MESSAGES, "temperature": 3}).encode(), "temperature"),
+        (json.dumps({"model": MODEL, "messages": MESSAGES, "top_p": 0}).encode(), "top_p"),
+        (json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}).encode(), "max_tokens"),
+        (json.dumps({"model": MODEL, "messages": MESSAGES, "n": 2}).encode(), "n"),
+        (json.dumps({"model": MODEL, "messages": MESSAGES, "stop": list("abcde")}).encode(), "stop"),
+        (json.dumps({"model": MODEL, "messages": []}).encode(), "messages"),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "x", "content": "y"}]}).encode(),
+            "messages.0.role",
+        ),
+    ],
+)
+def test_bad_chat_requests_are_400_and_harmless(client: TestClient, engine: FakeEngine, body, param):
+    resp = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    err = _error(resp, 400, param=param)
+    assert err["type"] == "invalid_request_error"
+    assert engine.prefill_calls == 0
+    _assert_good_request_succeeds(client)
+
+
+def test_full_queue_is_503_with_retry_after_and_failed_telemetry():
+    engine = FakeEngine(reply=REPLY)
+    with TestClient(create_app(engine, max_queue=0)) as client:
+        resp = _chat(client, headers={GENERATION_ID: "gen-full"})
+        err = _error(resp, 503)
+        assert err["type"] == "overloaded_error"
+        assert resp.headers["retry-after"] == "2"
+        assert engine.prefill_calls == 0
+        snap = client.get("/v1/generations/gen-full").json()
+        assert snap["phase"] == "failed"
+        assert snap["finished"] is True
+        types = [e["type"] for _, e in _events(client, "gen-full")]
+        assert types == ["route.accepted", "model.selected", "route.health", "generation.failed"]
+        assert 'meshnet_generations_total{outcome="failed"} 1.0' in client.get("/metrics").text
+
+
+def test_immediate_eos_gives_an_empty_reply_with_valid_events():
+    with TestClient(create_app(FakeEngine(reply=""))) as client:
+        resp = _chat(client, headers={GENERATION_ID: "gen-empty"})
+        body = resp.json()
+        assert body["choices"][0]["message"]["content"] == ""
+        assert body["choices"][0]["finish_reason"] == "stop"
+        assert body["usage"]["completion_tokens"] == 0
+        events = _events(client, "gen-empty")
+        _check_events(events, "gen-empty")
+        assert "meshnet_generations_active 0.0" in client.get("/metrics").text

@@ -1,0 +1,166 @@
+"""parse_body: JSON bytes to a validated request, or InvalidRequest naming the field at fault."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.gateway.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    parse_body,
+)
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _chat(**fields) -> bytes:
+    return json.dumps({"model": "m", "messages": MSG, **fields}).encode()
+
+
+def _completion(**fields) -> bytes:
+    return json.dumps({"model": "m", "prompt": "hi", **fields}).encode()
+
+
+def _invalid(raw: bytes, schema=ChatCompletionRequest) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as info:
+        parse_body(raw, schema)
+    assert info.value.status == 400
+    assert info.value.error_type == "invalid_request_error"
+    return info.value
+
+
+def test_minimal_chat_request_defaults():
+    req = parse_body(_chat(), ChatCompletionRequest)
+    assert req.model == "m"
+    assert req.messages[0].role == "user"
+    assert req.messages[0].text() == "hi"
+    assert not req.stream
+    assert not req.include_usage
+    assert req.token_limit is None
+    assert req.stop_sequences == ()
+    assert req.sampling.temperature == 1.0
+
+
+def test_chat_request_fields_map_through():
+    req = parse_body(
+        _chat(
+            temperature=0,
+            top_p=0.5,
+            top_k=4,
+            seed=9,
+            max_tokens=7,
+            stop="END",
+            stream=True,
+            stream_options={"include_usage": True},
+            user="ignored-unknown-field",
+        ),
+        ChatCompletionRequest,
+    )
+    assert req.sampling.greedy
+    assert (req.sampling.top_p, req.sampling.top_k, req.sampling.seed) == (0.5, 4, 9)
+    assert req.token_limit == 7
+    assert req.stop_sequences == ("END",)
+    assert req.stream and req.include_usage
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    req = parse_body(_chat(max_tokens=10, max_completion_tokens=3), ChatCompletionRequest)
+    assert req.token_limit == 3
+
+
+def test_content_parts_are_joined():
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        ],
+    }
+    req = parse_body(json.dumps(body).encode(), ChatCompletionRequest)
+    assert req.messages[0].text() == "ab"
+
+
+def test_completion_defaults_to_16_tokens():
+    req = parse_body(_completion(), CompletionRequest)
+    assert req.token_limit == 16
+    assert req.prompt == "hi"
+
+
+@pytest.mark.parametrize("raw", [b"{", b"not json", b"", b"\xff\xfe", b'{"model": "m",}'])
+def test_malformed_json(raw):
+    err = _invalid(raw)
+    assert "not valid JSON" in err.message
+    assert err.param is None
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"[1, 2]", b'"text"', b"42", b"null", b"true"])
+def test_non_object_body(raw):
+    err = _invalid(raw)
+    assert "JSON object" in err.message
+    assert err.param is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": 3}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"n": 0}, "n"),
+        ({"n": 2}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"logprobs": True}, "logprobs"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"content": "hi"}]}, "messages.0.role"),
+        ({"model": ""}, "model"),
+        ({"temperature": "hot"}, "temperature"),
+    ],
+)
+def test_chat_field_errors_name_the_param(fields, param):
+    err = _invalid(_chat(**fields))
+    assert err.param == param
+    assert err.message
+
+
+def test_four_stop_strings_are_allowed():
+    req = parse_body(_chat(stop=["a", "b", "c", "d"]), ChatCompletionRequest)
+    assert req.stop_sequences == ("a", "b", "c", "d")
+
+
+def test_missing_messages_and_model():
+    assert _invalid(json.dumps({"model": "m"}).encode()).param == "messages"
+    assert _invalid(json.dumps({"messages": MSG}).encode()).param == "model"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"echo": True}, "echo"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"suffix": "x"}, "suffix"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+    ],
+)
+def test_completion_field_errors_name_the_param(fields, param):
+    assert _invalid(_completion(**fields), CompletionRequest).param == param
+
+
+def test_error_body_shape():
+    err = InvalidRequest("bad", param="top_p", code="x")
+    assert error_body(err) == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "top_p", "code": "x"}
+    }
+    assert error_body(MeshnetError("boom"))["error"]["type"] == "server_error"

@@ -1,0 +1,169 @@
+"""Sampler and SamplingParams: greedy, seeded, top-k, top-p, logprobs, validation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from meshnet.sampling import Sampler, SamplingParams
+
+
+def _logits(seed: int = 0, vocab: int = 64) -> np.ndarray:
+    # Distinct values (no ties), spread enough that several tokens carry real mass.
+    return np.random.default_rng(seed).normal(0.0, 2.0, vocab).astype(np.float32)
+
+
+def _log_softmax64(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    m = x.max()
+    return x - (m + math.log(np.exp(x - m).sum()))
+
+
+def test_default_params_are_valid_and_not_greedy():
+    p = SamplingParams()
+    assert p.temperature == 1.0
+    assert p.top_p == 1.0
+    assert p.top_k == 0
+    assert p.seed is None
+    assert not p.greedy
+
+
+def test_greedy_is_argmax():
+    logits = _logits(1)
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    for _ in range(5):
+        token, _ = sampler.sample(logits)
+        assert token == int(np.argmax(logits))
+
+
+def test_greedy_ignores_seed_and_filters():
+    logits = _logits(2)
+    expected = int(np.argmax(logits))
+    for seed in (None, 0, 123):
+        params = SamplingParams(temperature=0.0, top_k=5, top_p=0.5, seed=seed)
+        assert params.greedy
+        assert Sampler(params).sample(logits)[0] == expected
+
+
+def test_seeded_sampling_is_reproducible():
+    logits = _logits(3)
+    params = SamplingParams(temperature=1.5, seed=42)
+    first = Sampler(params)
+    second = Sampler(params)
+    seq_a = [first.sample(logits)[0] for _ in range(50)]
+    seq_b = [second.sample(logits)[0] for _ in range(50)]
+    assert seq_a == seq_b
+    # A high temperature over a spread distribution really samples (not a disguised argmax).
+    assert len(set(seq_a)) > 1
+
+
+def test_different_seeds_diverge():
+    logits = _logits(4)
+    s0 = Sampler(SamplingParams(temperature=2.0, seed=0))
+    s1 = Sampler(SamplingParams(temperature=2.0, seed=1))
+    assert [s0.sample(logits)[0] for _ in range(40)] != [s1.sample(logits)[0] for _ in range(40)]
+
+
+def test_top_k_one_equals_greedy():
+    for seed in range(5):
+        logits = _logits(10 + seed)
+        sampler = Sampler(SamplingParams(temperature=2.0, top_k=1, seed=seed))
+        for _ in range(10):
+            assert sampler.sample(logits)[0] == int(np.argmax(logits))
+
+
+def test_top_k_restricts_to_the_k_best():
+    logits = _logits(20)
+    k = 3
+    best = set(np.argsort(-logits)[:k].tolist())
+    sampler = Sampler(SamplingParams(temperature=2.0, top_k=k, seed=7))
+    seen = {sampler.sample(logits)[0] for _ in range(200)}
+    assert seen <= best
+    assert len(seen) > 1
+
+
+def test_top_k_at_or_above_vocab_is_no_filter():
+    logits = np.zeros(4, dtype=np.float32)
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=4, seed=0))
+    seen = {sampler.sample(logits)[0] for _ in range(200)}
+    assert seen == {0, 1, 2, 3}
+
+
+def test_tiny_top_p_keeps_only_the_best_token():
+    for seed in range(5):
+        logits = _logits(30 + seed)
+        sampler = Sampler(SamplingParams(temperature=2.0, top_p=1e-9, seed=seed))
+        for _ in range(10):
+            assert sampler.sample(logits)[0] == int(np.argmax(logits))
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
+    # Probabilities 0.5, 0.3, 0.2 at temperature 1: top_p=0.7 keeps the first two tokens.
+    probs = np.array([0.2, 0.5, 0.3], dtype=np.float64)
+    logits = np.log(probs).astype(np.float32)
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=1))
+    seen = {sampler.sample(logits)[0] for _ in range(300)}
+    assert seen == {1, 2}
+
+
+def test_logprob_equals_float64_log_softmax():
+    logits = _logits(40, vocab=50_000)
+    reference = _log_softmax64(logits)
+    sampler = Sampler(SamplingParams(temperature=0.7, seed=5))
+    for _ in range(20):
+        token, logprob = sampler.sample(logits)
+        assert isinstance(token, int)
+        assert isinstance(logprob, float)
+        assert logprob == pytest.approx(reference[token], abs=1e-4)
+        assert logprob <= 0.0
+
+
+def test_logprob_is_before_temperature():
+    logits = _logits(41)
+    token = int(np.argmax(logits))
+    expected = _log_softmax64(logits)[token]
+    for temperature in (0.0, 0.3, 1.0, 2.0):
+        got_token, logprob = Sampler(SamplingParams(temperature=temperature, top_k=1, seed=0)).sample(logits)
+        assert got_token == token
+        assert logprob == pytest.approx(expected, abs=1e-5)
+
+
+def test_logprob_of_a_near_certain_token_is_near_zero():
+    logits = np.full(258, -30.0, dtype=np.float32)
+    logits[65] = 30.0
+    token, logprob = Sampler(SamplingParams(temperature=0.0)).sample(logits)
+    assert token == 65
+    assert logprob == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -0.1},
+        {"temperature": 2.01},
+        {"temperature": float("nan")},
+        {"top_p": 0.0},
+        {"top_p": -0.5},
+        {"top_p": 1.0001},
+        {"top_k": -1},
+    ],
+)
+def test_invalid_params_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"temperature": 0.0}, {"temperature": 2.0}, {"top_p": 1.0}, {"top_p": 1e-6}, {"top_k": 0}, {"top_k": 1}],
+)
+def test_boundary_params_are_accepted(kwargs):
+    SamplingParams(**kwargs)
+
+
+def test_params_are_frozen():
+    p = SamplingParams()
+    with pytest.raises(AttributeError):
+        p.temperature = 0.5  # type: ignore[misc]
