@@ -44,6 +44,7 @@ class RawLlama:
             n_ubatch=BATCH,
             n_threads=THREADS,
             n_threads_batch=THREADS,
+            flash_attn=True,  # as meshnet serve runs it
             verbose=False,
         )
         self.prefill_tokens = self.llm.tokenize(PREFILL_PROMPT.encode(), add_bos=True, special=True)

@@ -14,10 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import bench_serve
+import importlib
+
 from benchmarks.common import ROOT, machine
 
-BENCHES = {"serve": bench_serve.run}
+# name -> module under benchmarks/ exposing run() -> Section; imported only when it runs.
+BENCHES = {"serve": "bench_serve", "shards": "bench_shards"}
 
 
 def main() -> int:
@@ -30,7 +32,7 @@ def main() -> int:
     sections = []
     for name in names:
         print(f"bench: {name} ...", flush=True)
-        section = BENCHES[name]()
+        section = importlib.import_module(f"benchmarks.{BENCHES[name]}").run()
         print(section.markdown(), flush=True)
         sections.append(section.markdown())
     header = [

@@ -2,11 +2,17 @@
 
     MeshnetError                      500  server_error
     ├── InvalidRequest                400  invalid_request_error
-    │   └── ContextOverflow           400  context_length_exceeded
+    │   ├── ContextOverflow           400  context_length_exceeded
+    │   └── SeamMismatch              400  seam_mismatch      (hidden width, dtype, shape at a seam)
     ├── NotFound                      404  not_found_error
-    │   └── UnknownModel              404  model_not_found
+    │   ├── UnknownModel              404  model_not_found
+    │   └── SessionNotFound           404  session_not_found
+    ├── SessionGone                   410  session_gone       (expired, closed, or the node restarted)
     ├── Conflict                      409  conflict_error
+    │   ├── PositionMismatch          409  position_mismatch  (not the session's next position)
+    │   └── SessionBusy               409  session_busy       (a second concurrent call on a session)
     ├── Overloaded                    503  overloaded_error   (carries Retry-After)
+    │   └── StoreFull                 503  kv_store_full
     └── EngineError                   500  engine_error       (a backend failed mid-generation)
 
 Foreign errors (pydantic, llama.cpp, JSON) are mapped into this tree at the boundary that
@@ -23,6 +29,12 @@ __all__ = [
     "MeshnetError",
     "NotFound",
     "Overloaded",
+    "PositionMismatch",
+    "SeamMismatch",
+    "SessionBusy",
+    "SessionGone",
+    "SessionNotFound",
+    "StoreFull",
     "UnknownModel",
     "http_status",
 ]
@@ -56,6 +68,10 @@ class ContextOverflow(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class SeamMismatch(InvalidRequest):
+    code = "seam_mismatch"
+
+
 class NotFound(MeshnetError):
     status = 404
     error_type = "not_found_error"
@@ -65,9 +81,27 @@ class UnknownModel(NotFound):
     code = "model_not_found"
 
 
+class SessionNotFound(NotFound):
+    code = "session_not_found"
+
+
+class SessionGone(MeshnetError):
+    status = 410
+    error_type = "gone_error"
+    code = "session_gone"
+
+
 class Conflict(MeshnetError):
     status = 409
     error_type = "conflict_error"
+
+
+class PositionMismatch(Conflict):
+    code = "position_mismatch"
+
+
+class SessionBusy(Conflict):
+    code = "session_busy"
 
 
 class Overloaded(MeshnetError):
@@ -77,6 +111,10 @@ class Overloaded(MeshnetError):
     def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = None) -> None:
         super().__init__(message, code=code)
         self.retry_after_s = retry_after_s
+
+
+class StoreFull(Overloaded):
+    code = "kv_store_full"
 
 
 class EngineError(MeshnetError):

@@ -125,6 +125,7 @@ class LlamaFullEngine:
             n_threads=threads,
             n_threads_batch=threads,
             logits_all=False,
+            flash_attn=True,  # the shard backend uses the same kernels, so routes match serve exactly
             verbose=False,
         )
         self._llama_cpp = llama_cpp

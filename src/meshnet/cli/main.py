@@ -29,6 +29,18 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-id", help="model id clients use (default: the GGUF file name)")
     serve.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait (default 64)")
 
+    shard = sub.add_parser("shard", help="layer-range shard files")
+    shard_sub = shard.add_subparsers(dest="shard_command", required=True, metavar="ACTION")
+    make = shard_sub.add_parser(
+        "make", help="cut a layer range out of a full GGUF into a loadable shard GGUF"
+    )
+    make.add_argument("--gguf", type=Path, help="full model GGUF (default: the bundled model)")
+    make.add_argument("--layers", required=True, help="half-open block range START:STOP, e.g. 10:20")
+    make.add_argument("--out", type=Path, required=True, help="shard file to write (.gguf)")
+    make.add_argument(
+        "--keep-vocab", action="store_true", help="keep the full vocabulary on a non-tail shard (slower)"
+    )
+
     chat = sub.add_parser("chat", help="chat with a Meshnet server from the terminal")
     chat.add_argument("prompt", nargs="?", help="one prompt; without it, an interactive session starts")
     chat.add_argument(
@@ -48,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from meshnet.cli.serve import run_serve
 
         return run_serve(args)
+    if args.command == "shard":
+        from meshnet.cli.shard import run_shard_make
+
+        return run_shard_make(args)
     if args.command == "chat":
         from meshnet.cli.chat import run_chat
 

@@ -1,0 +1,215 @@
+"""Write a llama.cpp-loadable GGUF holding one layer range of a full GGUF (gguf-py, no llama.cpp).
+
+The recipe (DESIGN.md, verified on llama-cpp-python 0.3.36):
+
+- copy every metadata key, set ``{arch}.block_count`` to the range's length and slice per-layer
+  arrays (``{arch}.*`` arrays with one entry per block) to the range;
+- keep ``blk.{i}.*`` for ``i`` in the range, renamed ``blk.{i - start}.*``;
+- keep the non-block tensors the loader requires (``token_embd``, ``output_norm``) and the ones
+  every block needs (``rope_freqs`` — Llama 3.x silently loses its rope factors without it);
+- a non-tail shard never needs logits: its vocabulary is cut to one dummy token
+  (``tokenizer.ggml.model = "no_vocab"``, ``vocab_size`` 1) and ``token_embd`` / ``output`` to
+  one row, so the lm_head llama.cpp runs on every output row costs nothing;
+- the head's real embedding table goes to a small sidecar GGUF (``*.embd.gguf``): the head looks
+  embeddings up itself (``gguf.quants.dequantize`` matches llama.cpp exactly) and feeds them in
+  as hidden states.
+
+Writes are atomic: a temporary file is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshnet.errors import InvalidRequest
+from meshnet.layers import LayerRange
+
+__all__ = [
+    "SHARD_START_KEY",
+    "ShardFiles",
+    "embeddings_path",
+    "read_shard_range",
+    "write_shard",
+]
+
+SHARD_START_KEY = "meshnet.shard.start"
+SHARD_STOP_KEY = "meshnet.shard.stop"
+SHARD_TOTAL_KEY = "meshnet.shard.total"
+SHARD_VOCAB_CUT_KEY = "meshnet.shard.vocab_cut"
+
+# Non-block tensors every shard keeps whole (besides token_embd/output_norm, handled apart).
+_KEEP_WHOLE = ("rope_freqs.weight",)
+_VOCAB_ONLY_KEYS = ("tokenizer.ggml.model",)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFiles:
+    path: Path
+    embeddings: Path | None  # the head's embedding table (None unless the shard is a cut-vocab head)
+    layers: LayerRange
+    vocab_cut: bool
+    tensor_bytes: int  # bytes of tensor data in ``path``
+    tensors: int
+
+
+def embeddings_path(shard_path: Path) -> Path:
+    return shard_path.with_name(shard_path.name.removesuffix(".gguf") + ".embd.gguf")
+
+
+def _field_value(field: Any) -> Any:
+    return field.contents()
+
+
+def _block_index(name: str) -> int | None:
+    if not name.startswith("blk."):
+        return None
+    return int(name.split(".", 2)[1])
+
+
+def write_shard(
+    source: Path, layers: LayerRange | str, out: Path, *, cut_vocab: bool | None = None
+) -> ShardFiles:
+    """Write the shard GGUF for ``layers`` of ``source`` to ``out`` (and the head's sidecar)."""
+    import gguf
+
+    if not source.is_file():
+        raise InvalidRequest(f"GGUF file not found: {source}", param="gguf")
+    reader = gguf.GGUFReader(str(source))
+    arch = str(_field_value(reader.fields["general.architecture"]))
+    total = int(_field_value(reader.fields[f"{arch}.block_count"]))
+    if isinstance(layers, str):
+        try:
+            layers = LayerRange.parse(layers, total)
+        except ValueError as exc:
+            raise InvalidRequest(f"{exc} (the model has {total} layers)", param="layers") from None
+    elif layers.total != total:
+        raise InvalidRequest(f"the layer range assumes {layers.total} layers but {source.name} has {total}")
+    if SHARD_START_KEY in reader.fields:
+        raise InvalidRequest(f"{source} is already a shard; cut shards from the full model GGUF")
+    cut = (not layers.is_tail) if cut_vocab is None else cut_vocab
+    if cut and layers.is_tail:
+        raise InvalidRequest("the tail shard computes logits and must keep its vocabulary")
+
+    tensors = list(_shard_tensors(reader, layers, cut))
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        _copy_metadata(reader, writer, arch=arch, layers=layers, total=total, cut=cut)
+        for name, data, qtype in tensors:
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _, data, _ in tensors:
+            writer.write_tensor_data(data, tensor_endianess=reader.endianess)
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+    sidecar = None
+    if cut and layers.is_head:
+        sidecar = embeddings_path(out)
+        _write_embeddings(reader, arch, sidecar)
+    return ShardFiles(
+        path=out,
+        embeddings=sidecar,
+        layers=layers,
+        vocab_cut=cut,
+        tensor_bytes=sum(int(d.nbytes) for _, d, _ in tensors),
+        tensors=len(tensors),
+    )
+
+
+def _shard_tensors(
+    reader: Any, layers: LayerRange, cut: bool
+) -> Iterator[tuple[str, np.ndarray[Any, Any], Any]]:
+    for tensor in reader.tensors:
+        name: str = tensor.name
+        data = tensor.data
+        block = _block_index(name)
+        if block is not None:
+            if layers.start <= block < layers.stop:
+                rest = name.split(".", 2)[2]
+                yield f"blk.{block - layers.start}.{rest}", data, tensor.tensor_type
+            continue
+        if cut and name in ("token_embd.weight", "output.weight"):
+            # One row: the loader requires the tensor; llama.cpp's lm_head then costs nothing.
+            yield name, data[:1], tensor.tensor_type
+            continue
+        # output_norm (required by the loader), rope_freqs (needed by every block), and any other
+        # model-wide tensor: kept whole; they are small.
+        yield name, data, tensor.tensor_type
+
+
+def _copy_metadata(reader: Any, writer: Any, *, arch: str, layers: LayerRange, total: int, cut: bool) -> None:
+    import gguf
+
+    for field in reader.fields.values():
+        name: str = field.name
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # written by GGUFWriter itself
+        if cut and name.startswith("tokenizer.") and name not in _VOCAB_ONLY_KEYS:
+            continue
+        value = _field_value(field)
+        val_type = field.types[0]
+        sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
+        if name == f"{arch}.block_count":
+            value = len(layers)
+        elif name == f"{arch}.vocab_size" and cut:
+            value = 1
+        elif name == "tokenizer.ggml.model" and cut:
+            value = "no_vocab"
+        elif name.startswith(f"{arch}.") and isinstance(value, list) and len(value) == total:
+            value = value[layers.start : layers.stop]  # a per-layer array (e.g. head counts per block)
+        writer.add_key_value(name, value, val_type, sub_type=sub_type)
+    if cut and f"{arch}.vocab_size" not in reader.fields:
+        writer.add_uint32(f"{arch}.vocab_size", 1)
+    if cut and "tokenizer.ggml.model" not in reader.fields:
+        writer.add_string("tokenizer.ggml.model", "no_vocab")
+    writer.add_uint32(SHARD_START_KEY, layers.start)
+    writer.add_uint32(SHARD_STOP_KEY, layers.stop)
+    writer.add_uint32(SHARD_TOTAL_KEY, layers.total)
+    writer.add_bool(SHARD_VOCAB_CUT_KEY, cut)
+
+
+def _write_embeddings(reader: Any, arch: str, path: Path) -> None:
+    import gguf
+
+    tensor = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if tensor is None:
+        raise InvalidRequest("the model has no token_embd.weight; cannot build a head shard")
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        writer.add_tensor_info(
+            tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
+        )
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_shard_range(path: Path) -> tuple[LayerRange, bool] | None:
+    """The layer range and vocab-cut flag a shard file was written for (None for a full model)."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    if SHARD_START_KEY not in fields:
+        return None
+    start, stop, total = (
+        int(_field_value(fields[k])) for k in (SHARD_START_KEY, SHARD_STOP_KEY, SHARD_TOTAL_KEY)
+    )
+    return LayerRange(start, stop, total), bool(_field_value(fields[SHARD_VOCAB_CUT_KEY]))

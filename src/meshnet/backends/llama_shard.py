@@ -1,0 +1,357 @@
+"""llama.cpp shard backend: one layer range of a GGUF, per-session KV as llama.cpp sequences.
+
+Recipe (DESIGN.md): the shard file is written by ``meshnet.artifacts.shard_file``; inbound hidden
+states go in through ``batch.embd`` at absolute positions; the outbound hidden state is copied out
+of the graph by a ``cb_eval`` callback on ``l_out-{n_layer-1}``; every session is a ``seq_id`` of
+one shared ``llama_context`` (``kv_unified``, ``n_ubatch == n_batch`` so rows keep batch order);
+snapshots are ``llama_state_seq_get_data`` / ``set_data``.
+
+Non-tail shards have a one-token vocabulary, so marking every row as an output (needed: llama.cpp
+keeps only output rows in its last layer) costs no lm_head work. The head looks its embeddings up
+itself from the sidecar table and feeds them in as hidden states.
+
+Concurrency: ``ShardBase`` serializes compute with one lock; the context is never touched outside
+it. The eval callback runs on the thread that called ``llama_decode``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshnet.artifacts.shard_file import embeddings_path, read_shard_range, write_shard
+from meshnet.backends.shard import F32, I32, KVFormat, SeamSpec, ShardBase, ShardInfo, ShardOutput
+from meshnet.errors import EngineError, InvalidRequest, StoreFull
+from meshnet.ids import SessionId
+from meshnet.layers import LayerRange
+from meshnet.session.store import StoreLimits
+
+__all__ = ["SNAPSHOT_CELL_META_BYTES", "HeadEmbeddings", "LlamaShard", "LlamaShardConfig"]
+
+# struct ggml_tensor field offsets (ggml.h at the llama.cpp commit llama-cpp-python 0.3.36 vendors):
+# type(4)+pad(4), buffer(8), ne[4] int64 at 16, nb[4] at 48, op(4) at 80, op_params[16] int32 at
+# 84, flags at 148, src[10] at 152, view_src at 232, view_offs at 240, data at 248, name[64] at 256.
+_NE_OFFSET = 16
+_NAME_OFFSET = 256
+_KV_CACHE_BYTES = 2  # llama.cpp's default K/V cache type is f16
+# A sequence snapshot stores, per cell, its position, a seq-id count and one seq id (int32 each).
+SNAPSHOT_CELL_META_BYTES = 12
+
+
+class HeadEmbeddings:
+    """Token-embedding lookup from a GGUF's ``token_embd.weight``, dequantized per lookup."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        tensor = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if tensor is None:
+            raise InvalidRequest(f"{path} holds no token_embd.weight")
+        self._data = tensor.data
+        self._qtype = tensor.tensor_type
+        self._dequantize = gguf.quants.dequantize
+        self.n_vocab = int(tensor.shape[1]) if len(tensor.shape) > 1 else int(self._data.shape[0])
+        self.nbytes = int(tensor.n_bytes)
+
+    def __call__(self, tokens: I32) -> F32:
+        rows = self._data[tokens]
+        return np.ascontiguousarray(self._dequantize(rows, self._qtype), dtype=np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaShardConfig:
+    """``n_ctx`` KV cells in all, split evenly between ``max_sessions`` sessions."""
+
+    n_ctx: int = 4096
+    max_sessions: int = 8
+    n_threads: int | None = None
+    n_batch: int = 512
+    idle_ttl_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1 or self.n_ctx < self.max_sessions or self.n_batch < 1:
+            raise ValueError("a shard needs n_ctx >= max_sessions >= 1 and n_batch >= 1")
+
+    @property
+    def positions_per_session(self) -> int:
+        return self.n_ctx // self.max_sessions
+
+
+class LlamaShard(ShardBase[int]):
+    """State per session: its llama.cpp ``seq_id``."""
+
+    def __init__(
+        self,
+        shard_path: Path,
+        *,
+        model_id: str | None = None,
+        embeddings: Path | None = None,
+        config: LlamaShardConfig | None = None,
+    ) -> None:
+        super().__init__()
+        import llama_cpp
+
+        self._ll = llama_cpp
+        cfg = config or LlamaShardConfig()
+        found = read_shard_range(shard_path)
+        layers, self._vocab_cut = found if found is not None else (None, False)
+        self._embed: HeadEmbeddings | None = None
+        if self._vocab_cut and layers is not None and layers.is_head:
+            sidecar = embeddings or embeddings_path(shard_path)
+            if not sidecar.is_file():
+                raise InvalidRequest(f"the head shard needs its embedding table {sidecar}; rebuild the shard")
+            self._embed = HeadEmbeddings(sidecar)
+        self._model = self._load_model(shard_path)
+        n_layer = int(llama_cpp.llama_model_n_layer(self._model))
+        if layers is None:  # a full model GGUF: one shard holding every layer
+            layers = LayerRange.full(n_layer)
+        elif len(layers) != n_layer:
+            llama_cpp.llama_model_free(self._model)
+            raise InvalidRequest(f"{shard_path} declares layers {layers} but holds {n_layer} blocks")
+        self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model)))
+        self._n_batch = cfg.n_batch
+        self._tail = layers.is_tail
+        self._token_input = layers.is_head and self._embed is None
+        self._out = np.empty((cfg.n_batch, self._n_embd), dtype=np.float32)
+        self._captured = 0
+        self._ctx = self._create_context(cfg, n_layer - 1)
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(cfg.n_batch, 0 if self._token_input else self._n_embd, 1)
+        self._free_seqs = list(range(cfg.max_sessions - 1, -1, -1))
+        self.info = self._describe(model_id or shard_path.name.removesuffix(".gguf"), layers, cfg)
+        self._init_store(
+            StoreLimits(
+                bytes_per_token=self.info.kv.bytes_per_token,
+                budget_bytes=max(1, self.info.kv.bytes_per_token * cfg.n_ctx),
+                max_sessions=cfg.max_sessions,
+                max_positions=cfg.positions_per_session,
+                idle_ttl_s=cfg.idle_ttl_s,
+            )
+        )
+
+    def _load_model(self, path: Path) -> Any:
+        from llama_cpp._utils import suppress_stdout_stderr
+
+        with suppress_stdout_stderr(disable=False):
+            model = self._ll.llama_model_load_from_file(
+                str(path).encode(), self._ll.llama_model_default_params()
+            )
+        if model is None:
+            raise InvalidRequest(f"llama.cpp could not load {path}")
+        return model
+
+    def _create_context(self, cfg: LlamaShardConfig, last_layer: int) -> Any:
+        from llama_cpp._utils import suppress_stdout_stderr
+
+        ll = self._ll
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = cfg.n_ctx
+        cparams.n_batch = cfg.n_batch
+        cparams.n_ubatch = cfg.n_batch  # rows keep batch order only if one ubatch holds the batch
+        cparams.n_seq_max = cfg.max_sessions
+        # One KV stream per session: a session's cells never interleave with another's, so its
+        # attention sums run in the same order as when it runs alone (greedy parity across
+        # concurrent sessions). Each session gets n_ctx / max_sessions cells.
+        cparams.kv_unified = False
+        threads = cfg.n_threads or os.cpu_count() or 1
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.embeddings = False
+        # Explicit, and the same as the single-node engine: greedy parity needs identical kernels.
+        cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if not self._tail:
+            self._callback = ll.ggml_backend_sched_eval_callback(self._make_capture(last_layer))
+            cparams.cb_eval = self._callback
+            cparams.cb_eval_user_data = None
+        with suppress_stdout_stderr(disable=False):
+            ctx = ll.llama_init_from_model(self._model, cparams)
+        if ctx is None:
+            ll.llama_model_free(self._model)
+            raise EngineError("llama.cpp could not create a context (out of memory?)")
+        return ctx
+
+    def _describe(self, model_id: str, layers: LayerRange, cfg: LlamaShardConfig) -> ShardInfo:
+        per_layer = self._kv_bytes_per_layer(len(layers))
+        weight_bytes = int(self._ll.llama_model_size(self._model))
+        if self._embed is not None:
+            weight_bytes += self._embed.nbytes
+        return ShardInfo(
+            model_id=model_id,
+            architecture=self._meta("general.architecture"),
+            backend="llama.cpp",
+            layers=layers,
+            seam=SeamSpec((self._n_embd,)),
+            n_vocab=self._embed.n_vocab if self._embed is not None else self._n_vocab,
+            max_positions=cfg.positions_per_session,
+            weight_bytes=weight_bytes,
+            kv=KVFormat(
+                kind="kv",
+                dtype="f16",
+                bytes_per_token=sum(per_layer),
+                fixed_bytes=0,
+                per_layer_bytes_per_token=tuple(per_layer),
+                formula="per layer: (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes (f16 K and V)",
+            ),
+        )
+
+    @classmethod
+    def from_model(
+        cls, gguf: Path, layers: LayerRange | str, *, cache_dir: Path, **kwargs: Any
+    ) -> LlamaShard:
+        """Cut ``layers`` out of a full GGUF (cached by content of the source) and load it."""
+        stat = gguf.stat()
+        key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        text = str(layers) if isinstance(layers, LayerRange) else layers
+        path = cache_dir / f"{gguf.name.removesuffix('.gguf')}.{key}.{text.replace(':', '-')}.gguf"
+        if not path.is_file():
+            write_shard(gguf, layers, path)
+        kwargs.setdefault("model_id", gguf.name.removesuffix(".gguf"))
+        return cls(path, **kwargs)
+
+    # -- compute -----------------------------------------------------------------------------
+    def _forward(self, state: int, start: int, tokens: I32 | None, hidden: F32 | None) -> ShardOutput:
+        if hidden is None and self._embed is not None:
+            assert tokens is not None
+            hidden = self._embed(tokens)
+        n = tokens.shape[0] if tokens is not None else hidden.shape[0]  # type: ignore[union-attr]
+        outputs: list[F32] = []
+        logits: F32 | None = None
+        for begin in range(0, n, self._n_batch):
+            end = min(n, begin + self._n_batch)
+            self._fill(state, start + begin, tokens=tokens, hidden=hidden, rows=(begin, end))
+            self._captured = 0
+            rc = int(self._ll.llama_decode(self._ctx, self._batch))
+            if rc == 1:
+                raise StoreFull("llama.cpp found no KV slot for this chunk; retry later", retry_after_s=5)
+            if rc != 0:
+                raise EngineError(f"llama_decode failed with code {rc}")
+            if self._tail:
+                ptr = self._ll.llama_get_logits_ith(self._ctx, -1)
+                logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+            else:
+                if self._captured != end - begin:
+                    raise EngineError(f"captured {self._captured} hidden rows, expected {end - begin}")
+                outputs.append(self._out[: end - begin].copy())
+        if self._tail:
+            return ShardOutput(logits=logits)
+        return ShardOutput(hidden=outputs[0] if len(outputs) == 1 else np.concatenate(outputs))
+
+    def _fill(
+        self, seq: int, pos0: int, *, tokens: I32 | None, hidden: F32 | None, rows: tuple[int, int]
+    ) -> None:
+        batch = self._batch
+        begin, end = rows
+        n = end - begin
+        batch.n_tokens = n
+        if self._token_input:
+            assert tokens is not None
+            np.ctypeslib.as_array(batch.token, shape=(n,))[:] = tokens[begin:end]
+        else:
+            assert hidden is not None
+            block = np.ascontiguousarray(hidden[begin:end], dtype=np.float32)
+            ctypes.memmove(batch.embd, block.ctypes.data, block.nbytes)
+        np.ctypeslib.as_array(batch.pos, shape=(n,))[:] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
+        for i in range(n):
+            batch.seq_id[i][0] = seq
+        flags = np.ctypeslib.as_array(batch.logits, shape=(n,))
+        if self._tail:
+            flags[:] = 0
+            flags[n - 1] = 1
+        else:
+            flags[:] = 1  # every row is an output, or llama.cpp drops rows in the last layer
+
+    def _make_capture(self, last_layer: int) -> Any:
+        target = f"l_out-{last_layer}".encode() + b"\0"
+        size = len(target)
+        get = _tensor_get(self._ll)
+        out = self._out
+
+        def capture(tensor: int, ask: bool, _: Any) -> bool:
+            if ctypes.string_at(tensor + _NAME_OFFSET, size) != target:
+                return not ask  # not ours: do not ask for it (and never abort a running graph)
+            if ask:
+                return True
+            ne0 = ctypes.c_int64.from_address(tensor + _NE_OFFSET).value
+            ne1 = ctypes.c_int64.from_address(tensor + _NE_OFFSET + 8).value
+            get(tensor, out.ctypes.data, 0, ne0 * ne1 * 4)
+            self._captured = int(ne1)
+            return True
+
+        return capture
+
+    # -- session state -----------------------------------------------------------------------
+    def _new_state(self, sid: SessionId) -> int:
+        if not self._free_seqs:
+            raise StoreFull("no free llama.cpp sequence on this shard", retry_after_s=5)
+        return self._free_seqs.pop()
+
+    def _free_state(self, state: int) -> None:
+        self._ll.llama_memory_seq_rm(self._mem, state, -1, -1)
+        self._free_seqs.append(state)
+
+    def _truncate_state(self, state: int, position: int) -> None:
+        self._ll.llama_memory_seq_rm(self._mem, state, position, -1)
+
+    def _dump_state(self, state: int, position: int) -> bytes:
+        size = int(self._ll.llama_state_seq_get_size(self._ctx, state))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(self._ll.llama_state_seq_get_data(self._ctx, buf, size, state))
+        return bytes(buf)[:written]
+
+    def _load_state(self, sid: SessionId, body: bytes, position: int) -> int:
+        seq = self._new_state(sid)
+        buf = (ctypes.c_uint8 * len(body)).from_buffer_copy(body)
+        if int(self._ll.llama_state_seq_set_data(self._ctx, buf, len(body), seq)) == 0:
+            self._free_state(seq)
+            raise InvalidRequest(
+                "llama.cpp rejected the KV snapshot (corrupt, or from another model/context)"
+            )
+        return seq
+
+    def kv_state_bytes(self, sid: SessionId) -> int:
+        """Bytes llama.cpp serializes for a session (KV data plus a small header)."""
+        with self._compute:
+            return int(self._ll.llama_state_seq_get_size(self._ctx, self._store.get(sid).state))
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _meta(self, key: str) -> str:
+        buf = ctypes.create_string_buffer(256)
+        n = self._ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+
+    def _kv_bytes_per_layer(self, n_layer: int) -> list[int]:
+        arch = self._meta("general.architecture")
+        n_head = int(self._meta(f"{arch}.attention.head_count") or 0)
+        n_head_kv = int(self._meta(f"{arch}.attention.head_count_kv") or n_head)
+        head_k = int(self._meta(f"{arch}.attention.key_length") or (self._n_embd // max(n_head, 1)))
+        head_v = int(self._meta(f"{arch}.attention.value_length") or head_k)
+        return [(n_head_kv * head_k + n_head_kv * head_v) * _KV_CACHE_BYTES] * n_layer
+
+    def close(self) -> None:
+        super().close()
+        ll = self._ll
+        if self._ctx is not None:
+            ll.llama_batch_free(self._batch)
+            ll.llama_free(self._ctx)
+            ll.llama_model_free(self._model)
+            self._ctx = None
+
+
+@functools.cache
+def _tensor_get(llama_cpp: Any) -> Any:
+    """``ggml_backend_tensor_get`` from the libggml-base that llama-cpp-python ships."""
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    fn = lib.ggml_backend_tensor_get
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    fn.restype = None
+    return fn

@@ -1,0 +1,296 @@
+"""The shard-backend interface: execute a contiguous layer range with per-session local KV.
+
+A shard takes what crosses its inbound seam (token ids at the head, the residual stream
+elsewhere), runs its blocks for a chunk of *absolute* positions, appends to the session's
+KV/state, and hands out what crosses its outbound seam (the residual stream; logits of the last
+position at the tail). The seam is architecture-defined and declared in ``ShardInfo.seam``:
+``[n, hidden]`` for llama, ``[n, hc_mult, hidden]`` for DeepSeek-V4's hyper-connection streams.
+Architectures that read token ids inside their layers (DeepSeek-V4's hash-routed layers) set
+``seam.carries_token_ids``; every shard then also receives the chunk's token ids.
+
+Ownership and concurrency: the session table is a ``SessionStore`` (sessions' state lives there
+and nowhere else). ``ShardBase`` validates every input and reserves positions in the store
+*before* any compute, so a bad call raises a named error and changes nothing. A backend
+serializes its own compute; calls on one session never interleave (``SessionBusy``).
+
+In memory, hidden states are float32 numpy arrays; the wire format (route issue) may carry
+bfloat16/float16 and converts at the node boundary.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import struct
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from meshnet.errors import InvalidRequest, SeamMismatch
+from meshnet.ids import SessionId
+from meshnet.layers import LayerRange
+from meshnet.session.store import SessionStore, StoreLimits
+
+__all__ = [
+    "KVFormat",
+    "SeamSpec",
+    "ShardBackend",
+    "ShardBase",
+    "ShardInfo",
+    "ShardOutput",
+]
+
+F32 = npt.NDArray[np.float32]
+I32 = npt.NDArray[np.int32]
+
+_SNAPSHOT_MAGIC = b"MNKV"
+_SNAPSHOT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SeamSpec:
+    """One position's slice of the residual stream that crosses a seam."""
+
+    shape: tuple[int, ...]
+    carries_token_ids: bool = False
+
+    @property
+    def elements(self) -> int:
+        return int(np.prod(self.shape))
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormat:
+    """What a session costs on this shard, in bytes.
+
+    ``bytes_per_token`` sums the per-layer figures in ``per_layer_bytes_per_token`` (0 for a layer
+    with only a fixed-size recurrent state); ``fixed_bytes`` is the length-independent part
+    (linear-attention / SSM states). ``formula`` says how the numbers were derived.
+    """
+
+    kind: str
+    dtype: str
+    bytes_per_token: int
+    fixed_bytes: int
+    per_layer_bytes_per_token: tuple[int, ...]
+    formula: str
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    model_id: str
+    architecture: str
+    backend: str
+    layers: LayerRange
+    seam: SeamSpec
+    n_vocab: int
+    max_positions: int
+    weight_bytes: int
+    kv: KVFormat
+
+
+@dataclass(frozen=True, slots=True)
+class ShardOutput:
+    """``hidden``: ``[n, *seam.shape]`` float32 (non-tail); ``logits``: ``[vocab]`` of the last position (tail)."""
+
+    hidden: F32 | None = None
+    logits: F32 | None = None
+
+
+class ShardBackend(Protocol):
+    info: ShardInfo
+
+    @property
+    def store(self) -> SessionStore[Any]: ...
+
+    def open_session(self, sid: SessionId) -> None: ...
+
+    def prefill(
+        self, sid: SessionId, start: int, *, tokens: I32 | None = None, hidden: F32 | None = None
+    ) -> ShardOutput: ...
+
+    def decode_step(
+        self, sid: SessionId, position: int, *, token: int | None = None, hidden: F32 | None = None
+    ) -> ShardOutput: ...
+
+    def snapshot(self, sid: SessionId) -> bytes: ...
+
+    def restore(self, sid: SessionId, blob: bytes) -> None: ...
+
+    def close_session(self, sid: SessionId) -> None: ...
+
+    def close(self) -> None: ...
+
+
+S = TypeVar("S")
+
+
+class ShardBase(abc.ABC, Generic[S]):
+    """Validation, position bookkeeping and snapshot framing shared by every backend.
+
+    Subclasses implement ``_forward`` (compute one chunk on ``state``), the state hooks
+    (``_new_state``, ``_free_state``, ``_truncate_state``) and ``_dump_state`` / ``_load_state``
+    for snapshots, then call ``_init_store``. Every hook runs under the shard's compute lock.
+    """
+
+    info: ShardInfo
+    _store: SessionStore[S]
+
+    def __init__(self) -> None:
+        self._compute = threading.Lock()  # one forward (or state mutation) at a time per shard
+
+    def _init_store(self, limits: StoreLimits) -> None:
+        def free(state: S) -> None:
+            with self._compute:
+                self._free_state(state)
+
+        def truncate(state: S, position: int) -> None:
+            with self._compute:
+                self._truncate_state(state, position)
+
+        self._store = SessionStore(
+            limits, new_state=self._new_state_locked, free_state=free, truncate_state=truncate
+        )
+
+    def _new_state_locked(self, sid: SessionId) -> S:
+        with self._compute:
+            return self._new_state(sid)
+
+    @property
+    def store(self) -> SessionStore[S]:
+        return self._store
+
+    # -- the interface -----------------------------------------------------------------------
+    def open_session(self, sid: SessionId) -> None:
+        self._store.open(sid)
+
+    def close_session(self, sid: SessionId) -> None:
+        self._store.close(sid)
+
+    def prefill(
+        self, sid: SessionId, start: int, *, tokens: I32 | None = None, hidden: F32 | None = None
+    ) -> ShardOutput:
+        tokens, hidden, n = self._check_inputs(tokens, hidden)
+        with self._store.use(sid, start, n) as session, self._compute:
+            return self._forward(session.state, start, tokens, hidden)
+
+    def decode_step(
+        self, sid: SessionId, position: int, *, token: int | None = None, hidden: F32 | None = None
+    ) -> ShardOutput:
+        tokens = None if token is None else np.asarray([token], dtype=np.int32)
+        if hidden is not None and hidden.shape[:1] != (1,):
+            raise SeamMismatch(f"a decode step carries one position, got hidden of shape {hidden.shape}")
+        return self.prefill(sid, position, tokens=tokens, hidden=hidden)
+
+    def snapshot(self, sid: SessionId) -> bytes:
+        session = self._store.get(sid)
+        with self._compute:
+            body = self._dump_state(session.state, session.position)
+        header = json.dumps(
+            {
+                "model_id": self.info.model_id,
+                "architecture": self.info.architecture,
+                "backend": self.info.backend,
+                "layers": [self.info.layers.start, self.info.layers.stop, self.info.layers.total],
+                "position": session.position,
+                "kv": asdict(self.info.kv),
+            },
+            sort_keys=True,
+        ).encode()
+        return _SNAPSHOT_MAGIC + struct.pack("<HI", _SNAPSHOT_VERSION, len(header)) + header + body
+
+    def restore(self, sid: SessionId, blob: bytes) -> None:
+        header, body = self._parse_snapshot(blob)
+        position = int(header["position"])
+        with self._compute:
+            state = self._load_state(sid, body, position)
+        try:
+            self._store.open(sid, state=state, position=position)
+        except Exception:
+            with self._compute:
+                self._free_state(state)
+            raise
+
+    def close(self) -> None:
+        self._store.close_all()
+
+    # -- for subclasses ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _forward(self, state: S, start: int, tokens: I32 | None, hidden: F32 | None) -> ShardOutput: ...
+
+    @abc.abstractmethod
+    def _new_state(self, sid: SessionId) -> S: ...
+
+    @abc.abstractmethod
+    def _free_state(self, state: S) -> None: ...
+
+    @abc.abstractmethod
+    def _truncate_state(self, state: S, position: int) -> None:
+        """Drop everything at positions >= ``position`` (undo a failed chunk)."""
+
+    @abc.abstractmethod
+    def _dump_state(self, state: S, position: int) -> bytes: ...
+
+    @abc.abstractmethod
+    def _load_state(self, sid: SessionId, body: bytes, position: int) -> S: ...
+
+    # -- validation --------------------------------------------------------------------------
+    def _check_inputs(self, tokens: I32 | None, hidden: F32 | None) -> tuple[I32 | None, F32 | None, int]:
+        info = self.info
+        needs_tokens = info.layers.is_head or info.seam.carries_token_ids
+        if needs_tokens and tokens is None:
+            raise SeamMismatch(f"shard {info.layers} needs the chunk's token ids")
+        if info.layers.is_head and hidden is not None:
+            raise SeamMismatch("the head shard takes token ids, not hidden states")
+        if not info.layers.is_head and hidden is None:
+            raise SeamMismatch(f"shard {info.layers} takes the hidden states of the previous shard")
+        n = -1
+        if tokens is not None:
+            tokens = np.asarray(tokens)
+            if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+                raise SeamMismatch(
+                    f"token ids must be a 1-D integer array, got {tokens.dtype} {tokens.shape}"
+                )
+            if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= info.n_vocab):
+                raise InvalidRequest(f"token ids must be within [0, {info.n_vocab})")
+            tokens = tokens.astype(np.int32, copy=False)
+            n = tokens.shape[0]
+        if hidden is not None:
+            if hidden.dtype != np.float32:
+                raise SeamMismatch(f"hidden states must be float32 in memory, got {hidden.dtype}")
+            want = info.seam.shape
+            if hidden.ndim != 1 + len(want) or tuple(hidden.shape[1:]) != want:
+                dims = ", ".join(map(str, want))
+                raise SeamMismatch(f"hidden states must have shape [n, {dims}], got {list(hidden.shape)}")
+            if n >= 0 and hidden.shape[0] != n:
+                raise SeamMismatch(f"{n} token ids but {hidden.shape[0]} hidden rows")
+            if not np.isfinite(hidden).all():
+                raise SeamMismatch("hidden states contain NaN or Inf")
+            n = hidden.shape[0]
+        if n <= 0:
+            raise InvalidRequest("a chunk holds at least one position")
+        return tokens, hidden, n
+
+    def _parse_snapshot(self, blob: bytes) -> tuple[dict[str, Any], bytes]:
+        if len(blob) < 10 or blob[:4] != _SNAPSHOT_MAGIC:
+            raise InvalidRequest("not a Meshnet KV snapshot (bad magic)")
+        version, size = struct.unpack_from("<HI", blob, 4)
+        if version != _SNAPSHOT_VERSION:
+            raise InvalidRequest(
+                f"snapshot version {version} is not supported (expected {_SNAPSHOT_VERSION})"
+            )
+        try:
+            header = json.loads(blob[10 : 10 + size])
+        except ValueError:
+            raise InvalidRequest("snapshot header is corrupt") from None
+        mine = self.info
+        layers = [mine.layers.start, mine.layers.stop, mine.layers.total]
+        for key, want in (("model_id", mine.model_id), ("backend", mine.backend), ("layers", layers)):
+            if header.get(key) != want:
+                raise InvalidRequest(
+                    f"snapshot {key} {header.get(key)!r} does not match this shard's {want!r}"
+                )
+        return header, blob[10 + size :]

@@ -1,0 +1,41 @@
+"""``meshnet shard make``: cut one layer range of a GGUF into a file the llama.cpp shard backend loads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
+from meshnet.errors import MeshnetError
+
+__all__ = ["run_shard_make"]
+
+
+def run_shard_make(args: argparse.Namespace) -> int:
+    from meshnet.artifacts.shard_file import write_shard
+
+    try:
+        source = args.gguf or bundled_gguf()
+    except BundledModelMissing as exc:
+        print(f"meshnet shard make: {exc}", file=sys.stderr)
+        return 2
+    if args.out.suffix != ".gguf":
+        print(f"meshnet shard make: --out must end in .gguf, got {args.out}", file=sys.stderr)
+        return 2
+    print(f"meshnet: reading {source} ...", flush=True)
+    started = time.monotonic()
+    try:
+        files = write_shard(source, args.layers, args.out, cut_vocab=False if args.keep_vocab else None)
+    except MeshnetError as exc:
+        print(f"meshnet shard make: {exc.message}", file=sys.stderr)
+        return 2
+    kind = "head" if files.layers.is_head else "tail" if files.layers.is_tail else "middle"
+    print(
+        f"meshnet: wrote {files.path} — {kind} shard, layers {files.layers} of {files.layers.total}, "
+        f"{files.tensors} tensors, {files.tensor_bytes / 2**20:.1f} MiB"
+        f"{', vocabulary cut to 1 token' if files.vocab_cut else ''} in {time.monotonic() - started:.1f}s"
+    )
+    if files.embeddings is not None:
+        print(f"meshnet: wrote {files.embeddings} — the head's embedding table (keep it beside the shard)")
+    return 0

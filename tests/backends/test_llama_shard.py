@@ -1,0 +1,300 @@
+"""llama.cpp shards of the bundled GGUF: parity, sessions, snapshots, accounting, bad inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshnet.artifacts.bundled import bundled_gguf
+from meshnet.artifacts.shard_file import write_shard
+from meshnet.backends.chain import decode_chain, forward_chain, generate, prefill_chain
+from meshnet.backends.llama_shard import SNAPSHOT_CELL_META_BYTES, LlamaShard, LlamaShardConfig
+from meshnet.errors import (
+    ContextOverflow,
+    InvalidRequest,
+    PositionMismatch,
+    SeamMismatch,
+    SessionBusy,
+    SessionGone,
+    SessionNotFound,
+    StoreFull,
+)
+from meshnet.ids import SessionId
+
+pytestmark = pytest.mark.real
+
+RANGES = ("0:10", "10:20", "20:30")
+N_NEW = 64
+KW = {"config": LlamaShardConfig(n_ctx=2048 * 6, max_sessions=6, n_threads=2)}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("llama-shards")
+
+
+@pytest.fixture(scope="module")
+def full() -> Iterator[LlamaShard]:
+    shard = LlamaShard(bundled_gguf(), **KW)
+    yield shard
+    shard.close()
+
+
+def make_chain(cache: Path) -> list[LlamaShard]:
+    return [LlamaShard.from_model(bundled_gguf(), r, cache_dir=cache, **KW) for r in RANGES]
+
+
+@pytest.fixture(scope="module")
+def chain(cache: Path) -> Iterator[list[LlamaShard]]:
+    shards = make_chain(cache)
+    yield shards
+    for shard in shards:
+        shard.close()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(bundled_gguf()), vocab_only=True, verbose=False)
+    texts = [
+        "Write a story about a dragon.",
+        "What is the capital of France?",
+        "List three uses of copper.",
+        "Explain photosynthesis to a child.",
+    ]
+    out = [
+        list(
+            vocab.tokenize(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n".encode(), special=True)
+        )
+        for t in texts
+    ]
+    vocab.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(full: LlamaShard, prompts: list[list[int]]) -> list[list[int]]:
+    return [generate([full], p, N_NEW, chunk=512) for p in prompts]
+
+
+def test_three_shards_are_token_identical_to_the_full_model(
+    chain: list[LlamaShard], prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    assert generate(chain, prompts[0], N_NEW, chunk=8) == reference[0]
+
+
+def test_the_reference_agrees_with_the_single_node_engine(
+    prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    import threading
+
+    from meshnet.backends.base import TokenStep
+    from meshnet.backends.llama_full import LlamaFullEngine
+    from meshnet.sampling import Sampler, SamplingParams
+
+    engine = LlamaFullEngine(bundled_gguf(), n_ctx=2048, n_threads=2)
+    try:
+        steps = engine.generate(prompts[0], Sampler(SamplingParams(temperature=0)), threading.Event())
+        tokens: list[int] = []
+        for step in steps:
+            if isinstance(step, TokenStep):
+                tokens.append(step.token)
+                if len(tokens) == N_NEW:
+                    break
+        steps.close()
+    finally:
+        engine.close()
+    assert tokens == reference[0]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunk_sizes_give_identical_tokens(
+    chain: list[LlamaShard], prompts: list[list[int]], reference: list[list[int]], chunk: int
+) -> None:
+    assert generate(chain, prompts[1], N_NEW, chunk=chunk) == reference[1]
+
+
+def test_four_interleaved_sessions_each_match_their_solo_run(
+    chain: list[LlamaShard], prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    sids = [SessionId(f"inter-{i}") for i in range(4)]
+    for sid in sids:
+        for shard in chain:
+            shard.open_session(sid)
+    # Prefill round-robin, chunk by chunk, then decode round-robin.
+    logits = {}
+    for begin in range(0, max(len(p) for p in prompts), 5):
+        for sid, prompt in zip(sids, prompts, strict=True):
+            if begin < len(prompt):
+                chunk = np.asarray(prompt[begin : begin + 5], dtype=np.int32)
+                logits[sid] = forward_chain(chain, sid, begin, chunk)
+    outs: dict[SessionId, list[int]] = {sid: [] for sid in sids}
+    positions = {sid: len(p) for sid, p in zip(sids, prompts, strict=True)}
+    for _ in range(N_NEW):
+        for sid in sids:
+            token = int(np.argmax(logits[sid]))
+            outs[sid].append(token)
+            logits[sid] = decode_chain(chain, sid, positions[sid], token)
+            positions[sid] += 1
+    for sid in sids:
+        for shard in chain:
+            shard.close_session(sid)
+    assert [outs[sid] for sid in sids] == reference
+
+
+def test_snapshot_close_restore_into_fresh_shards_continues_identically(
+    cache: Path, chain: list[LlamaShard], prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    sid = SessionId("snap")
+    prompt = prompts[2]
+    for shard in chain:
+        shard.open_session(sid)
+    logits = prefill_chain(chain, sid, prompt, chunk=16)
+    out, position = [], len(prompt)
+    for _ in range(20):
+        token = int(np.argmax(logits))
+        out.append(token)
+        logits = decode_chain(chain, sid, position, token)
+        position += 1
+    blobs = [shard.snapshot(sid) for shard in chain]
+    for shard in chain:
+        shard.close_session(sid)
+    fresh = make_chain(cache)
+    try:
+        for shard, blob in zip(fresh, blobs, strict=True):
+            shard.restore(sid, blob)
+            assert shard.store.get(sid).position == position
+        for _ in range(N_NEW - 20):
+            token = int(np.argmax(logits))
+            out.append(token)
+            logits = decode_chain(fresh, sid, position, token)
+            position += 1
+        # A snapshot of another layer range is refused with the reason.
+        with pytest.raises(InvalidRequest, match="layers"):
+            fresh[0].restore(SessionId("wrong"), blobs[1])
+    finally:
+        for shard in fresh:
+            shard.close()
+    assert out == reference[2]
+
+
+def test_no_recompute_and_kv_grows_linearly(chain: list[LlamaShard], prompts: list[list[int]]) -> None:
+    sid = SessionId("linear")
+    prompt = prompts[0]
+    for shard in chain:
+        shard.open_session(sid)
+    logits = prefill_chain(chain, sid, prompt, chunk=8)
+    position = len(prompt)
+    sizes = []
+    for step in range(12):
+        before = [shard.store.get(sid).positions_processed for shard in chain]
+        logits = decode_chain(chain, sid, position, int(np.argmax(logits)))
+        position += 1
+        after = [shard.store.get(sid).positions_processed for shard in chain]
+        assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1, 1]
+        if step % 4 == 0:
+            sizes.append((position, [shard.kv_state_bytes(sid) for shard in chain]))
+    for shard in chain:
+        assert shard.store.get(sid).positions_processed == position
+        per_token = shard.info.kv.bytes_per_token
+        assert per_token == 10 * (2 * 3 * 64) * 2  # 10 layers x (K+V) x 3 kv heads x 64 dims x f16
+        assert shard.store.session_bytes(sid) == per_token * position
+    (p0, s0), (p1, s1), (p2, s2) = sizes
+    for i, shard in enumerate(chain):
+        # What llama.cpp serializes per position: the K and V rows plus the cell's metadata.
+        per_token = shard.info.kv.bytes_per_token + SNAPSHOT_CELL_META_BYTES
+        assert s1[i] - s0[i] == per_token * (p1 - p0)
+        assert s2[i] - s1[i] == per_token * (p2 - p1)
+    for shard in chain:
+        shard.close_session(sid)
+
+
+def test_each_shard_loads_only_its_tensors(cache: Path, full: LlamaShard) -> None:
+    files = write_shard(bundled_gguf(), "10:20", cache / "only-10-20.gguf")
+    middle = LlamaShard(files.path, **KW)
+    try:
+        assert middle.info.weight_bytes == files.tensor_bytes
+        blocks = files.tensor_bytes
+        assert blocks < 0.36 * full.info.weight_bytes  # a third of the blocks, no vocab-sized tensors
+        assert middle.info.n_vocab == 1
+    finally:
+        middle.close()
+
+
+def test_bad_inputs_raise_named_errors_and_change_nothing(
+    chain: list[LlamaShard], prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    head, middle, _ = chain
+    sid = SessionId("bad")
+    prompt = prompts[3]
+    for shard in chain:
+        shard.open_session(sid)
+    logits = prefill_chain(chain, sid, prompt, chunk=64)
+    position = len(prompt)
+    good = np.zeros((1, 576), dtype=np.float32)
+    with pytest.raises(SeamMismatch, match="shape"):
+        middle.decode_step(sid, position, hidden=np.zeros((1, 575), dtype=np.float32))
+    with pytest.raises(SeamMismatch, match="float32"):
+        middle.decode_step(sid, position, hidden=good.astype(np.float16))
+    with pytest.raises(SeamMismatch, match="NaN"):
+        middle.decode_step(sid, position, hidden=np.full((1, 576), np.nan, dtype=np.float32))
+    with pytest.raises(PositionMismatch, match="gap"):
+        middle.decode_step(sid, position + 1, hidden=good)
+    with pytest.raises(PositionMismatch, match="rewind"):
+        middle.decode_step(sid, position - 1, hidden=good)
+    with pytest.raises(SeamMismatch):
+        head.decode_step(sid, position, hidden=good)  # the head takes token ids
+    with pytest.raises(InvalidRequest):
+        head.decode_step(sid, position, token=10**9)
+    with pytest.raises(SessionNotFound):
+        middle.decode_step(SessionId("never"), 0, hidden=good)
+    for shard in chain:
+        assert shard.store.get(sid).position == position  # nothing moved
+    out = []
+    for _ in range(N_NEW):
+        token = int(np.argmax(logits))
+        out.append(token)
+        logits = decode_chain(chain, sid, position, token)
+        position += 1
+    assert out == reference[3]
+    for shard in chain:
+        shard.close_session(sid)
+    with pytest.raises(SessionGone, match="closed"):
+        middle.decode_step(sid, position, hidden=good)
+
+
+def test_store_full_is_named_and_leaves_sessions_intact(cache: Path) -> None:
+    # 128 cells for 2 sessions: each session's context holds 64 positions.
+    config = LlamaShardConfig(n_ctx=128, max_sessions=2, n_threads=2)
+    small = LlamaShard.from_model(bundled_gguf(), "20:30", cache_dir=cache, config=config)
+    try:
+        hidden = np.random.default_rng(0).standard_normal((40, 576)).astype(np.float32)
+        a, b, c = SessionId("a"), SessionId("b"), SessionId("c")
+        small.open_session(a)
+        first = small.prefill(a, 0, hidden=hidden).logits
+        with pytest.raises(ContextOverflow, match="capped at 64"):
+            small.prefill(a, 40, hidden=hidden[:30])
+        assert small.store.get(a).position == 40
+        small.open_session(b)
+        with pytest.raises(StoreFull, match="maximum of 2 sessions"):
+            small.open_session(c)
+        small.prefill(a, 40, hidden=hidden[:24])  # what fits still works
+        assert small.store.get(a).position == 64
+        # The rejected calls left no trace: a fresh session given the same input agrees.
+        again = small.prefill(b, 0, hidden=hidden).logits
+        assert first is not None and again is not None and np.array_equal(first, again)
+    finally:
+        small.close()
+
+
+def test_a_second_concurrent_call_on_one_session_is_refused(chain: list[LlamaShard]) -> None:
+    tail = chain[2]
+    sid = SessionId("busy")
+    tail.open_session(sid)
+    with tail.store.use(sid, 0, 1), pytest.raises(SessionBusy):
+        tail.decode_step(sid, 0, hidden=np.zeros((1, 576), dtype=np.float32))
+    tail.close_session(sid)

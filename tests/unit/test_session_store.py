@@ -1,0 +1,156 @@
+"""SessionStore: checks before compute, rollback on failure, byte budget, TTL, ended-session reasons."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshnet.errors import (
+    Conflict,
+    ContextOverflow,
+    PositionMismatch,
+    SessionBusy,
+    SessionGone,
+    SessionNotFound,
+    StoreFull,
+)
+from meshnet.ids import SessionId
+from meshnet.session.store import SessionStore, StoreLimits
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(**limits: float) -> tuple[SessionStore[list[int]], Clock, list[str]]:
+    log: list[str] = []
+    clock = Clock()
+
+    def truncate(state: list[int], position: int) -> None:
+        log.append(f"truncate {position}")
+        del state[position:]
+
+    store: SessionStore[list[int]] = SessionStore(
+        StoreLimits(
+            **{"bytes_per_token": 10, "budget_bytes": 1000, "max_sessions": 3, "idle_ttl_s": 60, **limits}
+        ),
+        new_state=lambda sid: [],
+        free_state=lambda state: log.append(f"free {len(state)}"),
+        truncate_state=truncate,
+        clock=clock,
+    )
+    return store, clock, log
+
+
+def advance(store: SessionStore[list[int]], sid: SessionId, start: int, n: int) -> None:
+    with store.use(sid, start, n) as session:
+        session.state.extend(range(start, start + n))
+
+
+def test_positions_advance_and_are_counted() -> None:
+    store, _, _ = make()
+    sid = SessionId("a")
+    store.open(sid)
+    advance(store, sid, 0, 5)
+    advance(store, sid, 5, 1)
+    session = store.get(sid)
+    assert (session.position, session.positions_processed, session.steps) == (6, 6, 2)
+    assert store.session_bytes(sid) == 60 and store.bytes_used() == 60 and store.free_bytes() == 940
+
+
+def test_gap_rewind_and_busy_are_refused_before_compute() -> None:
+    store, _, log = make()
+    sid = SessionId("a")
+    store.open(sid)
+    advance(store, sid, 0, 3)
+    with pytest.raises(PositionMismatch, match="expects position 3, got 5 \\(a gap\\)"):
+        advance(store, sid, 5, 1)
+    with pytest.raises(PositionMismatch, match="rewind"):
+        advance(store, sid, 1, 1)
+    with store.use(sid, 3, 1) as session:
+        with pytest.raises(SessionBusy):
+            advance(store, sid, 3, 1)
+        with pytest.raises(SessionBusy):
+            store.close(sid)
+        session.state.append(3)
+    assert store.get(sid).position == 4 and store.get(sid).state == [0, 1, 2, 3]
+    assert log == []
+
+
+def test_a_failed_compute_rolls_back() -> None:
+    store, _, log = make()
+    sid = SessionId("a")
+    store.open(sid)
+    advance(store, sid, 0, 2)
+    with pytest.raises(RuntimeError), store.use(sid, 2, 3) as session:
+        session.state.extend([2, 3])
+        raise RuntimeError("backend died")
+    assert store.get(sid).position == 2 and store.get(sid).state == [0, 1] and log == ["truncate 2"]
+    advance(store, sid, 2, 1)  # and it continues
+    assert store.get(sid).position == 3
+
+
+def test_budget_sessions_and_context_cap() -> None:
+    store, _, _ = make(max_positions=60)
+    a, b = SessionId("a"), SessionId("b")
+    store.open(a)
+    store.open(b)
+    advance(store, a, 0, 50)
+    with pytest.raises(ContextOverflow, match="capped at 60"):
+        advance(store, a, 50, 11)
+    advance(store, b, 0, 45)
+    with pytest.raises(StoreFull, match="KV store full") as full:
+        advance(store, b, 45, 10)  # 950 + 100 > 1000
+    assert full.value.retry_after_s > 0
+    assert store.get(b).position == 45
+    store.open(SessionId("c"))
+    with pytest.raises(StoreFull, match="maximum of 3 sessions"):
+        store.open(SessionId("d"))
+    with pytest.raises(Conflict):
+        store.open(a)
+
+
+def test_ended_sessions_say_why_and_unknown_ones_are_404() -> None:
+    store, clock, log = make()
+    a, b = SessionId("a"), SessionId("b")
+    store.open(a)
+    store.open(b)
+    advance(store, b, 0, 4)
+    store.close(a)
+    with pytest.raises(SessionGone, match="closed"):
+        store.get(a)
+    clock.now = 61
+    assert store.expire_idle() == [b]
+    assert log == ["free 0", "free 4"]
+    with pytest.raises(SessionGone, match="expired after 60s idle"):
+        advance(store, b, 4, 1)
+    with pytest.raises(SessionNotFound, match="node restarted"):
+        store.get(SessionId("zzz"))
+    assert len(store) == 0 and store.bytes_used() == 0
+    store.open(a)  # an id may be reused after it ended
+    assert store.get(a).position == 0
+
+
+def test_a_busy_session_is_never_expired_and_restore_adopts_state() -> None:
+    store, clock, _ = make()
+    a = SessionId("a")
+    store.open(a)
+    with store.use(a, 0, 1) as session:
+        clock.now = 1000
+        assert store.expire_idle() == []
+        session.state.append(0)
+    restored = store.open(SessionId("r"), state=[0, 1, 2], position=3)
+    assert restored.position == 3 and store.session_bytes(SessionId("r")) == 30
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError):
+        StoreLimits(bytes_per_token=-1)
+    with pytest.raises(ValueError):
+        StoreLimits(bytes_per_token=1, max_sessions=0)
+    with pytest.raises(ValueError):
+        StoreLimits(bytes_per_token=1, idle_ttl_s=0)
+    assert StoreLimits(bytes_per_token=4, fixed_bytes=100).bytes_at(10) == 140
