@@ -11,6 +11,8 @@
     ├── Conflict                      409  conflict_error
     │   ├── PositionMismatch          409  position_mismatch  (not the session's next position)
     │   └── SessionBusy               409  session_busy       (a second concurrent call on a session)
+    ├── PayloadTooLarge               413  payload_too_large
+    ├── BadGateway                    502  bad_gateway        (the next hop failed or broke the session)
     ├── Overloaded                    503  overloaded_error   (carries Retry-After)
     │   └── StoreFull                 503  kv_store_full
     └── EngineError                   500  engine_error       (a backend failed mid-generation)
@@ -22,6 +24,7 @@ meets them, never further in. The HTTP layers translate with :func:`http_status`
 from __future__ import annotations
 
 __all__ = [
+    "BadGateway",
     "Conflict",
     "ContextOverflow",
     "EngineError",
@@ -29,6 +32,7 @@ __all__ = [
     "MeshnetError",
     "NotFound",
     "Overloaded",
+    "PayloadTooLarge",
     "PositionMismatch",
     "SeamMismatch",
     "SessionBusy",
@@ -102,6 +106,18 @@ class PositionMismatch(Conflict):
 
 class SessionBusy(Conflict):
     code = "session_busy"
+
+
+class PayloadTooLarge(MeshnetError):
+    status = 413
+    error_type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class BadGateway(MeshnetError):
+    status = 502
+    error_type = "upstream_error"
+    code = "bad_gateway"
 
 
 class Overloaded(MeshnetError):

@@ -10,9 +10,9 @@ from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
-    error_body,
     parse_body,
 )
+from meshnet.httputil import error_body
 
 MSG = [{"role": "user", "content": "hi"}]
 

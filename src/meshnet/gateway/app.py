@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnet.backends.base import TextEngine
-from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError, NotFound, UnknownModel
+from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError, UnknownModel
 from meshnet.gateway.chat_template import ChatTemplate
 from meshnet.gateway.generation import (
     Delta,
@@ -34,8 +33,9 @@ from meshnet.gateway.generation import (
     StreamItem,
 )
 from meshnet.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest, error_body, parse_body
+from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, Hop, TelemetryHub
+from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response
 from meshnet.ids import GenerationId, new_generation_id, new_route_id, new_session_id, parse_generation_id
 from meshnet.protocol.headers import GENERATION_ID
 from meshnet.tracker.billing import FORMULA
@@ -93,7 +93,7 @@ def create_app(engine: TextEngine, *, node_url: str = "local", max_queue: int = 
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        exception_handlers={MeshnetError: _meshnet_error, HTTPException: _http_error},
+        exception_handlers=EXCEPTION_HANDLERS,
     )
     app.state.gateway = state
     app.add_middleware(_CountRequests, metrics=metrics, paths=frozenset(r.path for r in routes))
@@ -111,27 +111,6 @@ def _with(state: GatewayState, handler: Handler) -> Callable[[Request], Awaitabl
 
 
 # -- errors ---------------------------------------------------------------------------------------
-def error_response(error: MeshnetError, headers: dict[str, str] | None = None) -> JSONResponse:
-    retry = getattr(error, "retry_after_s", None)
-    extra = {"Retry-After": str(retry)} if retry is not None else {}
-    return JSONResponse(error_body(error), status_code=error.status, headers={**extra, **(headers or {})})
-
-
-async def _meshnet_error(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, MeshnetError)
-    return error_response(exc)
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 404:
-        error: MeshnetError = NotFound(f"no route {request.method} {request.url.path}")
-    else:
-        error = InvalidRequest(f"{request.method} {request.url.path}: {exc.detail}")
-        error.status = exc.status_code
-    return error_response(error)
-
-
 class _CountRequests:
     """Counts responses by endpoint and status for /metrics (ids folded out of the path)."""
 
@@ -186,9 +165,7 @@ async def list_models(state: GatewayState, _: Request) -> Response:
 async def chat_completions(state: GatewayState, request: Request) -> Response:
     body = parse_body(await request.body(), ChatCompletionRequest)
     _check_model(state, body.model)
-    messages = [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
-    ]
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
     text = state.template.render(messages)
     # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
     bos = state.engine.info.bos_token
@@ -205,9 +182,7 @@ async def completions(state: GatewayState, request: Request) -> Response:
         tokens = [int(t) for t in prompt]
         bad = [t for t in tokens if not 0 <= t < state.engine.info.n_vocab]
         if bad:
-            raise InvalidRequest(
-                f"token ids out of the vocabulary [0, {state.engine.info.n_vocab}): {bad[:5]}"
-            )
+            raise InvalidRequest(f"token ids out of the vocabulary [0, {state.engine.info.n_vocab}): {bad[:5]}")
     else:
         text = prompt if isinstance(prompt, str) else str(prompt[0])
         if not text:
@@ -433,9 +408,7 @@ async def _collect(
                 parts.append(item.text)
             elif isinstance(item, Finished):
                 parts.append(item.text)
-                return JSONResponse(
-                    shape.final("".join(parts), _client_reason(item.finish_reason)), headers=headers
-                )
+                return JSONResponse(shape.final("".join(parts), _client_reason(item.finish_reason)), headers=headers)
             elif isinstance(item, Failed):
                 return error_response(item.error, headers)
     finally:

@@ -54,6 +54,4 @@ class ChatTemplate:
                 eos_token=self.eos_token,
             )
         except jinja2.TemplateError as exc:
-            raise InvalidRequest(
-                f"the chat template failed on these messages: {exc}", param="messages"
-            ) from None
+            raise InvalidRequest(f"the chat template failed on these messages: {exc}", param="messages") from None

@@ -149,9 +149,7 @@ def run_worker(
 class GenerationService:
     """Queues generations in front of an engine and turns worker reports into telemetry."""
 
-    def __init__(
-        self, engine: TextEngine, hub: TelemetryHub, metrics: GatewayMetrics, *, max_queue: int = 64
-    ) -> None:
+    def __init__(self, engine: TextEngine, hub: TelemetryHub, metrics: GatewayMetrics, *, max_queue: int = 64) -> None:
         self.engine = engine
         self.hub = hub
         self.metrics = metrics
@@ -277,9 +275,7 @@ class GenerationService:
 
     def _emit_billing(self, tel: GenerationTelemetry) -> None:
         layers = sum(len(hop.layers) for hop in tel.route)
-        tel.billing = estimate(
-            prompt_tokens=tel.prompt_tokens, completion_tokens=tel.completion_tokens, layers=layers
-        )
+        tel.billing = estimate(prompt_tokens=tel.prompt_tokens, completion_tokens=tel.completion_tokens, layers=layers)
         tel.emit(EventType.BILLING_ESTIMATE, **tel.billing.as_json())
 
     def _emit_health(self, tel: GenerationTelemetry) -> None:

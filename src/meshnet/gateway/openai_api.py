@@ -7,18 +7,17 @@ module sees a ``ValidationError``.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.errors import InvalidRequest
 from meshnet.sampling import SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
-    "error_body",
     "parse_body",
 ]
 
@@ -70,9 +69,7 @@ class _GenerationParams(_Strict):
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed
-        )
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
 
     @property
     def include_usage(self) -> bool:
@@ -159,14 +156,3 @@ def parse_body(raw: bytes, schema: type[RequestT]) -> RequestT:
         raise InvalidRequest(f"invalid value for '{param}': {first['msg']}", param=param) from None
     request.check_supported()
     return request
-
-
-def error_body(error: MeshnetError) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": error.message,
-            "type": error.error_type,
-            "param": error.param,
-            "code": error.code,
-        }
-    }

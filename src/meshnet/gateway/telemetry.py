@@ -117,9 +117,7 @@ class GenerationTelemetry:
     prefill_started_at: float | None = None
     prefill_seconds: float | None = None
     decode_started_at: float | None = None
-    _token_times: collections.deque[float] = field(
-        default_factory=lambda: collections.deque(maxlen=_ROLLING_WINDOW)
-    )
+    _token_times: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=_ROLLING_WINDOW))
     _last_progress_at: float = 0.0
     _subscribers: set[asyncio.Queue[TelemetryEvent | None]] = field(default_factory=set)
 

@@ -10,8 +10,11 @@ __all__ = [
     "DTYPE",
     "GENERATION_ID",
     "MODEL",
+    "NEXT_HOPS",
     "POSITION",
     "ROUTE_ID",
+    "SAMPLE",
+    "SAMPLING",
     "SHAPE",
     "TOKEN_RANGE",
 ]
@@ -23,3 +26,8 @@ TOKEN_RANGE = "X-Meshnet-Token-Range"
 SHAPE = "X-Meshnet-Shape"
 DTYPE = "X-Meshnet-Dtype"
 POSITION = "X-Meshnet-Position"
+
+# Meshnet additions to the seed's sketch (docs/protocol.md):
+NEXT_HOPS = "X-Meshnet-Next-Hops"  # URLs of the hops after the receiver, comma-separated (first chunk)
+SAMPLING = "X-Meshnet-Sampling"  # sampling parameters for the tail, JSON (first chunk)
+SAMPLE = "X-Meshnet-Sample"  # "1" on the last prefill chunk: the tail must answer with a token

@@ -1,0 +1,20 @@
+"""Prometheus metrics of one node, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+__all__ = ["NodeMetrics"]
+
+
+class NodeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.positions = Counter("meshnet_node_positions", "Positions computed by this shard", registry=r)
+        self.seam_bytes = Counter("meshnet_node_seam_bytes", "Activation bytes sent to the next hop", registry=r)
+        self.sessions = Gauge("meshnet_node_sessions", "Sessions holding KV on this node", registry=r)
+        self.kv_bytes = Gauge("meshnet_node_kv_bytes", "KV/state bytes held for sessions", registry=r)
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))
