@@ -11,9 +11,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 ARGS ?=
 
-.PHONY: up test bench lint install clean
+.PHONY: up serve test bench lint install clean
 
 up: $(STAMP)
+	$(BIN)/meshnet up $(ARGS)
+
+serve: $(STAMP)
 	$(BIN)/meshnet serve $(ARGS)
 
 test: $(STAMP)

@@ -171,9 +171,7 @@ def test_chat_non_streaming(client: TestClient):
 
 
 def test_chat_streaming(client: TestClient):
-    resp, chunks = _stream(
-        client, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "temperature": 0}
-    )
+    resp, chunks = _stream(client, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "temperature": 0})
     gid = resp.headers[GENERATION_ID]
     first = chunks[0]
     assert first["object"] == "chat.completion.chunk"
@@ -342,9 +340,7 @@ def test_events_stream_is_ordered_and_complete(client: TestClient):
     for stream in (False, True):
         gid = f"gen-events-{stream}"
         if stream:
-            _stream(
-                client, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}, {GENERATION_ID: gid}
-            )
+            _stream(client, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}, {GENERATION_ID: gid})
         else:
             assert _chat(client, headers={GENERATION_ID: gid}).status_code == 200
         events = _events(client, gid)
@@ -427,9 +423,7 @@ def test_events_subscriber_can_wait_for_a_proposed_id(engine: FakeEngine):
         assert resp.status_code == 200
         events = result["events"]
         assert events.status_code == 200
-        types = [
-            json.loads(line[6:])["type"] for line in events.text.splitlines() if line.startswith("data: ")
-        ]
+        types = [json.loads(line[6:])["type"] for line in events.text.splitlines() if line.startswith("data: ")]
         full = [e["type"] for _, e in _events(client, gid)]
         assert full[-1] == "generation.completed"
         assert types[:2] == ["route.accepted", "model.selected"]

@@ -78,9 +78,7 @@ def test_the_walk_sees_the_tree():
     modules = {imp.module for imp in imports}
     assert {"meshnet", "meshnet.gateway.app", "meshnet.backends.fake", "meshnet.sampling"} <= modules
     # The lazy import inside a function of the llama.cpp backend is found.
-    assert any(
-        imp.module == "meshnet.backends.llama_full" and _is(imp.target, "llama_cpp") for imp in imports
-    )
+    assert any(imp.module == "meshnet.backends.llama_full" and _is(imp.target, "llama_cpp") for imp in imports)
 
 
 def test_resolve_relative_imports():

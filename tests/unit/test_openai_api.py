@@ -75,9 +75,7 @@ def test_max_completion_tokens_wins_over_max_tokens():
 def test_content_parts_are_joined():
     body = {
         "model": "m",
-        "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
-        ],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
     }
     req = parse_body(json.dumps(body).encode(), ChatCompletionRequest)
     assert req.messages[0].text() == "ab"

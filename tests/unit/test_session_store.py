@@ -34,9 +34,7 @@ def make(**limits: float) -> tuple[SessionStore[list[int]], Clock, list[str]]:
         del state[position:]
 
     store: SessionStore[list[int]] = SessionStore(
-        StoreLimits(
-            **{"bytes_per_token": 10, "budget_bytes": 1000, "max_sessions": 3, "idle_ttl_s": 60, **limits}
-        ),
+        StoreLimits(**{"bytes_per_token": 10, "budget_bytes": 1000, "max_sessions": 3, "idle_ttl_s": 60, **limits}),
         new_state=lambda sid: [],
         free_state=lambda state: log.append(f"free {len(state)}"),
         truncate_state=truncate,

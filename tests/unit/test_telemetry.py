@@ -11,13 +11,13 @@ from meshnet.errors import Conflict, NotFound
 from meshnet.gateway.telemetry import (
     EventType,
     GenerationTelemetry,
-    Hop,
     Phase,
     TelemetryEvent,
     TelemetryHub,
 )
 from meshnet.ids import GenerationId
 from meshnet.layers import LayerRange
+from meshnet.routes import Hop
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -14,10 +14,12 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from meshnet.ids import new_route_id, new_session_id
 from meshnet.layers import LayerRange
+from meshnet.routes import Hop, RoutePlan
 from meshnet.sampling import Sampler
 
-__all__ = ["EngineStep", "ModelInfo", "PrefillProgress", "TextEngine", "TokenStep"]
+__all__ = ["EngineStep", "ModelInfo", "PrefillProgress", "TextEngine", "TokenStep", "local_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,11 @@ class ModelInfo:
         return LayerRange.full(self.n_layers)
 
 
+def local_plan(info: ModelInfo, url: str = "local") -> RoutePlan:
+    """The one-hop route of an engine that holds every layer itself."""
+    return RoutePlan(new_session_id(), new_route_id(), (Hop("local", url, info.layers),))
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillProgress:
     """``done`` of ``total`` prompt tokens are in the KV cache."""
@@ -51,8 +58,11 @@ class PrefillProgress:
 
 @dataclass(frozen=True, slots=True)
 class TokenStep:
+    """One decoded token; ``hop_ms`` is each hop's compute time for it (routes only)."""
+
     token: int
     logprob: float
+    hop_ms: tuple[float, ...] = ()
 
 
 EngineStep = PrefillProgress | TokenStep
@@ -63,6 +73,14 @@ class TextEngine(Protocol):
     n_ctx: int
     max_concurrency: int
 
+    def plan(self) -> RoutePlan:
+        """Pick (and pin) the route a new generation will use. May block: call it off the event loop."""
+        ...
+
+    def release(self, plan: RoutePlan) -> None:
+        """Give back a planned route that will never run (the request was refused after planning)."""
+        ...
+
     def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
 
     def token_bytes(self, token: int) -> bytes:
@@ -72,7 +90,7 @@ class TextEngine(Protocol):
     def is_end_of_generation(self, token: int) -> bool: ...
 
     def generate(
-        self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event
+        self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event, plan: RoutePlan | None = None
     ) -> Generator[EngineStep, None, None]: ...
 
     def close(self) -> None: ...

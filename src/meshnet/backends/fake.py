@@ -14,8 +14,9 @@ from collections.abc import Generator, Sequence
 
 import numpy as np
 
-from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, TokenStep
+from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, TokenStep, local_plan
 from meshnet.errors import Conflict, InvalidRequest
+from meshnet.routes import RoutePlan
 from meshnet.sampling import Sampler
 
 __all__ = ["FakeEngine"]
@@ -42,6 +43,7 @@ class FakeEngine:
         prefill_chunk: int = 8,
         step_delay_s: float = 0.0,
     ) -> None:
+        self.url = "local"
         self.reply = reply.encode("utf-8")
         self.n_ctx = n_ctx
         self.prefill_chunk = prefill_chunk
@@ -72,8 +74,14 @@ class FakeEngine:
     def is_end_of_generation(self, token: int) -> bool:
         return token == EOS
 
+    def plan(self) -> RoutePlan:
+        return local_plan(self.info, self.url)
+
+    def release(self, plan: RoutePlan) -> None:
+        pass  # nothing was reserved for a local route
+
     def generate(
-        self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event
+        self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event, plan: RoutePlan | None = None
     ) -> Generator[EngineStep, None, None]:
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")

@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from meshnet.backends.base import EngineStep, PrefillProgress, TokenStep
+from meshnet.backends.base import EngineStep, PrefillProgress, TokenStep, local_plan
 from meshnet.backends.llama_vocab import LlamaVocab
 from meshnet.errors import Conflict, EngineError, InvalidRequest
+from meshnet.routes import RoutePlan
 from meshnet.sampling import Sampler
 
 __all__ = ["LlamaFullEngine"]
@@ -37,9 +38,11 @@ class LlamaFullEngine:
         n_batch: int = 512,
         model_id: str | None = None,
         context_cap: int = 131072,
+        url: str = "local",
     ) -> None:
         import llama_cpp
 
+        self.url = url
         self.vocab = LlamaVocab(gguf, model_id=model_id)
         self.info = self.vocab.info
         n_ctx_train = self.info.n_ctx_train
@@ -77,8 +80,14 @@ class LlamaFullEngine:
     def is_end_of_generation(self, token: int) -> bool:
         return self.vocab.is_end_of_generation(token)
 
+    def plan(self) -> RoutePlan:
+        return local_plan(self.info, self.url)
+
+    def release(self, plan: RoutePlan) -> None:
+        pass  # nothing was reserved for a local route
+
     def generate(
-        self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event
+        self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event, plan: RoutePlan | None = None
     ) -> Generator[EngineStep, None, None]:
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")

@@ -30,9 +30,7 @@ class Reply:
     finish_reason: str | None = None
 
 
-def stream_chat(
-    client: httpx.Client, url: str, payload: dict[str, Any]
-) -> Iterator[tuple[str, dict[str, Any]]]:
+def stream_chat(client: httpx.Client, url: str, payload: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(text delta, telemetry snapshot)`` for each chunk of an OpenAI chat stream."""
     with client.stream("POST", f"{url}/v1/chat/completions", json={**payload, "stream": True}) as response:
         if response.status_code != 200:
@@ -79,9 +77,7 @@ def _status_line(status: dict[str, Any]) -> Text:
     return Text("  ".join(parts), style="dim")
 
 
-def _ask(
-    client: httpx.Client, console: Console, url: str, payload: dict[str, Any], show_status: bool
-) -> Reply:
+def _ask(client: httpx.Client, console: Console, url: str, payload: dict[str, Any], show_status: bool) -> Reply:
     reply = Reply()
     if not console.is_terminal or not show_status:
         for delta, status in stream_chat(client, url, payload):
@@ -118,9 +114,7 @@ def run_chat(args: argparse.Namespace) -> int:
     with httpx.Client(timeout=_TIMEOUT) as client:
         try:
             model = args.model or _default_model(client, url)
-            messages: list[dict[str, str]] = (
-                [{"role": "system", "content": args.system}] if args.system else []
-            )
+            messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
             payload = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature}
             if args.prompt is not None:
                 messages.append({"role": "user", "content": args.prompt})

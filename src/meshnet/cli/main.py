@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshnet import __version__
+from meshnet.cli.swarm import add_swarm_commands
 
 __all__ = ["main"]
 
@@ -31,21 +32,32 @@ def _build_parser() -> argparse.ArgumentParser:
 
     shard = sub.add_parser("shard", help="layer-range shard files")
     shard_sub = shard.add_subparsers(dest="shard_command", required=True, metavar="ACTION")
-    make = shard_sub.add_parser(
-        "make", help="cut a layer range out of a full GGUF into a loadable shard GGUF"
-    )
+    make = shard_sub.add_parser("make", help="cut a layer range out of a full GGUF into a loadable shard GGUF")
     make.add_argument("--gguf", type=Path, help="full model GGUF (default: the bundled model)")
     make.add_argument("--layers", required=True, help="half-open block range START:STOP, e.g. 10:20")
     make.add_argument("--out", type=Path, required=True, help="shard file to write (.gguf)")
-    make.add_argument(
-        "--keep-vocab", action="store_true", help="keep the full vocabulary on a non-tail shard (slower)"
+    make.add_argument("--keep-vocab", action="store_true", help="keep the full vocabulary on a non-tail shard (slower)")
+
+    add_swarm_commands(sub)
+    up = sub.add_parser("up", help="run a whole local swarm: tracker, N nodes, gateway")
+    up.add_argument("--gguf", type=Path, help="GGUF to split (default: the bundled model)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    up.add_argument("--nodes", type=int, default=3, help="shard nodes (default 3)")
+    up.add_argument("--backend", choices=("llama", "torch"), default="llama")
+    up.add_argument("--threads", type=int, help="threads per node (default: cores / nodes, at least 1)")
+    up.add_argument("--ctx", type=int, default=2048, help="context per session (default 2048)")
+    up.add_argument(
+        "--wire-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="activations between nodes (default float32: exact, and loopback bandwidth is free)",
     )
+    up.add_argument("--workdir", help="where logs and the tracker database go (default: a temp dir)")
 
     chat = sub.add_parser("chat", help="chat with a Meshnet server from the terminal")
     chat.add_argument("prompt", nargs="?", help="one prompt; without it, an interactive session starts")
-    chat.add_argument(
-        "--url", default="http://127.0.0.1:8000", help="server URL (default http://127.0.0.1:8000)"
-    )
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (default http://127.0.0.1:8000)")
     chat.add_argument("--model", help="model id (default: the server's first model)")
     chat.add_argument("--max-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)
@@ -60,6 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from meshnet.cli.serve import run_serve
 
         return run_serve(args)
+    if args.command in ("node", "tracker", "gateway", "up"):
+        from meshnet.cli import swarm, up
+
+        runner = {"node": swarm.run_node, "tracker": swarm.run_tracker, "gateway": swarm.run_gateway}
+        return runner[args.command](args) if args.command in runner else up.run_up(args)
     if args.command == "shard":
         from meshnet.cli.shard import run_shard_make
 

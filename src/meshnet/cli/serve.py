@@ -28,9 +28,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise SystemExit(
-                f"meshnet: port {port} on {host} is already in use; pick another with --port"
-            ) from None
+            raise SystemExit(f"meshnet: port {port} on {host} is already in use; pick another with --port") from None
         raise SystemExit(f"meshnet: cannot bind {host}:{port}: {exc.strerror}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -74,6 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
             n_threads=config.threads,
             n_batch=config.batch,
             model_id=config.model_id,
+            url=url,
         )
     except MeshnetError as exc:
         sock.close()
@@ -84,7 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"meshnet serve: llama.cpp could not load {config.gguf}: {exc}", file=sys.stderr)
         return 2
     info = engine.info
-    app = create_app(engine, node_url=url, max_queue=config.max_queue)
+    app = create_app(engine, max_queue=config.max_queue)
     print(
         f"meshnet: {info.model_id} ({info.architecture}, {info.quantization}, {info.n_layers} layers) "
         f"loaded in {time.monotonic() - started:.1f}s; context cap {engine.n_ctx} tokens, "
@@ -97,9 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    )
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])  # handles SIGINT/SIGTERM: finish in-flight responses, then stop
     finally:

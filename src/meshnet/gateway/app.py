@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -34,10 +36,11 @@ from meshnet.gateway.generation import (
 )
 from meshnet.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
-from meshnet.gateway.telemetry import EventType, GenerationTelemetry, Hop, TelemetryHub
+from meshnet.gateway.telemetry import EventType, GenerationTelemetry, TelemetryHub
 from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response
-from meshnet.ids import GenerationId, new_generation_id, new_route_id, new_session_id, parse_generation_id
+from meshnet.ids import GenerationId, new_generation_id, parse_generation_id
 from meshnet.protocol.headers import GENERATION_ID
+from meshnet.routes import RoutePlan
 from meshnet.tracker.billing import FORMULA
 
 __all__ = ["GatewayState", "create_app"]
@@ -51,27 +54,27 @@ _MAX_ANNOUNCE_WAIT_S = 30.0
 @dataclass
 class GatewayState:
     engine: TextEngine
-    node_url: str
     hub: TelemetryHub
     metrics: GatewayMetrics
     service: GenerationService
     template: ChatTemplate
     started: int
+    tracker: str | None = None
 
 
-def create_app(engine: TextEngine, *, node_url: str = "local", max_queue: int = 64) -> Starlette:
+def create_app(engine: TextEngine, *, max_queue: int = 64, swarm_tracker: str | None = None) -> Starlette:
     """Compose a gateway around one engine; the caller owns the engine's lifetime."""
     hub = TelemetryHub()
     metrics = GatewayMetrics()
     info = engine.info
     state = GatewayState(
         engine=engine,
-        node_url=node_url,
         hub=hub,
         metrics=metrics,
         service=GenerationService(engine, hub, metrics, max_queue=max_queue),
         template=ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token),
         started=int(time.time()),
+        tracker=swarm_tracker.rstrip("/") if swarm_tracker else None,
     )
 
     @contextlib.asynccontextmanager
@@ -86,6 +89,7 @@ def create_app(engine: TextEngine, *, node_url: str = "local", max_queue: int = 
         Route("/v1/generations", _with(state, list_generations), methods=["GET"]),
         Route("/v1/generations/{generation_id}", _with(state, get_generation), methods=["GET"]),
         Route("/v1/generations/{generation_id}/events", _with(state, generation_events), methods=["GET"]),
+        Route("/v1/swarm", _with(state, swarm), methods=["GET"]),
         Route("/v1/health", _with(state, health), methods=["GET"]),
         Route("/health", _with(state, health), methods=["GET"]),
         Route("/metrics", _with(state, prometheus), methods=["GET"]),
@@ -230,21 +234,24 @@ def _gen_request(
     )
 
 
-def _open_telemetry(state: GatewayState, request: Request, prompt_tokens: int) -> GenerationTelemetry:
+def _generation_id(request: Request) -> GenerationId:
     proposed = request.headers.get(GENERATION_ID)
     try:
-        gid = parse_generation_id(proposed) if proposed else new_generation_id()
+        return parse_generation_id(proposed) if proposed else new_generation_id()
     except ValueError as exc:
         raise InvalidRequest(f"header {GENERATION_ID}: {exc}", param=GENERATION_ID) from None
+
+
+def _open_telemetry(state: GatewayState, gid: GenerationId, plan: RoutePlan, prompt_tokens: int) -> GenerationTelemetry:
     info = state.engine.info
     tel = state.hub.open(
         GenerationTelemetry(
             generation_id=gid,
             model=info.model_id,
             quantization=info.quantization,
-            route=(Hop(node="local", url=state.node_url, layers=info.layers),),
-            session_id=new_session_id(),
-            route_id=new_route_id(),
+            route=plan.hops,
+            session_id=plan.session_id,
+            route_id=plan.route_id,
             prompt_tokens=prompt_tokens,
         )
     )
@@ -273,14 +280,21 @@ async def _serve(
     *,
     kind: str,
 ) -> Response:
-    tel = _open_telemetry(state, request, len(gen.prompt_tokens))
-    headers = {GENERATION_ID: str(tel.generation_id)}
+    gid = _generation_id(request)
+    state.hub.check_free(gid)
+    # Planning may ask a tracker over the network: off the event loop.
+    plan = await asyncio.get_running_loop().run_in_executor(None, state.engine.plan)
     try:
+        tel = _open_telemetry(state, gid, plan, len(gen.prompt_tokens))
         state.service.admit(tel)
     except MeshnetError as exc:
-        return error_response(exc, headers)
+        state.engine.release(plan)
+        if state.hub.known(gid):
+            return error_response(exc, {GENERATION_ID: str(gid)})
+        raise
+    headers = {GENERATION_ID: str(gid)}
     shape = _Shape(kind, tel, state.engine.info.model_id, int(time.time()))
-    items = state.service.stream(gen, tel)
+    items = state.service.stream(dataclasses.replace(gen, plan=plan), tel)
     if body.stream:
         return StreamingResponse(
             _sse_chunks(state, shape, items, body.include_usage),
@@ -478,6 +492,36 @@ async def health(state: GatewayState, _: Request) -> Response:
             "billing_formula": FORMULA,
         }
     )
+
+
+async def swarm(state: GatewayState, _: Request) -> Response:
+    """The tracker, its nodes with their live health, and this gateway's active sessions."""
+    sessions = [
+        {"generation_id": g.generation_id, "session_id": g.session_id, "route_id": g.route_id,
+         "phase": str(g.phase), "route": [h.as_json() for h in g.route]}
+        for g in state.hub.active()
+    ]  # fmt: skip
+    if state.tracker is None:
+        info = state.engine.info
+        local = {"node": "local", "layers": str(info.layers), "health": {"status": "ok"}}
+        return JSONResponse({"tracker": None, "nodes": [local], "sessions": sessions})
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        try:
+            nodes = (await client.get(f"{state.tracker}/v1/nodes")).json()["nodes"]
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            return JSONResponse(
+                {"tracker": state.tracker, "error": f"tracker unreachable: {exc}", "sessions": sessions}
+            )
+
+        async def probe(node: dict[str, Any]) -> dict[str, Any]:
+            try:
+                health = (await client.get(f"{node['url']}/v1/health")).json()
+            except (httpx.HTTPError, ValueError) as exc:
+                health = {"status": "unreachable", "reason": str(exc)}
+            return {**node, "health": health}
+
+        nodes = list(await asyncio.gather(*(probe(n) for n in nodes)))
+    return JSONResponse({"tracker": state.tracker, "nodes": nodes, "sessions": sessions})
 
 
 async def prometheus(state: GatewayState, _: Request) -> Response:

@@ -21,6 +21,7 @@ from meshnet.backends.base import PrefillProgress, TextEngine
 from meshnet.errors import EngineError, MeshnetError, Overloaded
 from meshnet.gateway.metrics import GatewayMetrics
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, Phase, TelemetryHub
+from meshnet.routes import RoutePlan
 from meshnet.sampling import Sampler, SamplingParams
 from meshnet.tracker.billing import estimate
 
@@ -44,6 +45,7 @@ class GenerationRequest:
     sampling: SamplingParams
     max_tokens: int
     stop: tuple[str, ...] = ()
+    plan: RoutePlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,7 @@ class Delta:
     text: str
     token: int
     logprob: float
+    hop_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +121,7 @@ def run_worker(
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     stops = StopMatcher(request.stop)
     produced = 0
-    steps = engine.generate(request.prompt_tokens, Sampler(request.sampling), cancel)
+    steps = engine.generate(request.prompt_tokens, Sampler(request.sampling), cancel, request.plan)
     try:
         with contextlib.closing(steps):
             for step in steps:
@@ -130,7 +133,7 @@ def run_worker(
                     return
                 produced += 1
                 text, stopped = stops.feed(decoder.decode(engine.token_bytes(step.token)))
-                report(Delta(text, step.token, step.logprob))
+                report(Delta(text, step.token, step.logprob, step.hop_ms))
                 if stopped:
                     report(Finished("stop", ""))
                     return
@@ -196,7 +199,7 @@ class GenerationService:
                     self._on_prefill(tel, item)
                     continue
                 if isinstance(item, Delta):
-                    self._on_token(tel)
+                    self._on_token(tel, item.hop_ms)
                 elif isinstance(item, Finished):
                     self._complete(tel, item.finish_reason)
                     ended = True
@@ -265,7 +268,9 @@ class GenerationService:
         tel.decode_started_at = time.monotonic()
         tel.emit(EventType.DECODE_STARTED)
 
-    def _on_token(self, tel: GenerationTelemetry) -> None:
+    def _on_token(self, tel: GenerationTelemetry, hop_ms: tuple[float, ...]) -> None:
+        if hop_ms:
+            tel.record_hops(hop_ms)
         if tel.record_token(time.monotonic()):
             tel.emit(
                 EventType.DECODE_PROGRESS,

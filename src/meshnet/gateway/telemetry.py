@@ -20,7 +20,7 @@ from typing import Any
 
 from meshnet.errors import Conflict, NotFound
 from meshnet.ids import GenerationId
-from meshnet.layers import LayerRange
+from meshnet.routes import Hop
 from meshnet.tracker.billing import BillingEstimate
 
 __all__ = [
@@ -56,18 +56,6 @@ class Phase(StrEnum):
     DECODE = "decode"
     COMPLETED = "completed"
     FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class Hop:
-    """One node of a route as telemetry shows it."""
-
-    node: str
-    url: str
-    layers: LayerRange
-
-    def as_json(self) -> dict[str, str]:
-        return {"node": self.node, "url": self.url, "layers": str(self.layers)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +107,8 @@ class GenerationTelemetry:
     decode_started_at: float | None = None
     _token_times: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=_ROLLING_WINDOW))
     _last_progress_at: float = 0.0
+    _hop_ms_sum: list[float] = field(default_factory=list)
+    _hop_steps: int = 0
     _subscribers: set[asyncio.Queue[TelemetryEvent | None]] = field(default_factory=set)
 
     # -- recording -------------------------------------------------------------------------
@@ -160,6 +150,25 @@ class GenerationTelemetry:
             self._last_progress_at = now
             return True
         return False
+
+    def record_hops(self, hop_ms: tuple[float, ...]) -> None:
+        """Accumulate one decode step's per-hop compute times (routes report them)."""
+        if len(self._hop_ms_sum) != len(hop_ms):
+            self._hop_ms_sum, self._hop_steps = [0.0] * len(hop_ms), 0
+        self._hop_ms_sum = [a + b for a, b in zip(self._hop_ms_sum, hop_ms, strict=True)]
+        self._hop_steps += 1
+
+    def hop_health(self) -> list[dict[str, Any]]:
+        """Per hop: status and mean compute time per decode step (the whole step for a local route)."""
+        if self._hop_steps and len(self._hop_ms_sum) == len(self.route):
+            means: list[float | None] = [round(t / self._hop_steps, 3) for t in self._hop_ms_sum]
+        elif self.decode_started_at is not None and self.completion_tokens and len(self.route) == 1:
+            means = [round(1000 * (time.monotonic() - self.decode_started_at) / self.completion_tokens, 3)]
+        else:
+            means = [None] * len(self.route)
+        return [
+            {**hop.as_json(), "status": "ok", "decode_step_ms": ms} for hop, ms in zip(self.route, means, strict=True)
+        ]
 
     # -- reading ---------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -229,13 +238,19 @@ class TelemetryHub:
 
     def open(self, telemetry: GenerationTelemetry) -> GenerationTelemetry:
         gid = telemetry.generation_id
-        if gid in self._generations:
-            raise Conflict(f"generation id {gid!r} is already in use; propose a fresh one or omit it")
+        self.check_free(gid)
         self._generations[gid] = telemetry
         entry = self._arrivals.pop(gid, None)
         if entry is not None:
             entry[0].set()
         return telemetry
+
+    def check_free(self, gid: GenerationId) -> None:
+        if gid in self._generations:
+            raise Conflict(f"generation id {gid!r} is already in use; propose a fresh one or omit it")
+
+    def known(self, gid: GenerationId) -> bool:
+        return gid in self._generations
 
     def finish(self, telemetry: GenerationTelemetry) -> None:
         self._finished.append(telemetry.generation_id)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ class NodeConfig:
     max_body_bytes: int = 256 * 2**20
     hop_timeout_s: float = 120.0
     sweep_interval_s: float = 5.0
+    tracker_url: str | None = None
+    heartbeat_s: float = 5.0
 
 
 @dataclass
@@ -201,11 +204,14 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
             timeout=httpx.Timeout(config.hop_timeout_s, connect=5.0),
             limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=300),
         )
-        sweeper = asyncio.create_task(_sweep(node))
+        tasks = [asyncio.create_task(_sweep(node))]
+        if config.tracker_url:
+            tasks.append(asyncio.create_task(_heartbeat(node, config.tracker_url)))
         try:
             yield
         finally:
-            sweeper.cancel()
+            for task in tasks:
+                task.cancel()
             await node.client.aclose()
             shard.close()
 
@@ -355,6 +361,34 @@ def _prefill_headers(request: Request, route: _Route, start: int, stop: int, fin
     if final:
         headers[H.SAMPLE] = "1"
     return headers
+
+
+async def _heartbeat(node: _Node, tracker_url: str) -> None:
+    """Register, then re-register every ``heartbeat_s``: a restarted tracker relearns us by itself."""
+    assert node.client is not None
+    info = node.info
+    log = logging.getLogger("meshnet.node")
+    reported = False
+    while True:
+        body = {
+            "node_id": node.config.node_id,
+            "url": node.config.url,
+            "model": info.model_id,
+            "layers": str(info.layers),
+            "total_layers": info.layers.total,
+            "backend": info.backend,
+            "kv_bytes_free": node.shard.store.free_bytes(),
+        }
+        try:
+            response = await node.client.post(f"{tracker_url}/v1/nodes", json=body, timeout=5.0)
+            if response.status_code >= 400:
+                log.warning("tracker refused registration: %s", _reason(response))
+            reported = False
+        except httpx.HTTPError as exc:
+            if not reported:  # say it once per outage, not every heartbeat
+                log.warning("tracker %s unreachable (%s); retrying", tracker_url, exc)
+                reported = True
+        await asyncio.sleep(node.config.heartbeat_s)
 
 
 async def _sweep(node: _Node) -> None:

@@ -29,8 +29,7 @@ PREFILL_WEIGHT = 1.0
 DECODE_WEIGHT = 2.0
 LAYER_TOKENS_PER_UNIT = 1000.0
 FORMULA = (
-    f"(prefill_layer_tokens*{PREFILL_WEIGHT:g} + decode_layer_tokens*{DECODE_WEIGHT:g})"
-    f" / {LAYER_TOKENS_PER_UNIT:g}"
+    f"(prefill_layer_tokens*{PREFILL_WEIGHT:g} + decode_layer_tokens*{DECODE_WEIGHT:g}) / {LAYER_TOKENS_PER_UNIT:g}"
 )
 
 

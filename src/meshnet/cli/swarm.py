@@ -1,0 +1,199 @@
+"""``meshnet node``, ``meshnet tracker`` and ``meshnet gateway``: the processes of a swarm."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
+from meshnet.cli.serve import bind_socket
+from meshnet.errors import MeshnetError
+from meshnet.layers import LayerRange
+
+__all__ = ["add_swarm_commands", "default_cache_dir", "run_gateway", "run_node", "run_tracker"]
+
+WIRE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshnet" / "shards"
+
+
+def add_swarm_commands(sub: Any) -> None:
+    node = sub.add_parser("node", help="serve one layer range of a GGUF to a route")
+    node.add_argument("--gguf", type=Path, help="full model GGUF (default: the bundled model)")
+    node.add_argument("--layers", required=True, help="half-open block range START:STOP, e.g. 10:20")
+    node.add_argument("--host", default="127.0.0.1")
+    node.add_argument("--port", type=int, default=0, help="port (default 0: a free one)")
+    node.add_argument("--tracker", help="tracker URL to register with, e.g. http://127.0.0.1:8001")
+    node.add_argument("--backend", choices=("llama", "torch"), default="llama")
+    node.add_argument("--threads", type=int, help="compute threads (default: all cores)")
+    node.add_argument("--ctx", type=int, default=2048, help="context per session in tokens (default 2048)")
+    node.add_argument("--max-sessions", type=int, default=4, help="sessions held at once (default 4)")
+    node.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="bfloat16", help="activations sent onward")
+    node.add_argument("--node-id", help="stable id (default: derived from host, port and layers)")
+    node.add_argument("--cache-dir", type=Path, default=None, help="where shard files are cut to")
+    node.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session's KV is freed")
+
+    tracker = sub.add_parser("tracker", help="node registry and sticky routes")
+    tracker.add_argument("--host", default="127.0.0.1")
+    tracker.add_argument("--port", type=int, default=8001)
+    tracker.add_argument("--db", default="sqlite:///.meshnet/tracker.db", help="SQLAlchemy URL (sqlite or postgresql)")
+
+    gateway = sub.add_parser("gateway", help="OpenAI API + telemetry over a route of nodes")
+    gateway.add_argument("--gguf", type=Path, help="the model's GGUF, for its tokenizer (default: bundled)")
+    gateway.add_argument("--tracker", required=True, help="tracker URL")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument("--ctx", type=int, default=2048, help="context cap per generation (default 2048)")
+    gateway.add_argument("--max-concurrency", type=int, default=4, help="generations in flight (default 4)")
+    gateway.add_argument("--prefill-chunk", type=int, default=128, help="tokens per prefill chunk (default 128)")
+    gateway.add_argument("--max-queue", type=int, default=64)
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per hop request is noise, and slow
+
+
+def _gguf(args: argparse.Namespace, command: str) -> Path:
+    try:
+        return Path(args.gguf) if args.gguf else bundled_gguf()
+    except BundledModelMissing as exc:
+        raise SystemExit(f"meshnet {command}: {exc}") from None
+
+
+def _serve_app(app: Any, sock: Any) -> None:
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def run_node(args: argparse.Namespace) -> int:
+    _logging()
+    gguf = _gguf(args, "node")
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
+    started = time.monotonic()
+    try:
+        shard = _load_shard(args, gguf)
+    except (MeshnetError, ValueError) as exc:
+        sock.close()
+        print(f"meshnet node: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 2
+    from meshnet.node.app import NodeConfig, create_node_app
+
+    info = shard.info
+    node_id = args.node_id or f"node-{port}-{info.layers.start}-{info.layers.stop}"
+    config = NodeConfig(
+        node_id=node_id,
+        url=url,
+        wire_dtype=args.wire_dtype,
+        tracker_url=args.tracker.rstrip("/") if args.tracker else None,
+    )
+    print(
+        f"meshnet: node {node_id} holds layers {info.layers} of {info.model_id} ({info.backend}, "
+        f"{info.weight_bytes / 2**20:.1f} MiB of weights, {info.kv.bytes_per_token} KV bytes/token) "
+        f"loaded in {time.monotonic() - started:.1f}s",
+        flush=True,
+    )
+    print(f"meshnet: listening on {url}", flush=True)
+    _serve_app(create_node_app(shard, config), sock)
+    return 0
+
+
+def _load_shard(args: argparse.Namespace, gguf: Path) -> Any:
+    from meshnet.backends.llama_vocab import LlamaVocab
+
+    vocab = LlamaVocab(gguf)
+    total, model_id = vocab.info.n_layers, vocab.info.model_id
+    vocab.close()
+    layers = LayerRange.parse(args.layers, total)
+    threads = args.threads or os.cpu_count() or 1
+    if args.backend == "torch":
+        import torch
+
+        from meshnet.backends.torch_shard import StoreBudget, TorchShard
+
+        torch.set_num_threads(threads)
+        budget = StoreBudget(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl)
+        shard = TorchShard.from_gguf(gguf, layers, budget=budget)
+        if shard.info.model_id != model_id:
+            raise ValueError(f"the torch backend names the model {shard.info.model_id!r}, the gateway {model_id!r}")
+        return shard
+    from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
+
+    config = LlamaShardConfig(
+        n_ctx=args.ctx * args.max_sessions,
+        max_sessions=args.max_sessions,
+        n_threads=threads,
+        idle_ttl_s=args.session_ttl,
+    )
+    if layers.is_full:
+        return LlamaShard(gguf, model_id=model_id, config=config)
+    cache = args.cache_dir or default_cache_dir()
+    return LlamaShard.from_model(gguf, layers, cache_dir=cache, model_id=model_id, config=config)
+
+
+def run_tracker(args: argparse.Namespace) -> int:
+    _logging()
+    from meshnet.tracker.app import create_tracker_app
+    from meshnet.tracker.db import TrackerDB
+
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    try:
+        db = TrackerDB(args.db)
+    except ValueError as exc:
+        sock.close()
+        print(f"meshnet tracker: {exc}", file=sys.stderr)
+        return 2
+    url = f"http://{host}:{port}"
+    print(f"meshnet: tracker on {url} (database {db.url_for_display})", flush=True)
+    print(f"meshnet: listening on {url}", flush=True)
+    try:
+        _serve_app(create_tracker_app(db), sock)
+    finally:
+        db.close()
+    return 0
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    _logging()
+    gguf = _gguf(args, "gateway")
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    from meshnet.backends.llama_vocab import LlamaVocab
+    from meshnet.gateway import create_app
+    from meshnet.gateway.route_engine import RouteEngine
+
+    try:
+        vocab = LlamaVocab(gguf)
+    except MeshnetError as exc:
+        sock.close()
+        print(f"meshnet gateway: {exc.message}", file=sys.stderr)
+        return 2
+    cap = min(args.ctx, vocab.info.n_ctx_train, 131072)
+    engine = RouteEngine(
+        vocab, args.tracker, n_ctx=cap, max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk
+    )
+    url = f"http://{host}:{port}"
+    print(f"meshnet: gateway for {vocab.info.model_id} over tracker {args.tracker}; context cap {cap}", flush=True)
+    print(f"meshnet: OpenAI API on {url}/v1", flush=True)
+    print(f"meshnet: listening on {url}", flush=True)
+    try:
+        _serve_app(create_app(engine, max_queue=args.max_queue, swarm_tracker=args.tracker), sock)
+    finally:
+        engine.close()
+        vocab.close()
+    return 0

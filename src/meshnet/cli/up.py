@@ -1,0 +1,184 @@
+"""``meshnet up``: a whole local swarm — tracker, N shard nodes, gateway — as child processes.
+
+The bundled model's layers are split evenly between the nodes, the machine's cores between
+their compute threads (llama.cpp threads spin; oversubscribed cores slow decode by orders of
+magnitude). Ctrl-C (or any child dying) stops every process; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from meshnet.layers import LayerRange
+
+__all__ = ["run_up", "split_layers"]
+
+_READY_TIMEOUT_S = 300.0
+
+
+def split_layers(total: int, nodes: int) -> list[LayerRange]:
+    """``nodes`` contiguous ranges covering ``[0, total)``, sizes differing by at most one."""
+    if not 1 <= nodes <= total:
+        raise ValueError(f"--nodes must be within 1..{total} (the model has {total} layers), got {nodes}")
+    base, extra = divmod(total, nodes)
+    ranges, start = [], 0
+    for i in range(nodes):
+        stop = start + base + (1 if i < extra else 0)
+        ranges.append(LayerRange(start, stop, total))
+        start = stop
+    return ranges
+
+
+class _Child:
+    def __init__(self, name: str, args: Sequence[str], log: Path) -> None:
+        self.name = name
+        self.log_path = log
+        self.log = log.open("w")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "meshnet.cli.main", *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # our Ctrl-C handling decides when children stop
+        )
+
+    def url(self) -> str | None:
+        for line in self.log_path.read_text().splitlines():
+            if "listening on " in line:
+                return line.split("listening on ", 1)[1].strip()
+        return None
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGINT)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self.log.close()
+
+
+def _wait_url(child: _Child, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        url = child.url()
+        if url:
+            return url
+        if child.popen.poll() is not None:
+            raise RuntimeError(f"{child.name} exited ({child.popen.returncode}):\n{child.log_path.read_text()[-2000:]}")
+        time.sleep(0.1)
+    raise TimeoutError(f"{child.name} did not start within {_READY_TIMEOUT_S:.0f}s; see {child.log_path}")
+
+
+def _wait_nodes(tracker: str, want: int, children: list[_Child], deadline: float) -> list[dict[str, Any]]:
+    while time.monotonic() < deadline:
+        for child in children:
+            if child.popen.poll() is not None:
+                raise RuntimeError(f"{child.name} exited:\n{child.log_path.read_text()[-2000:]}")
+        try:
+            nodes = httpx.get(f"{tracker}/v1/nodes", timeout=5).json()["nodes"]
+            if len(nodes) >= want:
+                return list(nodes)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"nodes did not register with the tracker within {_READY_TIMEOUT_S:.0f}s")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
+    from meshnet.backends.llama_vocab import LlamaVocab
+
+    try:
+        gguf = Path(args.gguf) if args.gguf else bundled_gguf()
+        vocab = LlamaVocab(gguf)
+    except (BundledModelMissing, ValueError) as exc:
+        print(f"meshnet up: {exc}", file=sys.stderr)
+        return 2
+    total = vocab.info.n_layers
+    vocab.close()
+    try:
+        ranges = split_layers(total, args.nodes)
+    except ValueError as exc:
+        print(f"meshnet up: {exc}", file=sys.stderr)
+        return 2
+    cores = os.cpu_count() or 1
+    threads = args.threads or max(1, cores // args.nodes)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meshnet-up-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    children: list[_Child] = []
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    stop = False
+
+    def on_signal(signum: int, _: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print(f"meshnet: starting a local swarm of {args.nodes} {args.backend} nodes (logs in {workdir})", flush=True)
+        tracker = _Child(
+            "tracker", ["tracker", "--port", "0", "--db", f"sqlite:///{workdir}/tracker.db"], workdir / "tracker.log"
+        )
+        children.append(tracker)
+        tracker_url = _wait_url(tracker, deadline)
+        for i, layers in enumerate(ranges):
+            node_args = [
+                "node", "--gguf", str(gguf), "--layers", str(layers), "--port", "0", "--tracker", tracker_url,
+                "--backend", args.backend, "--threads", str(threads), "--wire-dtype", args.wire_dtype,
+                "--node-id", f"node-{i}", "--ctx", str(args.ctx),
+            ]  # fmt: skip
+            children.append(_Child(f"node-{i} ({layers})", node_args, workdir / f"node-{i}.log"))
+        print(f"meshnet: tracker {tracker_url}; loading {args.nodes} nodes ({threads} threads each) ...", flush=True)
+        nodes = _wait_nodes(tracker_url, args.nodes, children[1:], deadline)
+        gateway_args = [
+            "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),
+            "--host", args.host, "--ctx", str(args.ctx),
+        ]  # fmt: skip
+        gateway = _Child("gateway", gateway_args, workdir / "gateway.log")
+        children.append(gateway)
+        gateway_url = _wait_url(gateway, deadline)
+        _banner(gateway_url, tracker_url, nodes)
+        while not stop:
+            for child in children:
+                if child.popen.poll() is not None:
+                    print(f"meshnet: {child.name} exited unexpectedly; stopping the swarm. Its log:", file=sys.stderr)
+                    print(child.log_path.read_text()[-2000:], file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"meshnet up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for child in reversed(children):
+            child.stop()
+        print("meshnet: swarm stopped", flush=True)
+
+
+def _banner(gateway: str, tracker: str, nodes: list[dict[str, Any]]) -> None:
+    lines = [
+        "",
+        "  Meshnet local swarm is up",
+        f"  OpenAI API   {gateway}/v1      (try: meshnet chat --url {gateway})",
+        f"  swarm view   {gateway}/v1/swarm",
+        f"  tracker      {tracker}",
+    ]
+    lines += [
+        f"  {n['node_id']:<12} {n['url']:<28} layers {n['layers']}" for n in sorted(nodes, key=lambda n: n["node_id"])
+    ]
+    lines += ["  Ctrl-C stops every process.", ""]
+    print("\n".join(lines), flush=True)
+    print(f"meshnet: listening on {gateway}", flush=True)

@@ -1,0 +1,89 @@
+"""``meshnet up``: tracker + 3 node processes + gateway on loopback, driven by the official client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import Proc, meshnet_process
+
+pytestmark = pytest.mark.real
+
+PROMPTS = [
+    "Write a story about a dragon.",
+    "What is the capital of France?",
+    "List three uses of copper.",
+    "Explain photosynthesis to a child.",
+]
+N_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    workdir = tmp_path_factory.mktemp("swarm")
+    with meshnet_process(["up", "--port", "0", "--nodes", "3", "--workdir", str(workdir)], ready_timeout_s=300) as proc:
+        yield proc
+
+
+def chat(url: str, model: str, prompt: str, *, stream: bool = False) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        out = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=N_TOKENS)
+        return out.choices[0].message.content or ""
+    text = ""
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=N_TOKENS, stream=True
+    ):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+    return text
+
+
+def test_three_llama_nodes_match_single_node_serve(swarm: Proc, server: Proc, model_id: str) -> None:
+    for prompt in PROMPTS[:2]:
+        assert chat(swarm.url, model_id, prompt) == chat(server.url, model_id, prompt)
+
+
+def test_four_concurrent_streams_each_match_their_solo_run(swarm: Proc, model_id: str) -> None:
+    solo = [chat(swarm.url, model_id, p) for p in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: chat(swarm.url, model_id, p, stream=True), PROMPTS))
+    assert together == solo
+
+
+def test_route_telemetry_and_swarm_view(swarm: Proc, model_id: str) -> None:
+    response = httpx.post(
+        f"{swarm.url}/v1/completions",
+        json={"model": model_id, "prompt": "One, two, three,", "max_tokens": 8, "temperature": 0},
+        timeout=120,
+    )
+    assert response.status_code == 200
+    gid = response.headers["x-meshnet-generation-id"]
+    events = [
+        json.loads(line[6:])
+        for line in httpx.get(f"{swarm.url}/v1/generations/{gid}/events", timeout=30).text.splitlines()
+        if line.startswith("data: ")
+    ]
+    accepted = events[0]
+    assert accepted["type"] == "route.accepted"
+    assert [n["layers"] for n in accepted["nodes"]] == ["0:10", "10:20", "20:30"]
+    health = [e for e in events if e["type"] == "route.health"][-1]
+    assert [h["layers"] for h in health["hops"]] == ["0:10", "10:20", "20:30"]
+    assert all(h["decode_step_ms"] is not None and h["decode_step_ms"] > 0 for h in health["hops"])
+    view = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+    assert view["tracker"].startswith("http://127.0.0.1:")
+    assert sorted(n["layers"] for n in view["nodes"]) == ["0:10", "10:20", "20:30"]
+    assert all(n["health"]["status"] == "ok" for n in view["nodes"])
+    # The finished session frees its KV on every node (the close travels down the chain).
+    deadline = time.monotonic() + 10
+    while any(n["health"]["sessions"] for n in view["nodes"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        view = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+    assert all(n["health"]["sessions"] == 0 and n["health"]["kv_bytes_used"] == 0 for n in view["nodes"])
