@@ -69,9 +69,7 @@ def meshnet_process(args: Sequence[str], *, ready_timeout_s: float = 180.0) -> I
         while url is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(
-                    f"meshnet {' '.join(args)} not ready in {ready_timeout_s}s:\n{''.join(lines)}"
-                )
+                raise TimeoutError(f"meshnet {' '.join(args)} not ready in {ready_timeout_s}s:\n{''.join(lines)}")
             try:
                 line = sink.get(timeout=remaining)
             except queue.Empty:

@@ -23,9 +23,7 @@ class LayerRange:
         if self.total <= 0:
             raise ValueError(f"a model has at least one layer, got total={self.total}")
         if not 0 <= self.start < self.stop <= self.total:
-            raise ValueError(
-                f"layer range {self.start}:{self.stop} must satisfy 0 <= start < stop <= {self.total}"
-            )
+            raise ValueError(f"layer range {self.start}:{self.stop} must satisfy 0 <= start < stop <= {self.total}")
 
     @classmethod
     def full(cls, total: int) -> LayerRange:

@@ -67,9 +67,7 @@ def prompts() -> list[list[int]]:
         "Explain photosynthesis to a child.",
     ]
     out = [
-        list(
-            vocab.tokenize(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n".encode(), special=True)
-        )
+        list(vocab.tokenize(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n".encode(), special=True))
         for t in texts
     ]
     vocab.close()
@@ -87,9 +85,7 @@ def test_three_shards_are_token_identical_to_the_full_model(
     assert generate(chain, prompts[0], N_NEW, chunk=8) == reference[0]
 
 
-def test_the_reference_agrees_with_the_single_node_engine(
-    prompts: list[list[int]], reference: list[list[int]]
-) -> None:
+def test_the_reference_agrees_with_the_single_node_engine(prompts: list[list[int]], reference: list[list[int]]) -> None:
     import threading
 
     from meshnet.backends.base import TokenStep

@@ -46,9 +46,7 @@ def test_chat_greedy_streaming_equals_non_streaming(server: Proc, model_id: str)
     assert full.usage is not None and full.usage.completion_tokens > 0
     assert full.choices[0].finish_reason in ("stop", "length")
     streamed, finish, extras = stream_text(
-        c.chat.completions.create(
-            model=model_id, messages=QUESTION, temperature=0, max_tokens=40, stream=True
-        )
+        c.chat.completions.create(model=model_id, messages=QUESTION, temperature=0, max_tokens=40, stream=True)
     )
     assert streamed == text
     assert finish == full.choices[0].finish_reason
@@ -84,17 +82,13 @@ def test_stop_sequence_cuts_the_text(server: Proc, model_id: str) -> None:
     base = c.completions.create(model=model_id, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20)
     text = base.choices[0].text
     assert " 6" in text, text
-    cut = c.completions.create(
-        model=model_id, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20, stop=[" 6"]
-    )
+    cut = c.completions.create(model=model_id, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20, stop=[" 6"])
     assert cut.choices[0].text == text[: text.index(" 6")]
     assert cut.choices[0].finish_reason == "stop"
 
 
 def test_max_tokens_gives_length(server: Proc, model_id: str) -> None:
-    out = client(server).chat.completions.create(
-        model=model_id, messages=QUESTION, temperature=0, max_tokens=3
-    )
+    out = client(server).chat.completions.create(model=model_id, messages=QUESTION, temperature=0, max_tokens=3)
     assert out.choices[0].finish_reason == "length"
     assert out.usage is not None and out.usage.completion_tokens == 3
 
@@ -105,9 +99,7 @@ def test_concurrent_requests_queue_and_all_complete(server: Proc, model_id: str)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [
             pool.submit(
-                lambda: c.chat.completions.create(
-                    model=model_id, messages=QUESTION, temperature=0, max_tokens=16
-                )
+                lambda: c.chat.completions.create(model=model_id, messages=QUESTION, temperature=0, max_tokens=16)
             )
             for _ in range(3)
         ]

@@ -91,9 +91,7 @@ def test_events_stream_live_in_order_and_polling_agrees(server: Proc, model_id: 
     assert completed["completion_tokens"] == usage["completion_tokens"]
     assert completed["prompt_tokens"] == usage["prompt_tokens"]
     billing = [e for e in got if e["type"] == "billing.estimate"][-1]
-    assert billing["units"] == pytest.approx(
-        (usage["prompt_tokens"] * 30 + usage["completion_tokens"] * 30 * 2) / 1000
-    )
+    assert billing["units"] == pytest.approx((usage["prompt_tokens"] * 30 + usage["completion_tokens"] * 30 * 2) / 1000)
     poll = httpx.get(f"{server.url}/v1/generations/{gid}", timeout=10).json()
     assert poll["phase"] == "completed" and poll["finished"] is True
     assert poll["completion_tokens"] == completed["completion_tokens"]
@@ -189,9 +187,7 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(
     else:
         assert isinstance(body, bytes)
         content = body
-    r = httpx.post(
-        f"{server.url}{path}", content=content, headers={"Content-Type": "application/json"}, timeout=30
-    )
+    r = httpx.post(f"{server.url}{path}", content=content, headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

@@ -72,9 +72,7 @@ def _block_index(name: str) -> int | None:
     return int(name.split(".", 2)[1])
 
 
-def write_shard(
-    source: Path, layers: LayerRange | str, out: Path, *, cut_vocab: bool | None = None
-) -> ShardFiles:
+def write_shard(source: Path, layers: LayerRange | str, out: Path, *, cut_vocab: bool | None = None) -> ShardFiles:
     """Write the shard GGUF for ``layers`` of ``source`` to ``out`` (and the head's sidecar)."""
     import gguf
 
@@ -128,9 +126,7 @@ def write_shard(
     )
 
 
-def _shard_tensors(
-    reader: Any, layers: LayerRange, cut: bool
-) -> Iterator[tuple[str, np.ndarray[Any, Any], Any]]:
+def _shard_tensors(reader: Any, layers: LayerRange, cut: bool) -> Iterator[tuple[str, np.ndarray[Any, Any], Any]]:
     for tensor in reader.tensors:
         name: str = tensor.name
         data = tensor.data
@@ -209,7 +205,5 @@ def read_shard_range(path: Path) -> tuple[LayerRange, bool] | None:
     fields = gguf.GGUFReader(str(path)).fields
     if SHARD_START_KEY not in fields:
         return None
-    start, stop, total = (
-        int(_field_value(fields[k])) for k in (SHARD_START_KEY, SHARD_STOP_KEY, SHARD_TOTAL_KEY)
-    )
+    start, stop, total = (int(_field_value(fields[k])) for k in (SHARD_START_KEY, SHARD_STOP_KEY, SHARD_TOTAL_KEY))
     return LayerRange(start, stop, total), bool(_field_value(fields[SHARD_VOCAB_CUT_KEY]))

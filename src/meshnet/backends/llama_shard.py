@@ -142,9 +142,7 @@ class LlamaShard(ShardBase[int]):
         from llama_cpp._utils import suppress_stdout_stderr
 
         with suppress_stdout_stderr(disable=False):
-            model = self._ll.llama_model_load_from_file(
-                str(path).encode(), self._ll.llama_model_default_params()
-            )
+            model = self._ll.llama_model_load_from_file(str(path).encode(), self._ll.llama_model_default_params())
         if model is None:
             raise InvalidRequest(f"llama.cpp could not load {path}")
         return model
@@ -204,9 +202,7 @@ class LlamaShard(ShardBase[int]):
         )
 
     @classmethod
-    def from_model(
-        cls, gguf: Path, layers: LayerRange | str, *, cache_dir: Path, **kwargs: Any
-    ) -> LlamaShard:
+    def from_model(cls, gguf: Path, layers: LayerRange | str, *, cache_dir: Path, **kwargs: Any) -> LlamaShard:
         """Cut ``layers`` out of a full GGUF (cached by content of the source) and load it."""
         stat = gguf.stat()
         key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -245,9 +241,7 @@ class LlamaShard(ShardBase[int]):
             return ShardOutput(logits=logits)
         return ShardOutput(hidden=outputs[0] if len(outputs) == 1 else np.concatenate(outputs))
 
-    def _fill(
-        self, seq: int, pos0: int, *, tokens: I32 | None, hidden: F32 | None, rows: tuple[int, int]
-    ) -> None:
+    def _fill(self, seq: int, pos0: int, *, tokens: I32 | None, hidden: F32 | None, rows: tuple[int, int]) -> None:
         batch = self._batch
         begin, end = rows
         n = end - begin
@@ -313,9 +307,7 @@ class LlamaShard(ShardBase[int]):
         buf = (ctypes.c_uint8 * len(body)).from_buffer_copy(body)
         if int(self._ll.llama_state_seq_set_data(self._ctx, buf, len(body), seq)) == 0:
             self._free_state(seq)
-            raise InvalidRequest(
-                "llama.cpp rejected the KV snapshot (corrupt, or from another model/context)"
-            )
+            raise InvalidRequest("llama.cpp rejected the KV snapshot (corrupt, or from another model/context)")
         return seq
 
     def kv_state_bytes(self, sid: SessionId) -> int:

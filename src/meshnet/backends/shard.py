@@ -151,9 +151,7 @@ class ShardBase(abc.ABC, Generic[S]):
             with self._compute:
                 self._truncate_state(state, position)
 
-        self._store = SessionStore(
-            limits, new_state=self._new_state_locked, free_state=free, truncate_state=truncate
-        )
+        self._store = SessionStore(limits, new_state=self._new_state_locked, free_state=free, truncate_state=truncate)
 
     def _new_state_locked(self, sid: SessionId) -> S:
         with self._compute:
@@ -251,9 +249,7 @@ class ShardBase(abc.ABC, Generic[S]):
         if tokens is not None:
             tokens = np.asarray(tokens)
             if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-                raise SeamMismatch(
-                    f"token ids must be a 1-D integer array, got {tokens.dtype} {tokens.shape}"
-                )
+                raise SeamMismatch(f"token ids must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
             if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= info.n_vocab):
                 raise InvalidRequest(f"token ids must be within [0, {info.n_vocab})")
             tokens = tokens.astype(np.int32, copy=False)
@@ -279,9 +275,7 @@ class ShardBase(abc.ABC, Generic[S]):
             raise InvalidRequest("not a Meshnet KV snapshot (bad magic)")
         version, size = struct.unpack_from("<HI", blob, 4)
         if version != _SNAPSHOT_VERSION:
-            raise InvalidRequest(
-                f"snapshot version {version} is not supported (expected {_SNAPSHOT_VERSION})"
-            )
+            raise InvalidRequest(f"snapshot version {version} is not supported (expected {_SNAPSHOT_VERSION})")
         try:
             header = json.loads(blob[10 : 10 + size])
         except ValueError:
@@ -290,7 +284,5 @@ class ShardBase(abc.ABC, Generic[S]):
         layers = [mine.layers.start, mine.layers.stop, mine.layers.total]
         for key, want in (("model_id", mine.model_id), ("backend", mine.backend), ("layers", layers)):
             if header.get(key) != want:
-                raise InvalidRequest(
-                    f"snapshot {key} {header.get(key)!r} does not match this shard's {want!r}"
-                )
+                raise InvalidRequest(f"snapshot {key} {header.get(key)!r} does not match this shard's {want!r}")
         return header, blob[10 + size :]

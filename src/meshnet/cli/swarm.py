@@ -39,6 +39,7 @@ def add_swarm_commands(sub: Any) -> None:
     node.add_argument("--node-id", help="stable id (default: derived from host, port and layers)")
     node.add_argument("--cache-dir", type=Path, default=None, help="where shard files are cut to")
     node.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session's KV is freed")
+    node.add_argument("--max-body-mb", type=float, default=256.0, help="largest request body accepted (MiB)")
 
     tracker = sub.add_parser("tracker", help="node registry and sticky routes")
     tracker.add_argument("--host", default="127.0.0.1")
@@ -99,6 +100,8 @@ def run_node(args: argparse.Namespace) -> int:
         node_id=node_id,
         url=url,
         wire_dtype=args.wire_dtype,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        sweep_interval_s=min(5.0, max(0.2, args.session_ttl / 2)),
         tracker_url=args.tracker.rstrip("/") if args.tracker else None,
     )
     print(

@@ -38,6 +38,7 @@ from meshnet.errors import (
     Conflict,
     InvalidRequest,
     MeshnetError,
+    PayloadTooLarge,
     SeamMismatch,
     SessionBusy,
     SessionGone,
@@ -93,6 +94,14 @@ class _Node:
         model = request.headers.get(H.MODEL)
         if model is not None and model != self.info.model_id:
             raise Conflict(f"this node serves model {self.info.model_id!r}, the request is for {model!r}")
+
+    def check_length(self, request: Request) -> None:
+        """Refuse an oversized body from its Content-Length, before reading it into memory."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.config.max_body_bytes:
+            raise PayloadTooLarge(
+                f"body of {declared} bytes exceeds this node's limit of {self.config.max_body_bytes} bytes"
+            )
 
     def session_route(self, sid: SessionId, request: Request, *, start: int) -> _Route:
         route = self.routes.get(sid)
@@ -218,6 +227,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
     async def prefill(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
         node.check_model(request)
+        node.check_length(request)
         start, stop = parse_range(request.headers.get(H.TOKEN_RANGE))
         tokens, hidden = node.inputs(request, await request.body(), stop - start)
         final = request.headers.get(H.SAMPLE) == "1"
@@ -226,6 +236,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
     async def decode_step(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
         node.check_model(request)
+        node.check_length(request)
         raw = request.headers.get(H.POSITION)
         if raw is None or not raw.isdigit():
             raise SeamMismatch(f"header {H.POSITION} must be the step's absolute position, got {raw!r}")
@@ -309,8 +320,8 @@ async def _handle(
     route.busy = True
     try:
         out_hidden, logits, compute_ms = await node.run(sid, start, tokens, hidden)
-        stop = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
-        node.metrics.positions.inc(stop)
+        n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
+        node.metrics.positions.inc(n)
         me = {
             "node": node.config.node_id,
             "layers": str(node.info.layers),
@@ -318,13 +329,13 @@ async def _handle(
         }
         if node.info.layers.is_tail:
             if not final:
-                return JSONResponse({"accepted": stop, "hops": [me]}, status_code=202)
+                return JSONResponse({"accepted": n, "hops": [me]}, status_code=202)
             assert logits is not None and route.sampler is not None
             token, logprob = route.sampler.sample(logits)
-            return JSONResponse({"token": token, "logprob": logprob, "position": start + stop, "hops": [me]})
+            return JSONResponse({"token": token, "logprob": logprob, "position": start + n, "hops": [me]})
         assert out_hidden is not None
         path = "decode-step" if decode else "prefill"
-        headers = {H.POSITION: str(start)} if decode else _prefill_headers(request, route, start, stop, final)
+        headers = {H.POSITION: str(start)} if decode else _prefill_headers(request, route, start, start + n, final)
         previous = route.forward
 
         async def send() -> dict[str, Any]:
@@ -340,7 +351,7 @@ async def _handle(
         route.forward = task
         if not final:
             task.add_done_callback(_consume)
-            return JSONResponse({"accepted": stop, "hops": [me]}, status_code=202)
+            return JSONResponse({"accepted": n, "hops": [me]}, status_code=202)
         answer = await task
         answer["hops"] = [me, *answer.get("hops", [])]
         return JSONResponse(answer)

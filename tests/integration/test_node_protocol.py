@@ -1,0 +1,186 @@
+"""The hop protocol against real node processes: every bad input, then the session carries on."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from meshnet.protocol.wire import encode_tensor, format_shape
+from tests.procs import Proc, meshnet_process
+
+pytestmark = pytest.mark.real
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+HIDDEN = 576
+
+
+@pytest.fixture(scope="module")
+def tail() -> Iterator[Proc]:
+    with meshnet_process(["node", "--layers", "20:30", "--threads", "1", "--ctx", "256", "--max-sessions", "3"]) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def middle(tail: Proc) -> Iterator[Proc]:
+    args = ["node", "--layers", "10:20", "--threads", "1", "--ctx", "256", "--max-sessions", "3", "--max-body-mb", "1"]
+    with meshnet_process(args) as p:
+        yield p
+
+
+def activations(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, n, HIDDEN)).astype(np.float32)
+
+
+def post(
+    node: Proc,
+    sid: str,
+    values: np.ndarray,
+    *,
+    start: int | None = None,
+    position: int | None = None,
+    dtype: str = "float32",
+    route: str = "rte-test",
+    tail_url: str | None = None,
+    extra: dict[str, str] | None = None,
+    body: bytes | None = None,
+    sample: bool = True,
+) -> httpx.Response:
+    frame = encode_tensor(values, dtype)
+    headers = {
+        "X-Meshnet-Model": MODEL,
+        "X-Meshnet-Route-Id": route,
+        "X-Meshnet-Shape": format_shape(frame.shape),
+        "X-Meshnet-Dtype": dtype,
+        "Content-Type": "application/octet-stream",
+    }
+    if position is None:
+        assert start is not None
+        headers["X-Meshnet-Token-Range"] = f"{start}-{start + values.shape[1] - 1}"
+        if tail_url:
+            headers["X-Meshnet-Next-Hops"] = tail_url
+        if sample:
+            headers["X-Meshnet-Sample"] = "1"
+        path = "prefill"
+    else:
+        headers["X-Meshnet-Position"] = str(position)
+        path = "decode-step"
+    headers.update(extra or {})
+    return httpx.post(f"{node.url}/v1/sessions/{sid}/{path}", content=body if body is not None else frame.body,
+                      headers=headers, timeout=60)  # fmt: skip
+
+
+def run_session(middle: Proc, tail: Proc, sid: str, steps: int) -> list[int]:
+    """Prefill 6 positions, then ``steps`` decode steps of fixed activations; the tokens the tail picked."""
+    first = post(middle, sid, activations(6, 1), start=0, tail_url=tail.url)
+    assert first.status_code == 200, first.text
+    tokens = [first.json()["token"]]
+    for step in range(steps):
+        r = post(middle, sid, activations(1, 100 + step), position=6 + step)
+        assert r.status_code == 200, r.text
+        tokens.append(r.json()["token"])
+    return tokens
+
+
+def error(response: httpx.Response, status: int, needle: str) -> None:
+    assert response.status_code == status, response.text
+    message = response.json()["error"]["message"]
+    assert needle in message, message
+
+
+def test_every_bad_input_gets_a_clear_4xx_and_the_session_continues(middle: Proc, tail: Proc) -> None:
+    control = run_session(middle, tail, "control", 4)
+    httpx.delete(f"{middle.url}/v1/sessions/control", timeout=30)
+
+    sid = "victim"
+    r = post(middle, sid, activations(6, 1), start=0, tail_url=tail.url)
+    assert r.status_code == 200
+    got = [r.json()["token"]]
+    nxt = activations(1, 100)
+    error(post(middle, sid, nxt, position=6, route="rte-other"), 409, "pinned to route")
+    error(post(middle, sid, nxt, position=6, extra={"X-Meshnet-Model": "other-model"}), 409, "serves model")
+    error(post(middle, sid, np.zeros((1, 1, 575), np.float32), position=6), 400, "shape 1,1,576")
+    error(post(middle, sid, nxt, position=6, extra={"X-Meshnet-Dtype": "float64"}), 400, "not supported")
+    error(post(middle, sid, nxt, position=6, body=b"\x00" * 10), 400, "needs 2304 bytes")
+    error(post(middle, sid, np.full((1, 1, HIDDEN), np.nan, np.float32), position=6), 400, "NaN")
+    error(post(middle, sid, nxt, position=7), 409, "expects position 6")
+    error(post(middle, sid, nxt, position=5), 409, "rewind")
+    error(post(middle, sid, nxt, position=6, extra={"X-Meshnet-Position": "six"}), 400, "X-Meshnet-Position")
+    error(post(middle, sid, activations(500, 3), start=6, sample=False), 413, "exceeds this node's limit")
+    error(post(middle, sid, activations(300, 3), start=6, sample=False, dtype="bfloat16"), 400, "capped at 256")
+    error(post(middle, "ghost", nxt, position=9), 410, "restarted or the session expired")
+    no_range = post(middle, sid, nxt, start=6, extra={"X-Meshnet-Token-Range": ""})
+    error(no_range, 400, "X-Meshnet-Token-Range")
+    for step in range(4):
+        r = post(middle, sid, activations(1, 100 + step), position=6 + step)
+        assert r.status_code == 200, r.text
+        got.append(r.json()["token"])
+    assert got == control
+    health = httpx.get(f"{middle.url}/v1/health", timeout=10).json()
+    assert health["sessions"] == 1 and health["kv_bytes_used"] == 10 * health["kv_bytes_per_token"]
+    assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200
+
+
+def test_wire_dtypes_all_work(middle: Proc, tail: Proc) -> None:
+    for dtype in ("float32", "float16", "bfloat16"):
+        r = post(middle, f"dtype-{dtype}", activations(4, 7), start=0, tail_url=tail.url, dtype=dtype)
+        assert r.status_code == 200, r.text
+        assert [h["layers"] for h in r.json()["hops"]] == ["10:20", "20:30"]
+        httpx.delete(f"{middle.url}/v1/sessions/dtype-{dtype}", timeout=30)
+
+
+def test_a_second_concurrent_request_on_a_session_is_refused(middle: Proc, tail: Proc) -> None:
+    sid = "racer"
+    assert post(middle, sid, activations(2, 1), start=0, tail_url=tail.url, sample=False).status_code == 202
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        big = pool.submit(post, middle, sid, activations(50, 2), start=2, sample=True)
+        time.sleep(0.05)
+        second = pool.submit(post, middle, sid, activations(1, 3), position=52)
+        big_answer, second_answer = big.result(), second.result()
+    assert big_answer.status_code == 200, big_answer.text
+    error(second_answer, 409, "in flight")
+    httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30)
+
+
+def test_store_full_is_503_with_retry_after(middle: Proc, tail: Proc) -> None:
+    sids = [f"full-{i}" for i in range(4)]
+    answers = [post(middle, sid, activations(2, 1), start=0, tail_url=tail.url) for sid in sids]
+    assert [a.status_code for a in answers[:3]] == [200, 200, 200]
+    error(answers[3], 503, "maximum of 3 sessions")
+    assert answers[3].headers["retry-after"]
+    for sid in sids[:3]:
+        assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200
+    health = httpx.get(f"{middle.url}/v1/health", timeout=10).json()
+    assert health["sessions"] == 0 and health["kv_bytes_used"] == 0
+    tail_health = httpx.get(f"{tail.url}/v1/health", timeout=10).json()
+    assert tail_health["sessions"] == 0  # the delete travelled down the chain
+
+
+def test_idle_sessions_expire_and_a_restarted_node_answers_410() -> None:
+    args = ["node", "--layers", "20:30", "--threads", "1", "--ctx", "64", "--session-ttl", "1"]
+    with meshnet_process(args) as node:
+        r = post(node, "idle", activations(3, 1), start=0)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 15
+        while httpx.get(f"{node.url}/v1/health", timeout=10).json()["sessions"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(f"{node.url}/v1/health", timeout=10).json()["sessions"] == 0
+        error(post(node, "idle", activations(1, 2), position=3), 410, "expired")
+        port = node.url.rsplit(":", 1)[1]
+    # A node restarted on the same port knows nothing of the old session.
+    with meshnet_process([*args[:-2], "--port", port]) as again:
+        error(post(again, "idle", activations(1, 2), position=3), 410, "restarted")
+
+
+def test_unknown_paths_and_methods(middle: Proc) -> None:
+    assert httpx.get(f"{middle.url}/v1/nothing", timeout=10).status_code == 404
+    r = httpx.get(f"{middle.url}/v1/sessions/x/prefill", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["message"]
+    metrics = httpx.get(f"{middle.url}/metrics", timeout=10).text
+    assert "meshnet_node_positions_total" in metrics and "meshnet_node_seam_bytes_total" in metrics
+    assert json.loads(httpx.get(f"{middle.url}/v1/health", timeout=10).text)["layers"] == "10:20"
