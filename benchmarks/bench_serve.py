@@ -57,18 +57,14 @@ class RawLlama:
 
     def decode(self) -> float:
         self.llm.reset()
-        stream = self.llm.create_completion(
-            DECODE_PROMPT, max_tokens=DECODE_TOKENS, temperature=0.0, stream=True
-        )
+        stream = self.llm.create_completion(DECODE_PROMPT, max_tokens=DECODE_TOKENS, temperature=0.0, stream=True)
         return _rate([time.perf_counter() for _ in stream])
 
     def close(self) -> None:
         self.llm.close()
 
 
-def _stream(
-    url: str, model: str, prompt: str, max_tokens: int, gid: str | None = None
-) -> tuple[list[float], dict]:
+def _stream(url: str, model: str, prompt: str, max_tokens: int, gid: str | None = None) -> tuple[list[float], dict]:
     """Stream a completion; return the arrival times of text chunks and the final telemetry."""
     headers = {"X-Meshnet-Generation-Id": gid} if gid else {}
     times: list[float] = []
@@ -108,9 +104,7 @@ def _first_event_latency(url: str, model: str, n: int) -> tuple[list[float], lis
         time.sleep(0.2)  # let the subscription park server-side before the request goes out
         body = {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0, "stream": True}
         sent = time.perf_counter()
-        with client.stream(
-            "POST", f"{url}/v1/completions", json=body, headers={"X-Meshnet-Generation-Id": gid}
-        ) as r:
+        with client.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Meshnet-Generation-Id": gid}) as r:
             first_chunk = None
             for line in r.iter_lines():
                 if first_chunk is None and line.startswith("data: "):
@@ -131,9 +125,7 @@ def measure() -> dict[str, float | list[float]]:
             model = httpx.get(f"{proc.url}/v1/models", timeout=10).json()["data"][0]["id"]
             _stream(proc.url, model, "warm up", 8)
             raw.decode()
-            result: dict[str, list[float]] = {
-                k: [] for k in ("raw_prefill", "raw_decode", "prefill", "ttft", "decode")
-            }
+            result: dict[str, list[float]] = {k: [] for k in ("raw_prefill", "raw_decode", "prefill", "ttft", "decode")}
             for _ in range(REPEATS):
                 result["raw_decode"].append(raw.decode())
                 times, _ = _stream(proc.url, model, DECODE_PROMPT, DECODE_TOKENS)
@@ -168,9 +160,7 @@ def run() -> Section:
     section.add("meshnet serve decode (HTTP stream)", f"{m['decode']:.1f} tok/s")
     section.add("decode ratio serve ÷ raw (medians)", f"{decode_ratio:.3f}", "≥ 0.95", decode_ratio >= 0.95)
     section.add("decode ratio of each alternated pair", pairs)
-    section.add(
-        f"raw llama-cpp-python prefill ({int(m['prefill_tokens'])} tokens)", f"{m['raw_prefill']:.1f} tok/s"
-    )
+    section.add(f"raw llama-cpp-python prefill ({int(m['prefill_tokens'])} tokens)", f"{m['raw_prefill']:.1f} tok/s")
     section.add("meshnet serve prefill (server-side, telemetry)", f"{m['prefill']:.1f} tok/s")
     section.add("prefill ratio serve ÷ raw", f"{prefill_ratio:.3f}")
     section.add("meshnet serve time to first token (client-side)", f"{1000 * float(m['ttft']):.0f} ms")
@@ -180,9 +170,7 @@ def run() -> Section:
         "≤ 100 ms",
         to_event[-1] <= 100,
     )
-    section.add(
-        "request → first stream chunk (median / max of 10)", f"{median(to_chunk):.1f} / {to_chunk[-1]:.1f} ms"
-    )
+    section.add("request → first stream chunk (median / max of 10)", f"{median(to_chunk):.1f} / {to_chunk[-1]:.1f} ms")
     section.notes.append(
         "Raw baseline: `Llama.create_completion(stream=True)` (llama.cpp's own greedy sampler); serve: "
         "Meshnet's sampler over the same logits, per-token worker→event-loop hand-off, SSE over loopback."

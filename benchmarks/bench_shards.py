@@ -87,8 +87,7 @@ def run() -> Section:
         full = [LlamaShard(bundled_gguf(), config=config)]
         cut = [LlamaShard.from_model(bundled_gguf(), r, cache_dir=cache, config=config) for r in RANGES]
         keep_paths = [
-            write_shard(bundled_gguf(), r, cache / f"keep-{i}.gguf", cut_vocab=False)
-            for i, r in enumerate(RANGES)
+            write_shard(bundled_gguf(), r, cache / f"keep-{i}.gguf", cut_vocab=False) for i, r in enumerate(RANGES)
         ]
         keep = [LlamaShard(f.path, config=config) for f in keep_paths]
         variants = {"full": full, "cut": cut, "keep": keep}
@@ -111,9 +110,7 @@ def run() -> Section:
     section.add("decode ratio 3 shards ÷ full", f"{ratio:.3f}", "≥ 0.9", ratio >= 0.9)
     pairs = ", ".join(f"{c / f:.2f}" for c, f in zip(rates["cut"], rates["full"], strict=True))
     section.add("ratio of each round", pairs)
-    section.add(
-        "3 shards, full vocabulary everywhere (lm_head on every row): decode", f"{keep_rate:.1f} tok/s"
-    )
+    section.add("3 shards, full vocabulary everywhere (lm_head on every row): decode", f"{keep_rate:.1f} tok/s")
     section.add("speed-up from cutting the vocabulary", f"{cut_rate / keep_rate:.2f}x")
     for layers, measured, formula in kv:
         section.add(
@@ -123,14 +120,10 @@ def run() -> Section:
             measured == formula,
         )
     for layers, nbytes in weights:
-        section.add(
-            f"weights loaded by shard {layers}", f"{nbytes / 2**20:.1f} MiB of {full_weights / 2**20:.1f} MiB"
-        )
+        section.add(f"weights loaded by shard {layers}", f"{nbytes / 2**20:.1f} MiB of {full_weights / 2**20:.1f} MiB")
     section.notes.append(
         "KV measured as the growth of llama.cpp's per-sequence state over 64 positions, less its 12 bytes of "
         "cell metadata per position; formula: per layer (n_embd_k_gqa + n_embd_v_gqa) x 2 bytes (f16)."
     )
-    section.notes.append(
-        "The head's weights include its embedding table (looked up in NumPy, not by llama.cpp)."
-    )
+    section.notes.append("The head's weights include its embedding table (looked up in NumPy, not by llama.cpp).")
     return section

@@ -19,7 +19,7 @@ import importlib
 from benchmarks.common import ROOT, machine
 
 # name -> module under benchmarks/ exposing run() -> Section; imported only when it runs.
-BENCHES = {"serve": "bench_serve", "shards": "bench_shards", "torch": "bench_torch"}
+BENCHES = {"serve": "bench_serve", "shards": "bench_shards", "torch": "bench_torch", "route": "bench_route"}
 
 
 def main() -> int:

@@ -32,6 +32,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

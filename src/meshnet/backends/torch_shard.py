@@ -35,7 +35,7 @@ from meshnet.ids import SessionId
 from meshnet.layers import LayerRange
 from meshnet.session.store import StoreLimits
 
-__all__ = ["BACKEND", "StoreBudget", "TorchSession", "TorchShard"]
+__all__ = ["BACKEND", "StoreBudget", "TorchSession", "TorchShard", "set_threads"]
 
 BACKEND = "torch"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -212,3 +212,8 @@ class TorchShard(ShardBase[TorchSession]):
 def _numpy(t: torch.Tensor) -> F32:
     array: F32 = np.ascontiguousarray(t.detach().to(torch.float32).numpy(), dtype=np.float32)
     return array
+
+
+def set_threads(n: int) -> None:
+    """torch's intra-op thread count is process-wide: a node sets it once to its share of the cores."""
+    torch.set_num_threads(max(1, n))

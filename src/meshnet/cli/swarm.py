@@ -124,11 +124,9 @@ def _load_shard(args: argparse.Namespace, gguf: Path) -> Any:
     layers = LayerRange.parse(args.layers, total)
     threads = args.threads or os.cpu_count() or 1
     if args.backend == "torch":
-        import torch
+        from meshnet.backends.torch_shard import StoreBudget, TorchShard, set_threads
 
-        from meshnet.backends.torch_shard import StoreBudget, TorchShard
-
-        torch.set_num_threads(threads)
+        set_threads(threads)
         budget = StoreBudget(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl)
         shard = TorchShard.from_gguf(gguf, layers, budget=budget)
         if shard.info.model_id != model_id:

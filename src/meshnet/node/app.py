@@ -140,9 +140,9 @@ class _Node:
         raw = request.headers.get(H.SAMPLING)
         try:
             params = SamplingParams(**json.loads(raw)) if raw else SamplingParams(temperature=0.0)
+            return Sampler(params)
         except (ValueError, TypeError) as exc:
             raise InvalidRequest(f"{H.SAMPLING} must be JSON sampling parameters: {exc}") from None
-        return Sampler(params)
 
     def inputs(self, request: Request, body: bytes, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Decode the body into (tokens, hidden) for this shard, checking the seam shape."""
@@ -193,6 +193,26 @@ class _Node:
             raise BadGateway(f"next hop {route.next_hops[0]} answered {response.status_code}: {_reason(response)}")
         return dict(response.json())
 
+    async def delete(self, sid: SessionId) -> None:
+        """Free a session here, then on the next hop (the delete travels down the chain)."""
+        route = self.routes.pop(sid, None)
+        if route is None:
+            self.shard.store.get(sid)  # raises 404/410 with the reason
+            raise SessionNotFound(f"no session {sid} on this node")
+        if route.forward is not None:
+            with contextlib.suppress(Exception):
+                await route.forward  # its outcome was already recorded; only the order matters
+        try:
+            self.shard.close_session(sid)
+        except SessionBusy:
+            self.routes[sid] = route  # still computing: keep it, and say so instead of leaking its KV
+            raise
+        except (SessionGone, SessionNotFound):
+            pass  # already expired on this node; the delete still travels down the chain
+        if route.next_hops and self.client is not None:
+            with contextlib.suppress(httpx.HTTPError):
+                await self.client.delete(f"{route.next_hops[0]}/v1/sessions/{sid}")
+
     def break_session(self, route: _Route, reason: str) -> None:
         route.broken = route.broken or reason
 
@@ -238,25 +258,14 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
         node.check_model(request)
         node.check_length(request)
         raw = request.headers.get(H.POSITION)
-        if raw is None or not raw.isdigit():
+        if raw is None or not (raw.isascii() and raw.isdigit()):
             raise SeamMismatch(f"header {H.POSITION} must be the step's absolute position, got {raw!r}")
         tokens, hidden = node.inputs(request, await request.body(), 1)
         return await _handle(node, sid, request, start=int(raw), tokens=tokens, hidden=hidden, final=True, decode=True)
 
     async def delete_session(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
-        route = node.routes.pop(sid, None)
-        if route is None:
-            shard.store.get(sid)  # raises 404/410 with the reason
-            raise SessionNotFound(f"no session {sid} on this node")
-        if route.forward is not None:
-            with contextlib.suppress(Exception):
-                await route.forward
-        with contextlib.suppress(MeshnetError):
-            shard.close_session(sid)
-        if route.next_hops and node.client is not None:
-            with contextlib.suppress(httpx.HTTPError):
-                await node.client.delete(f"{route.next_hops[0]}/v1/sessions/{sid}")
+        await node.delete(sid)
         return JSONResponse({"deleted": sid})
 
     async def health(_: Request) -> Response:

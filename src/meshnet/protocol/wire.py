@@ -110,6 +110,8 @@ def encode_tensor(values: npt.NDArray[np.generic], dtype: str) -> TensorFrame:
         bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
         # Round to nearest even, as torch and llama.cpp do when they narrow float32 to bfloat16.
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        # Rounding must not carry a NaN's payload into a number: keep NaNs NaN (the receiver refuses them).
+        rounded = np.where(np.isnan(bits.view(np.float32)), 0x7FC0, rounded)
         data = rounded.astype("<u2").tobytes()
     else:
         data = np.ascontiguousarray(values, dtype=DTYPES[dtype][1]).tobytes()

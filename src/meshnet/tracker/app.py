@@ -94,7 +94,8 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
             kv_bytes_free=reg.kv_bytes_free,
             last_seen=time.time(),
         )
-        fresh = reg.node_id not in tracker.nodes
+        # A node that expired and came back registers afresh (201), like one never seen.
+        fresh = reg.node_id not in {n.node_id for n in tracker.live_nodes()}
         tracker.nodes[reg.node_id] = node
         return JSONResponse({"registered": reg.node_id, "ttl_s": NODE_TTL_S}, status_code=201 if fresh else 200)
 

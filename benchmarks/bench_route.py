@@ -1,0 +1,109 @@
+"""The networked route (`meshnet up`, 3 llama.cpp node processes) vs `meshnet serve`, over HTTP.
+
+Both run on this machine at once but are measured one after the other (idle llama.cpp threads
+sleep), alternating rounds so drift hits both. Decode tok/s is measured the same way as in
+bench_serve: (chunks - 1) / (last chunk - first chunk) of a greedy stream.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import tempfile
+
+import httpx
+from tests.procs import meshnet_process
+
+from benchmarks.bench_serve import DECODE_PROMPT, _rate, _stream
+from benchmarks.common import Section, median
+
+CORES = os.cpu_count() or 2
+CTX = 4096
+DECODE_TOKENS = 128
+ROUNDS = 3
+LONG_PROMPT = " ".join(f"Fact {i}: the sky is blue and the grass is green." for i in range(150))  # ~2K tokens
+
+
+def _seam_bytes(node_urls: list[str]) -> list[float]:
+    out = []
+    for url in node_urls:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("meshnet_node_seam_bytes_total "):
+                out.append(float(line.split()[1]))
+    return out
+
+
+def _decode_steps_bytes(url: str, model: str, nodes: list[str], context: int) -> list[float]:
+    """Seam body bytes per decode step sent by each non-tail node, at a context of about ``context``."""
+    prompt = " ".join(["word"] * max(1, context - 2))
+    steps = 32
+    before = _seam_bytes(nodes)
+    _, final = _stream(url, model, prompt, steps + 1)  # the first token comes from prefill
+    after = _seam_bytes(nodes)
+    prefill = final["prompt_tokens"] * 576 * 4  # float32 activations of the whole prompt
+    return [(a - b - prefill) / steps for a, b in zip(after[:-1], before[:-1], strict=True)]
+
+
+def _concurrent_rate(url: str, model: str, sessions: int) -> float:
+    def one(i: int) -> tuple[int, float, float]:
+        times, _ = _stream(url, model, f"{DECODE_PROMPT} ({i})", DECODE_TOKENS)
+        return len(times), times[0], times[-1]
+
+    with concurrent.futures.ThreadPoolExecutor(sessions) as pool:
+        results = list(pool.map(one, range(sessions)))
+    tokens = sum(n for n, _, _ in results)
+    span = max(end for _, _, end in results) - min(start for _, start, _ in results)
+    return tokens / span
+
+
+def run() -> Section:
+    threads_per_node = max(1, CORES // 3)
+    section = Section(
+        "Networked route: `meshnet up` (3 llama.cpp nodes) vs `meshnet serve`, both over HTTP",
+        f"python benchmarks/run.py --only route  (serve: {CORES} threads; route: {threads_per_node} thread(s) per "
+        f"node, float32 seams on loopback; ctx {CTX}, {DECODE_TOKENS} greedy tokens, median of {ROUNDS})",
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        serve_args = ["serve", "--port", "0", "--threads", str(CORES), "--ctx", str(CTX)]
+        up_args = ["up", "--port", "0", "--nodes", "3", "--ctx", str(CTX), "--workdir", tmp]
+        with meshnet_process(serve_args) as serve, meshnet_process(up_args, ready_timeout_s=300) as swarm:
+            model = httpx.get(f"{serve.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            view = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]
+            nodes = [n["url"] for n in sorted(view, key=lambda n: int(n["layers"].split(":")[0]))]
+            for url in (serve.url, swarm.url):
+                _stream(url, model, "warm up", 8)
+            decode: dict[str, list[float]] = {"serve": [], "route": []}
+            prefill: dict[str, list[float]] = {"serve": [], "route": []}
+            for _ in range(ROUNDS):
+                for name, url in (("serve", serve.url), ("route", swarm.url)):
+                    times, _ = _stream(url, model, DECODE_PROMPT, DECODE_TOKENS)
+                    decode[name].append(_rate(times))
+                    _, final = _stream(url, model, LONG_PROMPT, 1)
+                    prefill[name].append(final["prompt_tokens"] / final["prefill_seconds"])
+                    long_tokens = final["prompt_tokens"]
+            seam_100 = _decode_steps_bytes(swarm.url, model, nodes, 100)
+            seam_2000 = _decode_steps_bytes(swarm.url, model, nodes, 2000)
+            one = median([_concurrent_rate(swarm.url, model, 1) for _ in range(2)])
+            four = median([_concurrent_rate(swarm.url, model, 4) for _ in range(2)])
+    d_ratio = median(decode["route"]) / median(decode["serve"])
+    p_ratio = median(prefill["route"]) / median(prefill["serve"])
+    section.add("serve decode", f"{median(decode['serve']):.1f} tok/s")
+    section.add("route decode", f"{median(decode['route']):.1f} tok/s")
+    section.add("route ÷ serve decode", f"{d_ratio:.3f}", "≥ 0.85", d_ratio >= 0.85)
+    section.add(f"serve prefill ({long_tokens}-token prompt)", f"{median(prefill['serve']):.1f} tok/s")
+    section.add("route prefill (pipelined 128-token chunks)", f"{median(prefill['route']):.1f} tok/s")
+    section.add("route ÷ serve prefill", f"{p_ratio:.3f}", "≥ 0.9", p_ratio >= 0.9)
+    hidden_bytes = 576 * 4
+    for label, values in (("100", seam_100), ("2,000", seam_2000)):
+        shown = ", ".join(f"{v:.0f}" for v in values)
+        section.add(f"seam body bytes per decode step at context {label} (head, middle)", shown, f"= {hidden_bytes}")
+    equal = all(abs(a - b) < 1 for a, b in zip(seam_100, seam_2000, strict=True))
+    section.add("seam bytes independent of context", "yes" if equal else "no", "equal", equal)
+    section.add("1 session decode (route)", f"{one:.1f} tok/s")
+    section.add("4 concurrent sessions, aggregate decode (route)", f"{four:.1f} tok/s")
+    section.add("aggregate ÷ one session", f"{four / one:.2f}", "≥ 1.5", four / one >= 1.5)
+    section.notes.append(
+        "Seam bytes: activation body bytes each node sent onward per decode step (its Prometheus counter); "
+        "the tail sends none. Each hop request also carries ~300 bytes of HTTP headers."
+    )
+    return section

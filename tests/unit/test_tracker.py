@@ -1,0 +1,430 @@
+"""The tracker: ``plan_route`` as a pure function, then its HTTP surface over a SQLite file."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+import meshnet.tracker.app as tracker_app
+from meshnet.errors import Overloaded
+from meshnet.layers import LayerRange
+from meshnet.tracker.app import NODE_TTL_S, create_tracker_app
+from meshnet.tracker.db import TrackerDB
+from meshnet.tracker.routing import NodeRecord, plan_route
+
+MODEL = "m"
+
+
+def rec(node_id: str, layers: str, *, free: int = 0, total: int = 12, model: str = MODEL) -> NodeRecord:
+    return NodeRecord(
+        node_id=node_id,
+        url=f"http://{node_id}",
+        model=model,
+        layers=LayerRange.parse(layers, total),
+        backend="fake",
+        kv_bytes_free=free,
+        last_seen=0.0,
+    )
+
+
+def ids(chain: list[NodeRecord]) -> list[str]:
+    return [n.node_id for n in chain]
+
+
+def assert_tiles(chain: list[NodeRecord], total: int = 12) -> None:
+    assert chain, "a route has at least one hop"
+    assert chain[0].layers.start == 0
+    assert chain[-1].layers.stop == total
+    for a, b in itertools.pairwise(chain):
+        assert a.layers.stop == b.layers.start
+    assert all(n.layers.total == total for n in chain)
+
+
+# -- plan_route -------------------------------------------------------------------------------
+
+
+def test_one_full_node_is_a_route():
+    assert ids(plan_route([rec("a", "0:12")], MODEL)) == ["a"]
+
+
+def test_a_chain_is_ordered_head_to_tail_whatever_the_input_order():
+    nodes = [rec("t", "8:12"), rec("h", "0:4"), rec("m", "4:8")]
+    chain = plan_route(nodes, MODEL)
+    assert ids(chain) == ["h", "m", "t"]
+    assert_tiles(chain)
+
+
+def test_fewer_hops_win_over_free_kv():
+    nodes = [
+        rec("a", "0:4", free=900),
+        rec("b", "4:8", free=900),
+        rec("c", "8:12", free=900),
+        rec("d", "0:6", free=500),
+        rec("e", "6:12", free=500),
+        rec("full", "0:12", free=1),
+    ]
+    assert ids(plan_route(nodes, MODEL)) == ["full"]
+    assert ids(plan_route(nodes[:5], MODEL)) == ["d", "e"]
+
+
+def test_more_free_kv_wins_among_equal_hop_counts():
+    assert ids(plan_route([rec("a", "0:12", free=10), rec("b", "0:12", free=20)], MODEL)) == ["b"]
+
+
+def test_free_kv_is_judged_at_the_weakest_hop():
+    # h1 has the most free KV, but its only partner t1 is nearly full: the other chain's weakest
+    # hop (50) beats this one's (10).
+    nodes = [
+        rec("h1", "0:5", free=100),
+        rec("t1", "5:12", free=10),
+        rec("h2", "0:6", free=50),
+        rec("t2", "6:12", free=60),
+    ]
+    assert ids(plan_route(nodes, MODEL)) == ["h2", "t2"]
+
+
+def test_ties_break_by_node_id_whatever_the_input_order():
+    nodes = [rec("b", "0:12", free=5), rec("a", "0:12", free=5), rec("c", "0:12", free=5)]
+    assert ids(plan_route(nodes, MODEL)) == ["a"]
+    assert ids(plan_route(list(reversed(nodes)), MODEL)) == ["a"]
+
+
+def test_other_models_are_ignored():
+    nodes = [rec("other", "0:12", free=999, model="other"), rec("h", "0:6"), rec("t", "6:12")]
+    assert ids(plan_route(nodes, MODEL)) == ["h", "t"]
+    assert ids(plan_route(nodes, "other")) == ["other"]
+
+
+@pytest.mark.parametrize("stray_first", [True, False])
+def test_nodes_reporting_another_layer_count_are_never_mixed_in(stray_first: bool):
+    # A stray node of the same model id with another layer count must neither join the chain nor,
+    # by registering first, hide the complete one.
+    stray = rec("stray", "6:24", total=24, free=999)
+    good = [rec("h", "0:6"), rec("t", "6:12")]
+    nodes = [stray, *good] if stray_first else [*good, stray]
+    assert ids(plan_route(nodes, MODEL)) == ["h", "t"]
+
+
+def test_layer_counts_are_not_mixed_even_when_the_ranges_would_line_up():
+    with pytest.raises(Overloaded):
+        plan_route([rec("h", "0:6", total=12), rec("t", "6:24", total=24)], MODEL)
+
+
+def test_no_node_for_the_model_is_overloaded():
+    with pytest.raises(Overloaded, match=r"no node serves model 'm' right now") as info:
+        plan_route([rec("x", "0:12", model="other")], MODEL)
+    assert (info.value.status, info.value.code, info.value.retry_after_s) == (503, None, 5)
+    with pytest.raises(Overloaded, match="no node serves model"):
+        plan_route([], MODEL)
+
+
+@pytest.mark.parametrize(
+    ("layers", "gap"),
+    [
+        (["0:6", "8:12"], "no node serves layers 6:8"),
+        (["2:12"], "no node serves layers 0:2"),
+        (["0:4", "4:9"], "no node serves layers 9:12"),
+        (["8:12", "0:3", "3:5"], "no node serves layers 5:8"),
+    ],
+)
+def test_a_gap_in_the_layers_is_named(layers: list[str], gap: str):
+    nodes = [rec(f"n{i}", r) for i, r in enumerate(layers)]
+    with pytest.raises(Overloaded) as info:
+        plan_route(nodes, MODEL)
+    message = info.value.message
+    assert message.startswith("the nodes serving 'm' do not cover layers 0:12: ")
+    assert gap in message
+    assert info.value.retry_after_s == 5
+
+
+def test_overlapping_ranges_that_do_not_tile_name_where_the_chain_stops():
+    # Every layer is served, but nothing starts at 6, where 0:6 ends (4:12 needs layer 4's input).
+    with pytest.raises(
+        Overloaded, match=r"no node starts at layer 6, where the chain from layer 0 ends \(have 0:6, 4:12\)"
+    ):
+        plan_route([rec("b", "4:12"), rec("a", "0:6")], MODEL)
+
+
+def test_the_gap_message_mentions_ignored_layer_counts():
+    with pytest.raises(
+        Overloaded, match=r"layers 6:12 \(have 0:6, 0:6\); 1 node\(s\) reporting another layer count ignored"
+    ):
+        plan_route([rec("h", "0:6"), rec("h2", "0:6"), rec("x", "0:30", total=60)], MODEL)
+
+
+def _all_chains(nodes: list[NodeRecord], total: int) -> list[list[NodeRecord]]:
+    """Every chain tiling [0, total), by exhaustive search."""
+    chains: list[list[NodeRecord]] = []
+
+    def extend(chain: list[NodeRecord], at: int) -> None:
+        if at == total:
+            chains.append(chain)
+            return
+        for node in nodes:
+            if node.layers.start == at and node not in chain:
+                extend([*chain, node], node.layers.stop)
+
+    extend([], 0)
+    return chains
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_random_swarms_match_brute_force(seed: int):
+    rng = random.Random(seed)
+    nodes = []
+    for i in range(rng.randint(6, 10)):
+        total = 12 if rng.random() < 0.85 else 16  # a few strays report another layer count
+        start = rng.randrange(0, total)
+        if rng.random() < 0.5:  # bias towards a few common cut points so chains exist often
+            start = rng.choice([0, 3, 4, 6, 8, 9])
+        stop = rng.randint(start + 1, total)
+        if rng.random() < 0.5:
+            stop = rng.choice([s for s in (3, 4, 6, 8, 9, total) if s > start])
+        model = MODEL if rng.random() < 0.9 else "other"
+        nodes.append(rec(f"n{i}", f"{start}:{stop}", total=total, free=rng.choice([0, 10, 20, 30]), model=model))
+    mine = [n for n in nodes if n.model == MODEL]
+    chains = _all_chains([n for n in mine if n.layers.total == 12], 12)
+    chains += _all_chains([n for n in mine if n.layers.total == 16], 16)
+    if not chains:
+        with pytest.raises(Overloaded, match=r"do not cover layers 0:|no node serves model"):
+            plan_route(nodes, MODEL)
+        return
+    chosen = plan_route(nodes, MODEL)
+    assert_tiles(chosen, chosen[0].layers.total)
+    assert all(n.model == MODEL for n in chosen)
+    assert len({n.node_id for n in chosen}) == len(chosen)
+    fewest = min(len(c) for c in chains)
+    assert len(chosen) == fewest
+    best_free = max(min(n.kv_bytes_free for n in c) for c in chains if len(c) == fewest)
+    assert min(n.kv_bytes_free for n in chosen) == best_free
+    assert plan_route(list(reversed(nodes)), MODEL) == chosen  # the input order never matters
+
+
+# -- the HTTP surface -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> str:
+    return "sqlite:///" + str(tmp_path / "t.db")
+
+
+@pytest.fixture
+def client(db_path: str) -> Iterator[TestClient]:
+    db = TrackerDB(db_path)
+    try:
+        with TestClient(create_tracker_app(db)) as c:
+            yield c
+    finally:
+        db.close()
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The tracker's wall clock, moved by hand: ``clock[0] += ...``."""
+    now = [1_000_000.0]
+    monkeypatch.setattr(tracker_app, "time", types.SimpleNamespace(time=lambda: now[0]))
+    return now
+
+
+def registration(node_id: str, layers: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "node_id": node_id,
+        "url": f"http://{node_id}.local:7000/",
+        "model": MODEL,
+        "layers": layers,
+        "total_layers": 12,
+        "backend": "fake",
+        "kv_bytes_free": 1000,
+        **fields,
+    }
+
+
+def assert_error(response: Any, status: int, error_type: str, *, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == error_type
+    assert error["param"] == param
+    return dict(error)
+
+
+def test_registration_then_heartbeat(client: TestClient):
+    first = client.post("/v1/nodes", json=registration("a", "0:12"))
+    assert first.status_code == 201
+    assert first.json() == {"registered": "a", "ttl_s": NODE_TTL_S}
+    again = client.post("/v1/nodes", json=registration("a", "0:12", kv_bytes_free=5))
+    assert again.status_code == 200
+    assert again.json() == {"registered": "a", "ttl_s": NODE_TTL_S}
+    [node] = client.get("/v1/nodes").json()["nodes"]
+    assert node["kv_bytes_free"] == 5  # a heartbeat refreshes what the node reports
+
+
+def test_list_nodes(client: TestClient, clock: list[float]):
+    assert client.get("/v1/nodes").json() == {"nodes": []}
+    client.post("/v1/nodes", json=registration("a", "0:6"))
+    client.post("/v1/nodes", json=registration("b", "6:", kv_bytes_free=7))
+    assert client.get("/v1/nodes").json() == {
+        "nodes": [
+            {
+                "node_id": "a",
+                "url": "http://a.local:7000",  # the trailing slash is dropped
+                "model": MODEL,
+                "layers": "0:6",
+                "total_layers": 12,
+                "backend": "fake",
+                "kv_bytes_free": 1000,
+                "last_seen": clock[0],
+            },
+            {
+                "node_id": "b",
+                "url": "http://b.local:7000",
+                "model": MODEL,
+                "layers": "6:12",
+                "total_layers": 12,
+                "backend": "fake",
+                "kv_bytes_free": 7,
+                "last_seen": clock[0],
+            },
+        ]
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"url": "ftp://a"}, "url", "should match pattern"),
+        ({"url": "a.local:7000"}, "url", "should match pattern"),
+        ({"layers": "6:40"}, "layers", "0 <= start < stop <= 12"),
+        ({"layers": "abc"}, "layers", "START:STOP"),
+        ({"layers": "x:y"}, "layers", "integers"),
+        ({"total_layers": 0}, "total_layers", "greater than or equal to 1"),
+        ({"node_id": ""}, "node_id", "at least 1 character"),
+        ({"model": ""}, "model", "at least 1 character"),
+        ({"kv_bytes_free": -1}, "kv_bytes_free", "greater than or equal to 0"),
+    ],
+)
+def test_registration_is_validated(client: TestClient, fields: dict[str, Any], param: str, says: str):
+    body = {**registration("a", "0:12"), **fields}
+    error = assert_error(client.post("/v1/nodes", json=body), 400, "invalid_request_error", param=param)
+    assert says in error["message"]
+    assert client.get("/v1/nodes").json() == {"nodes": []}
+
+
+def test_a_missing_field_or_bad_json_is_400(client: TestClient):
+    body = registration("a", "0:12")
+    del body["layers"]
+    error = assert_error(client.post("/v1/nodes", json=body), 400, "invalid_request_error", param="layers")
+    assert "Field required" in error["message"]
+    assert_error(client.post("/v1/nodes", content=b"{not json"), 400, "invalid_request_error", param="body")
+    assert_error(client.post("/v1/sessions", content=b"[]"), 400, "invalid_request_error", param="body")
+    assert_error(client.post("/v1/sessions", json={}), 400, "invalid_request_error", param="model")
+
+
+def test_open_session_returns_a_route_covering_every_layer(client: TestClient, clock: list[float]):
+    for node_id, layers in [("c", "8:12"), ("a", "0:4"), ("b", "4:8")]:
+        client.post("/v1/nodes", json=registration(node_id, layers))
+    response = client.post("/v1/sessions", json={"model": MODEL})
+    assert response.status_code == 201
+    session = response.json()
+    assert set(session) == {"session_id", "route_id", "model", "hops", "created"}
+    assert session["session_id"].startswith("ses-")
+    assert session["route_id"].startswith("rte-")
+    assert session["model"] == MODEL
+    assert session["created"] == clock[0]
+    assert session["hops"] == [
+        {"node_id": "a", "url": "http://a.local:7000", "layers": "0:4"},
+        {"node_id": "b", "url": "http://b.local:7000", "layers": "4:8"},
+        {"node_id": "c", "url": "http://c.local:7000", "layers": "8:12"},
+    ]
+    other = client.post("/v1/sessions", json={"model": MODEL}).json()
+    assert (other["session_id"], other["route_id"]) != (session["session_id"], session["route_id"])
+
+
+def test_a_session_is_sticky_across_a_tracker_restart(db_path: str):
+    first_db = TrackerDB(db_path)
+    try:
+        with TestClient(create_tracker_app(first_db)) as first:
+            first.post("/v1/nodes", json=registration("a", "0:6"))
+            first.post("/v1/nodes", json=registration("b", "6:12"))
+            session = first.post("/v1/sessions", json={"model": MODEL}).json()
+    finally:
+        first_db.close()
+    second_db = TrackerDB(db_path)  # a restarted tracker: no nodes yet, the same database
+    try:
+        with TestClient(create_tracker_app(second_db)) as second:
+            assert second.get("/v1/nodes").json() == {"nodes": []}
+            got = second.get(f"/v1/sessions/{session['session_id']}")
+            assert got.status_code == 200
+            assert got.json() == session
+            deleted = second.delete(f"/v1/sessions/{session['session_id']}")
+            assert deleted.json() == {"deleted": session["session_id"]}
+    finally:
+        second_db.close()
+
+
+def test_delete_session_then_404(client: TestClient):
+    client.post("/v1/nodes", json=registration("a", "0:12"))
+    sid = client.post("/v1/sessions", json={"model": MODEL}).json()["session_id"]
+    assert client.get(f"/v1/sessions/{sid}").status_code == 200
+    deleted = client.delete(f"/v1/sessions/{sid}")
+    assert deleted.status_code == 200
+    assert deleted.json() == {"deleted": sid}
+    error = assert_error(client.get(f"/v1/sessions/{sid}"), 404, "not_found_error")
+    assert error["message"] == f"no session {sid} on this tracker"
+    assert_error(client.delete(f"/v1/sessions/{sid}"), 404, "not_found_error")
+    assert_error(client.get("/v1/sessions/ses-never"), 404, "not_found_error")
+
+
+def test_no_node_for_the_model_is_503_with_retry_after(client: TestClient):
+    response = client.post("/v1/sessions", json={"model": MODEL})
+    error = assert_error(response, 503, "overloaded_error")
+    assert response.headers["retry-after"] == "5"
+    assert error["message"] == "no node serves model 'm' right now"
+
+
+def test_a_gap_in_the_layers_is_503_naming_it(client: TestClient):
+    client.post("/v1/nodes", json=registration("a", "0:6"))
+    client.post("/v1/nodes", json=registration("b", "8:12"))
+    response = client.post("/v1/sessions", json={"model": MODEL})
+    error = assert_error(response, 503, "overloaded_error")
+    assert "no node serves layers 6:8" in error["message"]
+    assert response.headers["retry-after"] == "5"
+
+
+def test_nodes_expire_without_heartbeats(client: TestClient, clock: list[float]):
+    client.post("/v1/nodes", json=registration("a", "0:12"))
+    clock[0] += NODE_TTL_S - 0.5
+    assert [n["node_id"] for n in client.get("/v1/nodes").json()["nodes"]] == ["a"]
+    assert client.post("/v1/sessions", json={"model": MODEL}).status_code == 201
+    clock[0] += 1.0  # now past the TTL since the last heartbeat
+    assert client.get("/v1/nodes").json() == {"nodes": []}
+    assert client.get("/v1/health").json()["nodes"] == 0
+    assert_error(client.post("/v1/sessions", json={"model": MODEL}), 503, "overloaded_error")
+
+
+def test_heartbeats_keep_a_node_alive_and_an_expired_node_registers_afresh(client: TestClient, clock: list[float]):
+    assert client.post("/v1/nodes", json=registration("a", "0:12")).status_code == 201
+    for _ in range(3):
+        clock[0] += NODE_TTL_S - 1
+        assert client.post("/v1/nodes", json=registration("a", "0:12")).status_code == 200
+    assert client.post("/v1/sessions", json={"model": MODEL}).status_code == 201
+    clock[0] += NODE_TTL_S + 1
+    assert client.post("/v1/nodes", json=registration("a", "0:12")).status_code == 201
+
+
+def test_health(client: TestClient, db_path: str):
+    client.post("/v1/nodes", json=registration("a", "0:12"))
+    assert client.get("/v1/health").json() == {"status": "ok", "nodes": 1, "database": db_path}
+
+
+def test_unknown_path_and_wrong_method(client: TestClient):
+    assert_error(client.get("/v1/nope"), 404, "not_found_error")
+    assert_error(client.put("/v1/nodes", json={}), 405, "invalid_request_error")
+    assert_error(client.post("/v1/sessions/x", json={}), 405, "invalid_request_error")
