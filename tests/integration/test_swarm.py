@@ -89,3 +89,17 @@ def test_route_telemetry_and_swarm_view(swarm: Proc, model_id: str) -> None:
         time.sleep(0.2)
         view = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
     assert all(n["health"]["sessions"] == 0 and n["health"]["kv_bytes_used"] == 0 for n in view["nodes"])
+
+
+def test_torch_backend_route_matches_a_single_torch_node(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # PyTorch dequantizes to float32, so its tokens differ from llama.cpp's; the reference is a
+    # single torch node holding every layer, against three torch nodes splitting them.
+    prompts = PROMPTS[:2]
+    outputs = []
+    for nodes in ("1", "3"):
+        workdir = tmp_path_factory.mktemp(f"torch-{nodes}")
+        args = ["up", "--port", "0", "--nodes", nodes, "--backend", "torch", "--workdir", str(workdir)]
+        with meshnet_process(args, ready_timeout_s=300) as proc:
+            outputs.append([chat(proc.url, "SmolLM2-135M-Instruct.Q4_1", p) for p in prompts])
+    assert outputs[0] == outputs[1]
+    assert all(outputs[0])
