@@ -79,14 +79,8 @@ def prefill_chain(
 
 
 def decode_chain(shards: Sequence[ShardBackend], sid: SessionId, position: int, token: int) -> F32:
-    """Decode one position: every shard computes exactly one new position."""
-    hidden: F32 | None = None
-    logits: F32 | None = None
-    for shard in shards:
-        out = shard.decode_step(sid, position, token=token if _needs_tokens(shard) else None, hidden=hidden)
-        hidden, logits = out.hidden, out.logits
-    assert logits is not None, "the last shard of a route is the tail"
-    return logits
+    """Decode one position: every shard computes exactly one new position (a one-token chunk)."""
+    return forward_chain(shards, sid, position, np.asarray([token], dtype=np.int32))
 
 
 class ChainSession:
