@@ -191,7 +191,10 @@ class _Node:
             raise BadGateway(f"next hop {route.next_hops[0]} failed: {type(exc).__name__}: {exc}") from None
         if response.status_code >= 400:
             raise BadGateway(f"next hop {route.next_hops[0]} answered {response.status_code}: {_reason(response)}")
-        return dict(response.json())
+        try:
+            return dict(response.json())
+        except ValueError:
+            raise BadGateway(f"next hop {route.next_hops[0]} sent an answer that is not JSON") from None
 
     async def delete(self, sid: SessionId) -> None:
         """Free a session here, then on the next hop (the delete travels down the chain)."""
