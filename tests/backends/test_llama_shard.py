@@ -15,14 +15,12 @@ from meshnet.backends.llama_shard import SNAPSHOT_CELL_META_BYTES, LlamaShard, L
 from meshnet.errors import (
     ContextOverflow,
     InvalidRequest,
-    PositionMismatch,
-    SeamMismatch,
     SessionBusy,
     SessionGone,
-    SessionNotFound,
     StoreFull,
 )
 from meshnet.ids import SessionId
+from tests.backends.shard_contract import check_bad_inputs_change_nothing
 
 pytestmark = pytest.mark.real
 
@@ -224,32 +222,14 @@ def test_each_shard_loads_only_its_tensors(cache: Path, full: LlamaShard) -> Non
 def test_bad_inputs_raise_named_errors_and_change_nothing(
     chain: list[LlamaShard], prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    head, middle, _ = chain
+    middle = chain[1]
     sid = SessionId("bad")
     prompt = prompts[3]
     for shard in chain:
         shard.open_session(sid)
     logits = prefill_chain(chain, sid, prompt, chunk=64)
     position = len(prompt)
-    good = np.zeros((1, 576), dtype=np.float32)
-    with pytest.raises(SeamMismatch, match="shape"):
-        middle.decode_step(sid, position, hidden=np.zeros((1, 575), dtype=np.float32))
-    with pytest.raises(SeamMismatch, match="float32"):
-        middle.decode_step(sid, position, hidden=good.astype(np.float16))
-    with pytest.raises(SeamMismatch, match="NaN"):
-        middle.decode_step(sid, position, hidden=np.full((1, 576), np.nan, dtype=np.float32))
-    with pytest.raises(PositionMismatch, match="gap"):
-        middle.decode_step(sid, position + 1, hidden=good)
-    with pytest.raises(PositionMismatch, match="rewind"):
-        middle.decode_step(sid, position - 1, hidden=good)
-    with pytest.raises(SeamMismatch):
-        head.decode_step(sid, position, hidden=good)  # the head takes token ids
-    with pytest.raises(InvalidRequest):
-        head.decode_step(sid, position, token=10**9)
-    with pytest.raises(SessionNotFound):
-        middle.decode_step(SessionId("never"), 0, hidden=good)
-    for shard in chain:
-        assert shard.store.get(sid).position == position  # nothing moved
+    check_bad_inputs_change_nothing(chain, sid, position)
     out = []
     for _ in range(N_NEW):
         token = int(np.argmax(logits))
@@ -260,7 +240,7 @@ def test_bad_inputs_raise_named_errors_and_change_nothing(
     for shard in chain:
         shard.close_session(sid)
     with pytest.raises(SessionGone, match="closed"):
-        middle.decode_step(sid, position, hidden=good)
+        middle.decode_step(sid, position, hidden=np.zeros((1, 576), dtype=np.float32))
 
 
 def test_store_full_is_named_and_leaves_sessions_intact(cache: Path) -> None:

@@ -19,13 +19,11 @@ from meshnet.backends.torch_gguf import GgufCheckpoint
 from meshnet.backends.torch_shard import TorchShard
 from meshnet.errors import (
     InvalidRequest,
-    PositionMismatch,
-    SeamMismatch,
     SessionGone,
-    SessionNotFound,
 )
 from meshnet.ids import SessionId
 from meshnet.layers import LayerRange
+from tests.backends.shard_contract import check_bad_inputs_change_nothing
 
 pytestmark = pytest.mark.real
 
@@ -191,31 +189,14 @@ def test_bfloat16_shards_run_and_stay_sane(checkpoint: GgufCheckpoint, prompt: l
 def test_bad_inputs_raise_named_errors_and_change_nothing(
     chain: list[TorchShard], prompt: list[int], reference: list[int]
 ) -> None:
-    head, middle, _ = chain
+    middle = chain[1]
     sid = SessionId("bad")
     for shard in chain:
         shard.open_session(sid)
     logits = prefill_chain(chain, sid, prompt, chunk=64)
     position = len(prompt)
-    good = np.zeros((1, HIDDEN), dtype=np.float32)
-    with pytest.raises(SeamMismatch, match="shape"):
-        middle.decode_step(sid, position, hidden=np.zeros((1, HIDDEN - 1), dtype=np.float32))
-    with pytest.raises(SeamMismatch, match="float32"):
-        middle.decode_step(sid, position, hidden=good.astype(np.float64))
-    with pytest.raises(SeamMismatch, match="NaN"):
-        middle.decode_step(sid, position, hidden=np.full((1, HIDDEN), np.nan, dtype=np.float32))
-    with pytest.raises(PositionMismatch, match="gap"):
-        middle.decode_step(sid, position + 1, hidden=good)
-    with pytest.raises(PositionMismatch, match="rewind"):
-        middle.decode_step(sid, position - 1, hidden=good)
-    with pytest.raises(SeamMismatch):
-        head.decode_step(sid, position, hidden=good)  # the head takes token ids
-    with pytest.raises(InvalidRequest):
-        head.decode_step(sid, position, token=10**9)
-    with pytest.raises(SessionNotFound):
-        middle.decode_step(SessionId("never-opened"), 0, hidden=good)
+    check_bad_inputs_change_nothing(chain, sid, position)
     for shard in chain:
-        assert shard.store.get(sid).position == position
         assert shard.state_bytes(sid) == shard.info.kv.bytes_per_token * position  # nothing appended
     out: list[int] = []
     for _ in range(8):
@@ -226,7 +207,7 @@ def test_bad_inputs_raise_named_errors_and_change_nothing(
     for shard in chain:
         shard.close_session(sid)
     with pytest.raises(SessionGone, match="closed"):
-        middle.decode_step(sid, position, hidden=good)
+        middle.decode_step(sid, position, hidden=np.zeros((1, HIDDEN), dtype=np.float32))
 
 
 @pytest.mark.parametrize(

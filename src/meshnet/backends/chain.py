@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import numpy.typing as npt
 
-from meshnet.backends.shard import ShardBackend
+from meshnet.backends.shard import F32, I32, ShardBackend
 from meshnet.ids import SessionId, new_session_id
 from meshnet.sampling import Sampler, SamplingParams
 
@@ -29,9 +28,6 @@ __all__ = [
     "generate_greedy",
     "prefill_chain",
 ]
-
-F32 = npt.NDArray[np.float32]
-I32 = npt.NDArray[np.int32]
 
 
 def check_route(shards: Sequence[ShardBackend]) -> None:
