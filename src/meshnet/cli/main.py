@@ -39,6 +39,13 @@ def _build_parser() -> argparse.ArgumentParser:
     make.add_argument("--keep-vocab", action="store_true", help="keep the full vocabulary on a non-tail shard (slower)")
 
     add_swarm_commands(sub)
+    plan = sub.add_parser("plan", help="KV/state and seam bytes of a model at a context length")
+    plan.add_argument("config", type=Path, help="a Hugging Face config.json (or its folder), or a .gguf")
+    plan.add_argument("--context", type=int, default=131072, help="tokens of context (default 131072)")
+    plan.add_argument("--layers", help="only this layer range, START:STOP")
+    plan.add_argument("--cache-dtype", help="KV cache dtype (default: the config's dtype; f16 for a GGUF)")
+    plan.add_argument("--seam-dtype", default="bfloat16", help="activation dtype on the wire (default bfloat16)")
+    plan.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill chunk (default 2048)")
     up = sub.add_parser("up", help="run a whole local swarm: tracker, N nodes, gateway")
     up.add_argument("--gguf", type=Path, help="GGUF to split (default: the bundled model)")
     up.add_argument("--host", default="127.0.0.1")
@@ -77,6 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         runner = {"node": swarm.run_node, "tracker": swarm.run_tracker, "gateway": swarm.run_gateway}
         return runner[args.command](args) if args.command in runner else up.run_up(args)
+    if args.command == "plan":
+        from meshnet.cli.shard import run_plan
+
+        return run_plan(args)
     if args.command == "shard":
         from meshnet.cli.shard import run_shard_make
 

@@ -9,7 +9,7 @@ import time
 from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
 from meshnet.errors import MeshnetError
 
-__all__ = ["run_shard_make"]
+__all__ = ["run_plan", "run_shard_make"]
 
 
 def run_shard_make(args: argparse.Namespace) -> int:
@@ -38,4 +38,21 @@ def run_shard_make(args: argparse.Namespace) -> int:
     )
     if files.embeddings is not None:
         print(f"meshnet: wrote {files.embeddings} — the head's embedding table (keep it beside the shard)")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from meshnet.artifacts.plan import format_plan, plan, read_shape
+    from meshnet.layers import LayerRange
+
+    try:
+        shape = read_shape(args.config, cache_dtype=args.cache_dtype, seam_dtype=args.seam_dtype)
+        layers = LayerRange.parse(args.layers, shape.layers) if args.layers else None
+        print(format_plan(plan(shape, context=args.context, layers=layers, prefill_chunk=args.prefill_chunk)))
+    except MeshnetError as exc:
+        print(f"meshnet plan: {exc.message}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"meshnet plan: {exc}", file=sys.stderr)
+        return 2
     return 0
