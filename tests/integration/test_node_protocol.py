@@ -184,3 +184,20 @@ def test_unknown_paths_and_methods(middle: Proc) -> None:
     metrics = httpx.get(f"{middle.url}/metrics", timeout=10).text
     assert "meshnet_node_positions_total" in metrics and "meshnet_node_seam_bytes_total" in metrics
     assert json.loads(httpx.get(f"{middle.url}/v1/health", timeout=10).text)["layers"] == "10:20"
+
+
+def test_a_dead_next_hop_breaks_the_session_instead_of_diverging(middle: Proc) -> None:
+    args = ["node", "--layers", "20:30", "--threads", "1", "--ctx", "64"]
+    with meshnet_process(args) as doomed:
+        sid = "doomed"
+        first = post(middle, sid, activations(3, 1), start=0, tail_url=doomed.url)
+        assert first.status_code == 200, first.text
+        doomed.popen.kill()
+        doomed.popen.wait(10)
+        lost = post(middle, sid, activations(1, 2), position=3)
+        error(lost, 502, "next hop")
+        # The middle advanced past position 3 but the tail never did: the session is reported
+        # broken on every later request, never silently continued.
+        error(post(middle, sid, activations(1, 3), position=4), 409, "broken")
+        error(post(middle, sid, activations(1, 3), position=3), 409, "broken")
+        assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200

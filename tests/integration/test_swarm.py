@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -103,3 +105,17 @@ def test_torch_backend_route_matches_a_single_torch_node(tmp_path_factory: pytes
             outputs.append([chat(proc.url, "SmolLM2-135M-Instruct.Q4_1", p) for p in prompts])
     assert outputs[0] == outputs[1]
     assert all(outputs[0])
+
+
+def test_ctrl_c_stops_every_process_of_the_swarm(tmp_path: Path) -> None:
+    import psutil
+
+    args = ["up", "--port", "0", "--nodes", "2", "--workdir", str(tmp_path)]
+    with meshnet_process(args, ready_timeout_s=300) as proc:
+        children = psutil.Process(proc.popen.pid).children(recursive=True)
+        assert len(children) >= 4  # tracker, 2 nodes, gateway
+        proc.popen.send_signal(signal.SIGINT)
+        proc.popen.wait(60)
+        assert "swarm stopped" in proc.output()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
