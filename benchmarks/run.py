@@ -29,27 +29,46 @@ def main() -> int:
     args = parser.parse_args()
     names = args.only or list(BENCHES)
     started = time.monotonic()
-    sections = []
+    # Keep the sections of benchmarks not run now (`--only`), each with the stamp of its own run.
+    sections = _existing_sections(args.out) if args.only else {}
+    stamp = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}, {machine()}"
     for name in names:
         print(f"bench: {name} ...", flush=True)
         section = importlib.import_module(f"benchmarks.{BENCHES[name]}").run()
         print(section.markdown(), flush=True)
-        sections.append(section.markdown())
+        sections[name] = f"{_MARK.format(name)}\n{section.markdown()}\nMeasured {stamp}.\n"
     header = [
         "# Benchmark results",
         "",
-        f"Written by `make bench` on {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC} "
-        f"in {time.monotonic() - started:.0f} s.",
-        "",
-        f"Machine: {machine()}",
+        f"Written by `make bench` (`python benchmarks/run.py`; `--only NAME` re-runs one section). "
+        f"Last run took {time.monotonic() - started:.0f} s.",
         "",
         "Every ratio compares two measurements taken in the same run on the same machine, one after the "
-        "other, never concurrently.",
+        "other, never concurrently. Run benchmarks alone on the machine: llama.cpp threads spin.",
         "",
     ]
-    args.out.write_text("\n".join(header) + "\n" + "\n".join(sections))
+    ordered = [sections[n] for n in BENCHES if n in sections]
+    args.out.write_text("\n".join(header) + "\n" + "\n".join(ordered))
     print(f"bench: wrote {args.out}")
     return 0
+
+
+_MARK = "<!-- bench: {} -->"
+
+
+def _existing_sections(path: Path) -> dict[str, str]:
+    """Sections of a previous RESULTS.md, keyed by benchmark name (from the marker before each)."""
+    if not path.is_file():
+        return {}
+    found: dict[str, str] = {}
+    text = path.read_text()
+    for name in BENCHES:
+        marker = _MARK.format(name)
+        if marker in text:
+            body = text.split(marker, 1)[1]
+            ends = [i for n in BENCHES if (i := body.find(_MARK.format(n))) >= 0]
+            found[name] = marker + body[: min(ends)] if ends else marker + body
+    return found
 
 
 if __name__ == "__main__":
