@@ -428,3 +428,15 @@ def test_unknown_path_and_wrong_method(client: TestClient):
     assert_error(client.get("/v1/nope"), 404, "not_found_error")
     assert_error(client.put("/v1/nodes", json={}), 405, "invalid_request_error")
     assert_error(client.post("/v1/sessions/x", json={}), 405, "invalid_request_error")
+
+
+def test_the_callers_layer_count_rules_out_misconfigured_nodes() -> None:
+    good = [
+        NodeRecord("a", "http://a", "m", LayerRange(0, 15, 30), "llama.cpp", 10, 0.0),
+        NodeRecord("b", "http://b", "m", LayerRange(15, 30, 30), "llama.cpp", 10, 0.0),
+    ]
+    wrong = NodeRecord("w", "http://w", "m", LayerRange(0, 24, 24), "llama.cpp", 10, 0.0)  # one hop, wrong model
+    assert [n.node_id for n in plan_route([wrong, *good], "m")] == ["w"]  # fewer hops wins when nothing is known
+    assert [n.node_id for n in plan_route([wrong, *good], "m", 30)] == ["a", "b"]
+    with pytest.raises(Overloaded, match=r"report \[24\] layers, not the 30"):
+        plan_route([wrong], "m", 30)

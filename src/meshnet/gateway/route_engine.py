@@ -96,7 +96,8 @@ class RouteEngine:
             raise Overloaded(f"the tracker at {self.tracker_url} is unreachable: {exc}", retry_after_s=5) from None
 
     def plan(self) -> RoutePlan:
-        response = self._tracker("POST", "/v1/sessions", json={"model": self.info.model_id})
+        body = {"model": self.info.model_id, "total_layers": self.info.n_layers}
+        response = self._tracker("POST", "/v1/sessions", json=body)
         if response.status_code == 503:
             raise Overloaded(f"no route: {_message(response)}", retry_after_s=5)
         if response.status_code >= 400:

@@ -43,6 +43,7 @@ class Registration(BaseModel):
 class SessionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     model: str = Field(min_length=1)
+    total_layers: int | None = Field(None, ge=1)
 
 
 SchemaT = TypeVar("SchemaT", bound=BaseModel)
@@ -104,7 +105,7 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
 
     async def open_session(request: Request) -> Response:
         req = _parse(SessionRequest, await request.body())
-        chain = plan_route(tracker.live_nodes(), req.model)
+        chain = plan_route(tracker.live_nodes(), req.model, req.total_layers)
         session = {
             "session_id": new_session_id(),
             "route_id": new_route_id(),

@@ -29,11 +29,24 @@ class NodeRecord:
     last_seen: float
 
 
-def plan_route(nodes: Sequence[NodeRecord], model: str) -> list[NodeRecord]:
-    """The best chain of ``nodes`` covering every layer of ``model``; ``Overloaded`` if none exists."""
+def plan_route(nodes: Sequence[NodeRecord], model: str, total_layers: int | None = None) -> list[NodeRecord]:
+    """The best chain of ``nodes`` covering every layer of ``model``; ``Overloaded`` if none exists.
+
+    ``total_layers``, when the caller knows it (the gateway reads it from the GGUF), rules out nodes
+    that registered the model with another layer count.
+    """
     candidates = [n for n in nodes if n.model == model]
     if not candidates:
         raise Overloaded(f"no node serves model {model!r} right now", retry_after_s=5)
+    if total_layers is not None:
+        matching = [n for n in candidates if n.layers.total == total_layers]
+        if not matching:
+            counts = sorted({n.layers.total for n in candidates})
+            raise Overloaded(
+                f"the nodes serving {model!r} report {counts} layers, not the {total_layers} asked for",
+                retry_after_s=5,
+            )
+        candidates = matching
     # A chain only joins nodes that agree on the layer count. Which count is "right" is not the
     # tracker's to know (one misconfigured node must not hide a complete chain that registered
     # after it), so every count is planned on its own and the best complete chain wins.
