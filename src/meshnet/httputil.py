@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 
-__all__ = ["EXCEPTION_HANDLERS", "error_body", "error_response"]
+__all__ = ["EXCEPTION_HANDLERS", "error_body", "error_message", "error_response"]
 
 
 def error_body(error: MeshnetError) -> dict[str, Any]:
@@ -32,6 +33,14 @@ def error_response(error: MeshnetError, headers: dict[str, str] | None = None) -
     retry = getattr(error, "retry_after_s", None)
     extra = {"Retry-After": str(retry)} if retry is not None else {}
     return JSONResponse(error_body(error), status_code=error.status, headers={**extra, **(headers or {})})
+
+
+def error_message(response: httpx.Response) -> str:
+    """The message of an error answer from any Meshnet server (or its raw text if it is not one)."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}: {response.text[:200]}"
 
 
 async def _meshnet_error(_: Request, exc: Exception) -> Response:

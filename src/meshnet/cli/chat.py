@@ -14,6 +14,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from meshnet.httputil import error_message
+
 __all__ = ["run_chat", "stream_chat"]
 
 _TIMEOUT = httpx.Timeout(connect=5.0, read=120.0, write=30.0, pool=5.0)
@@ -35,7 +37,7 @@ def stream_chat(client: httpx.Client, url: str, payload: dict[str, Any]) -> Iter
     with client.stream("POST", f"{url}/v1/chat/completions", json={**payload, "stream": True}) as response:
         if response.status_code != 200:
             response.read()
-            raise ChatError(_error_message(response))
+            raise ChatError(error_message(response))
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -54,13 +56,6 @@ def stream_chat(client: httpx.Client, url: str, payload: dict[str, Any]) -> Iter
             if finish:
                 status["finish_reason"] = finish
             yield delta, status
-
-
-def _error_message(response: httpx.Response) -> str:
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {response.status_code}: {response.text[:200]}"
 
 
 def _status_line(status: dict[str, Any]) -> Text:
@@ -101,7 +96,7 @@ def _ask(client: httpx.Client, console: Console, url: str, payload: dict[str, An
 def _default_model(client: httpx.Client, url: str) -> str:
     response = client.get(f"{url}/v1/models")
     if response.status_code != 200:
-        raise ChatError(_error_message(response))
+        raise ChatError(error_message(response))
     models = response.json().get("data", [])
     if not models:
         raise ChatError(f"{url} serves no model")

@@ -24,6 +24,7 @@ import numpy as np
 
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, TokenStep
 from meshnet.errors import BadGateway, EngineError, InvalidRequest, MeshnetError, Overloaded
+from meshnet.httputil import error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
 from meshnet.protocol import headers as H
@@ -42,13 +43,6 @@ class Tokenizer(Protocol):
     def token_bytes(self, token: int) -> bytes: ...
 
     def is_end_of_generation(self, token: int) -> bool: ...
-
-
-def _message(response: httpx.Response) -> str:
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:200] or f"HTTP {response.status_code}"
 
 
 class RouteEngine:
@@ -99,9 +93,9 @@ class RouteEngine:
         body = {"model": self.info.model_id, "total_layers": self.info.n_layers}
         response = self._tracker("POST", "/v1/sessions", json=body)
         if response.status_code == 503:
-            raise Overloaded(f"no route: {_message(response)}", retry_after_s=5)
+            raise Overloaded(f"no route: {error_message(response)}", retry_after_s=5)
         if response.status_code >= 400:
-            raise EngineError(f"the tracker refused a route: {_message(response)}")
+            raise EngineError(f"the tracker refused a route: {error_message(response)}")
         data = response.json()
         total = self.info.n_layers
         hops = tuple(Hop(h["node_id"], h["url"], LayerRange.parse(h["layers"], total)) for h in data["hops"])
@@ -174,7 +168,7 @@ class RouteEngine:
         except httpx.HTTPError as exc:
             raise BadGateway(f"head node {url} failed: {type(exc).__name__}: {exc}") from None
         if response.status_code >= 400:
-            raise BadGateway(f"route hop answered {response.status_code}: {_message(response)}")
+            raise BadGateway(f"route hop answered {response.status_code}: {error_message(response)}")
         return dict(response.json())
 
     def _close(self, plan: RoutePlan) -> None:

@@ -44,7 +44,7 @@ from meshnet.errors import (
     SessionGone,
     SessionNotFound,
 )
-from meshnet.httputil import EXCEPTION_HANDLERS
+from meshnet.httputil import EXCEPTION_HANDLERS, error_message
 from meshnet.ids import SessionId
 from meshnet.node.metrics import NodeMetrics
 from meshnet.protocol import headers as H
@@ -190,7 +190,9 @@ class _Node:
         except httpx.HTTPError as exc:
             raise BadGateway(f"next hop {route.next_hops[0]} failed: {type(exc).__name__}: {exc}") from None
         if response.status_code >= 400:
-            raise BadGateway(f"next hop {route.next_hops[0]} answered {response.status_code}: {_reason(response)}")
+            raise BadGateway(
+                f"next hop {route.next_hops[0]} answered {response.status_code}: {error_message(response)}"
+            )
         try:
             return dict(response.json())
         except ValueError:
@@ -218,13 +220,6 @@ class _Node:
 
     def break_session(self, route: _Route, reason: str) -> None:
         route.broken = route.broken or reason
-
-
-def _reason(response: httpx.Response) -> str:
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:200]
 
 
 def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
@@ -405,7 +400,7 @@ async def _heartbeat(node: _Node, tracker_url: str) -> None:
         try:
             response = await node.client.post(f"{tracker_url}/v1/nodes", json=body, timeout=5.0)
             if response.status_code >= 400:
-                log.warning("tracker refused registration: %s", _reason(response))
+                log.warning("tracker refused registration: %s", error_message(response))
             reported = False
         except httpx.HTTPError as exc:
             if not reported:  # say it once per outage, not every heartbeat
