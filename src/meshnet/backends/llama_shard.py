@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from meshnet.artifacts.shard_file import embeddings_path, read_shard_range, write_shard
+from meshnet.backends.llama_vocab import model_meta
 from meshnet.backends.shard import F32, I32, KVFormat, SeamSpec, ShardBase, ShardInfo, ShardOutput
 from meshnet.errors import EngineError, InvalidRequest, StoreFull
 from meshnet.ids import SessionId
@@ -317,9 +318,7 @@ class LlamaShard(ShardBase[int]):
 
     # -- helpers -----------------------------------------------------------------------------
     def _meta(self, key: str) -> str:
-        buf = ctypes.create_string_buffer(256)
-        n = self._ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+        return model_meta(self._ll, self._model, key)
 
     def _kv_bytes_per_layer(self, n_layer: int) -> list[int]:
         arch = self._meta("general.architecture")

@@ -13,7 +13,7 @@ from typing import Any
 from meshnet.backends.base import ModelInfo
 from meshnet.errors import InvalidRequest
 
-__all__ = ["LlamaVocab", "check_gguf_file", "quantization_name"]
+__all__ = ["LlamaVocab", "check_gguf_file", "model_meta", "quantization_name"]
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -41,6 +41,13 @@ def check_gguf_file(path: Path) -> None:
         magic = f.read(4)
     if magic != _GGUF_MAGIC:
         raise InvalidRequest(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')", param="gguf")
+
+
+def model_meta(llama_cpp: Any, model: Any, key: str, *, limit: int = 4096) -> str:
+    """A GGUF metadata value of a loaded ``llama_model``, as text ("" when absent)."""
+    buf = ctypes.create_string_buffer(limit)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace") if n >= 0 else ""
 
 
 class LlamaVocab:
@@ -82,9 +89,7 @@ class LlamaVocab:
         )
 
     def meta(self, key: str, *, limit: int = 4096) -> str:
-        buf = ctypes.create_string_buffer(limit)
-        n = self._ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+        return model_meta(self._ll, self._model, key, limit=limit)
 
     def _text(self, token: int) -> str:
         if token < 0:
