@@ -8,12 +8,13 @@ import logging
 import socket
 import sys
 import time
+from typing import Any
 
 from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
 from meshnet.config import ServeConfig
 from meshnet.errors import MeshnetError
 
-__all__ = ["bind_socket", "run_serve"]
+__all__ = ["bind_socket", "run_serve", "serve_app", "setup_logging"]
 
 log = logging.getLogger("meshnet")
 
@@ -35,6 +36,22 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per hop request is noise, and slow
+
+
+def serve_app(app: Any, sock: socket.socket) -> None:
+    """Serve ``app`` on a bound socket until SIGINT/SIGTERM (in-flight responses finish first)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+
+
 def _config(args: argparse.Namespace) -> ServeConfig:
     try:
         gguf = args.gguf or bundled_gguf()
@@ -53,7 +70,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     config = _config(args)
     sock = bind_socket(config.host, config.port)
     host, port = sock.getsockname()[:2]
@@ -94,13 +111,9 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"meshnet: telemetry {url}/v1/generations/ID/events, metrics {url}/metrics")
     print(f"meshnet: listening on {url}", flush=True)
 
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
     try:
-        server.run(sockets=[sock])  # handles SIGINT/SIGTERM: finish in-flight responses, then stop
+        serve_app(app, sock)
     finally:
         engine.close()
-        sock.close()
     print("meshnet: stopped", flush=True)
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
-from meshnet.cli.serve import bind_socket
+from meshnet.cli.serve import bind_socket, serve_app, setup_logging
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
 
@@ -57,11 +56,6 @@ def add_swarm_commands(sub: Any) -> None:
     gateway.add_argument("--max-queue", type=int, default=64)
 
 
-def _logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per hop request is noise, and slow
-
-
 def _gguf(args: argparse.Namespace, command: str) -> Path:
     try:
         return Path(args.gguf) if args.gguf else bundled_gguf()
@@ -69,18 +63,8 @@ def _gguf(args: argparse.Namespace, command: str) -> Path:
         raise SystemExit(f"meshnet {command}: {exc}") from None
 
 
-def _serve_app(app: Any, sock: Any) -> None:
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-
-
 def run_node(args: argparse.Namespace) -> int:
-    _logging()
+    setup_logging()
     gguf = _gguf(args, "node")
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -111,7 +95,7 @@ def run_node(args: argparse.Namespace) -> int:
         flush=True,
     )
     print(f"meshnet: listening on {url}", flush=True)
-    _serve_app(create_node_app(shard, config), sock)
+    serve_app(create_node_app(shard, config), sock)
     return 0
 
 
@@ -147,7 +131,7 @@ def _load_shard(args: argparse.Namespace, gguf: Path) -> Any:
 
 
 def run_tracker(args: argparse.Namespace) -> int:
-    _logging()
+    setup_logging()
     from meshnet.tracker.app import create_tracker_app
     from meshnet.tracker.db import TrackerDB
 
@@ -163,14 +147,14 @@ def run_tracker(args: argparse.Namespace) -> int:
     print(f"meshnet: tracker on {url} (database {db.url_for_display})", flush=True)
     print(f"meshnet: listening on {url}", flush=True)
     try:
-        _serve_app(create_tracker_app(db), sock)
+        serve_app(create_tracker_app(db), sock)
     finally:
         db.close()
     return 0
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    _logging()
+    setup_logging()
     gguf = _gguf(args, "gateway")
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -193,7 +177,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     print(f"meshnet: OpenAI API on {url}/v1", flush=True)
     print(f"meshnet: listening on {url}", flush=True)
     try:
-        _serve_app(create_app(engine, max_queue=args.max_queue, swarm_tracker=args.tracker), sock)
+        serve_app(create_app(engine, max_queue=args.max_queue, swarm_tracker=args.tracker), sock)
     finally:
         engine.close()
         vocab.close()
