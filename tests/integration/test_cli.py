@@ -77,3 +77,10 @@ def test_serve_refuses_bad_flags() -> None:
     out = run("serve", "--threads", "0", "--port", "0", timeout=60)
     assert out.returncode != 0
     assert "--threads must be >= 1" in out.stderr
+
+
+def test_up_refuses_a_missing_gguf_and_too_many_nodes(tmp_path: Path) -> None:
+    out = run("up", "--gguf", str(tmp_path / "missing.gguf"), timeout=60)
+    assert out.returncode == 2 and "GGUF file not found" in out.stderr
+    out = run("up", "--nodes", "40", timeout=60)
+    assert out.returncode == 2 and "--nodes must be within 1..30" in out.stderr

@@ -8,13 +8,14 @@ import logging
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
 from meshnet.config import ServeConfig
 from meshnet.errors import MeshnetError
 
-__all__ = ["bind_socket", "run_serve", "serve_app", "setup_logging"]
+__all__ = ["bind_socket", "resolve_gguf", "run_serve", "serve_app", "setup_logging"]
 
 log = logging.getLogger("meshnet")
 
@@ -36,6 +37,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def resolve_gguf(path: Path | None, command: str) -> Path:
+    """``--gguf`` if given, else the bundled model; a clear exit when neither is there."""
+    try:
+        return Path(path) if path else bundled_gguf()
+    except BundledModelMissing as exc:
+        raise SystemExit(f"meshnet {command}: {exc}") from None
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per hop request is noise, and slow
@@ -53,8 +62,8 @@ def serve_app(app: Any, sock: socket.socket) -> None:
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
+    gguf = resolve_gguf(args.gguf, "serve")
     try:
-        gguf = args.gguf or bundled_gguf()
         return ServeConfig(
             gguf=gguf,
             host=args.host,
@@ -65,7 +74,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             model_id=args.model_id,
             max_queue=args.max_queue,
         )
-    except (ValueError, BundledModelMissing) as exc:
+    except ValueError as exc:
         raise SystemExit(f"meshnet serve: {exc}") from None
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
+from meshnet.cli.serve import resolve_gguf
 from meshnet.errors import MeshnetError
 
 __all__ = ["run_plan", "run_shard_make"]
@@ -15,11 +15,7 @@ __all__ = ["run_plan", "run_shard_make"]
 def run_shard_make(args: argparse.Namespace) -> int:
     from meshnet.artifacts.shard_file import write_shard
 
-    try:
-        source = args.gguf or bundled_gguf()
-    except BundledModelMissing as exc:
-        print(f"meshnet shard make: {exc}", file=sys.stderr)
-        return 2
+    source = resolve_gguf(args.gguf, "shard make")
     if args.out.suffix != ".gguf":
         print(f"meshnet shard make: --out must end in .gguf, got {args.out}", file=sys.stderr)
         return 2

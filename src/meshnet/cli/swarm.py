@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
-from meshnet.cli.serve import bind_socket, serve_app, setup_logging
+from meshnet.cli.serve import bind_socket, resolve_gguf, serve_app, setup_logging
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
 
@@ -56,16 +55,9 @@ def add_swarm_commands(sub: Any) -> None:
     gateway.add_argument("--max-queue", type=int, default=64)
 
 
-def _gguf(args: argparse.Namespace, command: str) -> Path:
-    try:
-        return Path(args.gguf) if args.gguf else bundled_gguf()
-    except BundledModelMissing as exc:
-        raise SystemExit(f"meshnet {command}: {exc}") from None
-
-
 def run_node(args: argparse.Namespace) -> int:
     setup_logging()
-    gguf = _gguf(args, "node")
+    gguf = resolve_gguf(args.gguf, "node")
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
@@ -155,7 +147,7 @@ def run_tracker(args: argparse.Namespace) -> int:
 
 def run_gateway(args: argparse.Namespace) -> int:
     setup_logging()
-    gguf = _gguf(args, "gateway")
+    gguf = resolve_gguf(args.gguf, "gateway")
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     from meshnet.backends.llama_vocab import LlamaVocab

@@ -96,23 +96,30 @@ def _wait_nodes(tracker: str, want: int, children: list[_Child], deadline: float
     raise TimeoutError(f"nodes did not register with the tracker within {_READY_TIMEOUT_S:.0f}s")
 
 
-def run_up(args: argparse.Namespace) -> int:
-    from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
+def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange]] | None:
+    """The GGUF and the nodes' layer ranges, or None (the reason printed) when they cannot be had."""
     from meshnet.backends.llama_vocab import LlamaVocab
+    from meshnet.cli.serve import resolve_gguf
+    from meshnet.errors import MeshnetError
 
+    gguf = resolve_gguf(args.gguf, "up")
     try:
-        gguf = Path(args.gguf) if args.gguf else bundled_gguf()
         vocab = LlamaVocab(gguf)
-    except (BundledModelMissing, ValueError) as exc:
-        print(f"meshnet up: {exc}", file=sys.stderr)
-        return 2
-    total = vocab.info.n_layers
-    vocab.close()
-    try:
-        ranges = split_layers(total, args.nodes)
+        total = vocab.info.n_layers
+        vocab.close()
+        return gguf, split_layers(total, args.nodes)
+    except MeshnetError as exc:
+        print(f"meshnet up: {exc.message}", file=sys.stderr)
     except ValueError as exc:
         print(f"meshnet up: {exc}", file=sys.stderr)
+    return None
+
+
+def run_up(args: argparse.Namespace) -> int:
+    layout = _layout(args)
+    if layout is None:
         return 2
+    gguf, ranges = layout
     cores = os.cpu_count() or 1
     threads = args.threads or max(1, cores // args.nodes)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meshnet-up-"))
