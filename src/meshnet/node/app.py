@@ -64,6 +64,8 @@ class NodeConfig:
     sweep_interval_s: float = 5.0
     tracker_url: str | None = None
     heartbeat_s: float = 5.0
+    # Extra fields for the tracker registration (e.g. the artifact manifest digest and held files).
+    advert: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass
@@ -396,6 +398,7 @@ async def _heartbeat(node: _Node, tracker_url: str) -> None:
             "total_layers": info.layers.total,
             "backend": info.backend,
             "kv_bytes_free": node.shard.store.free_bytes(),
+            **dict(node.config.advert),
         }
         try:
             response = await node.client.post(f"{tracker_url}/v1/nodes", json=body, timeout=5.0)
