@@ -19,7 +19,15 @@ import importlib
 from benchmarks.common import ROOT, machine
 
 # name -> module under benchmarks/ exposing run() -> Section; imported only when it runs.
-BENCHES = {"serve": "bench_serve", "shards": "bench_shards", "torch": "bench_torch", "route": "bench_route"}
+BENCHES = {
+    "serve": "bench_serve",
+    "shards": "bench_shards",
+    "torch": "bench_torch",
+    "route": "bench_route",
+    "routing": "bench_routing",
+    "repair": "bench_repair",
+    "artifacts": "bench_artifacts",
+}
 
 
 def main() -> int:

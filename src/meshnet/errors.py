@@ -10,9 +10,11 @@
     ├── SessionGone                   410  session_gone       (expired, closed, or the node restarted)
     ├── Conflict                      409  conflict_error
     │   ├── PositionMismatch          409  position_mismatch  (not the session's next position)
-    │   └── SessionBusy               409  session_busy       (a second concurrent call on a session)
+    │   ├── SessionBusy               409  session_busy       (a second concurrent call on a session)
+    │   └── SessionBroken             409  session_broken     (a forward failed; names the failed hop)
     ├── PayloadTooLarge               413  payload_too_large
     ├── BadGateway                    502  bad_gateway        (the next hop failed or broke the session)
+    │   └── HopFailed                 502  hop_failed         (names the hop that failed: route repair)
     ├── Overloaded                    503  overloaded_error   (carries Retry-After)
     │   └── StoreFull                 503  kv_store_full
     └── EngineError                   500  engine_error       (a backend failed mid-generation)
@@ -28,6 +30,7 @@ __all__ = [
     "Conflict",
     "ContextOverflow",
     "EngineError",
+    "HopFailed",
     "InvalidRequest",
     "MeshnetError",
     "NotFound",
@@ -35,6 +38,7 @@ __all__ = [
     "PayloadTooLarge",
     "PositionMismatch",
     "SeamMismatch",
+    "SessionBroken",
     "SessionBusy",
     "SessionGone",
     "SessionNotFound",
@@ -108,6 +112,16 @@ class SessionBusy(Conflict):
     code = "session_busy"
 
 
+class SessionBroken(Conflict):
+    """An earlier forward of this session failed here; ``failed_hop`` is the hop that did."""
+
+    code = "session_broken"
+
+    def __init__(self, message: str, *, failed_hop: str | None) -> None:
+        super().__init__(message)
+        self.failed_hop = failed_hop
+
+
 class PayloadTooLarge(MeshnetError):
     status = 413
     error_type = "invalid_request_error"
@@ -118,6 +132,20 @@ class BadGateway(MeshnetError):
     status = 502
     error_type = "upstream_error"
     code = "bad_gateway"
+
+
+class HopFailed(BadGateway):
+    """A hop of the route did not answer (or lost the session); ``failed_hop`` is its URL.
+
+    Nodes pass the innermost failure up the chain unchanged, so whoever repairs the route learns
+    which hop to replace, not just that something downstream broke.
+    """
+
+    code = "hop_failed"
+
+    def __init__(self, message: str, *, failed_hop: str) -> None:
+        super().__init__(message)
+        self.failed_hop = failed_hop
 
 
 class Overloaded(MeshnetError):

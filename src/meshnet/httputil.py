@@ -15,18 +15,28 @@ from starlette.responses import JSONResponse, Response
 
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 
-__all__ = ["EXCEPTION_HANDLERS", "error_body", "error_message", "error_response"]
+__all__ = ["EXCEPTION_HANDLERS", "error_body", "error_field", "error_message", "error_response"]
 
 
 def error_body(error: MeshnetError) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": error.message,
-            "type": error.error_type,
-            "param": error.param,
-            "code": error.code,
-        }
+    body: dict[str, Any] = {
+        "message": error.message,
+        "type": error.error_type,
+        "param": error.param,
+        "code": error.code,
     }
+    failed_hop = getattr(error, "failed_hop", None)  # HopFailed, SessionBroken: what route repair replaces
+    if failed_hop is not None:
+        body["failed_hop"] = failed_hop
+    return {"error": body}
+
+
+def error_field(response: httpx.Response, key: str) -> Any:
+    """One field of a Meshnet error answer (``code``, ``failed_hop`` ...), or ``None``."""
+    try:
+        return response.json()["error"].get(key)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def error_response(error: MeshnetError, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -201,3 +201,53 @@ def test_a_dead_next_hop_breaks_the_session_instead_of_diverging(middle: Proc) -
         error(post(middle, sid, activations(1, 3), position=4), 409, "broken")
         error(post(middle, sid, activations(1, 3), position=3), 409, "broken")
         assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200
+
+
+def reroute(node: Proc, sid: str, next_hops: str, replay: int, *, route: str = "rte-test") -> httpx.Response:
+    headers = {"X-Meshnet-Model": MODEL, "X-Meshnet-Route-Id": route, "X-Meshnet-Next-Hops": next_hops,
+               "X-Meshnet-Replay": str(replay)}  # fmt: skip
+    return httpx.post(f"{node.url}/v1/sessions/{sid}/reroute", headers=headers, timeout=60)
+
+
+def test_reroute_replays_the_seam_log_into_a_new_tail_and_the_session_goes_on(middle: Proc, tail: Proc) -> None:
+    control = run_session(middle, tail, "ctl-reroute", 4)
+    httpx.delete(f"{middle.url}/v1/sessions/ctl-reroute", timeout=30)
+    with meshnet_process(["node", "--layers", "20:30", "--threads", "1", "--ctx", "256"]) as spare:
+        sid = "moved"
+        first = post(middle, sid, activations(6, 1), start=0, tail_url=tail.url)
+        got = [first.json()["token"]]
+        for step in range(2):
+            got.append(post(middle, sid, activations(1, 100 + step), position=6 + step).json()["token"])
+        error(reroute(middle, sid, spare.url, 1, route="rte-other"), 409, "pinned to route")
+        error(reroute(middle, sid, spare.url, 2), 400, "X-Meshnet-Replay")
+        error(reroute(middle, "nobody", spare.url, 1), 404, "no session")
+        # Replay positions 0..6 into the spare, resend position 7: the spare answers step 7's token again.
+        moved = reroute(middle, sid, spare.url, 1)
+        assert moved.status_code == 200, moved.text
+        assert moved.json()["token"] == got[-1] and moved.json()["position"] == 8
+        spare_health = httpx.get(f"{spare.url}/v1/health", timeout=10).json()
+        assert spare_health["sessions"] == 1 and spare_health["kv_bytes_used"] == 8 * spare_health["kv_bytes_per_token"]
+        for step in range(2, 4):  # decode carries on through the spare, token-identical to the control
+            r = post(middle, sid, activations(1, 100 + step), position=6 + step)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["token"])
+        assert got == control
+        assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200
+        assert httpx.get(f"{spare.url}/v1/health", timeout=10).json()["sessions"] == 0  # the delete followed
+    httpx.delete(f"{tail.url}/v1/sessions/{sid}", timeout=30)  # the old tail's copy, cut out of the route
+
+
+def test_a_resent_step_with_rewind_replaces_the_one_a_hop_already_holds(middle: Proc, tail: Proc) -> None:
+    control = run_session(middle, tail, "ctl-rewind", 2)
+    httpx.delete(f"{middle.url}/v1/sessions/ctl-rewind", timeout=30)
+    sid = "rewound"
+    post(middle, sid, activations(6, 1), start=0, tail_url=tail.url)
+    post(middle, sid, activations(1, 100), position=6)
+    error(post(middle, sid, activations(1, 100), position=6), 409, "rewind")  # without the header: refused
+    again = post(middle, sid, activations(1, 100), position=6, extra={"X-Meshnet-Rewind": "1"})
+    assert again.status_code == 200 and again.json()["token"] == control[1]
+    last = post(middle, sid, activations(1, 101), position=7)
+    assert last.json()["token"] == control[2]
+    health = httpx.get(f"{middle.url}/v1/health", timeout=10).json()
+    assert health["kv_bytes_used"] == 8 * health["kv_bytes_per_token"]
+    assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200

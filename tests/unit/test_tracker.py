@@ -13,6 +13,7 @@ import pytest
 from starlette.testclient import TestClient
 
 import meshnet.tracker.app as tracker_app
+import meshnet.tracker.sessions as tracker_sessions
 from meshnet.errors import Overloaded
 from meshnet.layers import LayerRange
 from meshnet.tracker.app import NODE_TTL_S, create_tracker_app
@@ -229,7 +230,9 @@ def client(db_path: str) -> Iterator[TestClient]:
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The tracker's wall clock, moved by hand: ``clock[0] += ...``."""
     now = [1_000_000.0]
-    monkeypatch.setattr(tracker_app, "time", types.SimpleNamespace(time=lambda: now[0]))
+    fake = types.SimpleNamespace(time=lambda: now[0])
+    monkeypatch.setattr(tracker_app, "time", fake)
+    monkeypatch.setattr(tracker_sessions, "time", fake)
     return now
 
 
@@ -258,19 +261,46 @@ def assert_error(response: Any, status: int, error_type: str, *, param: str | No
 def test_registration_then_heartbeat(client: TestClient):
     first = client.post("/v1/nodes", json=registration("a", "0:12"))
     assert first.status_code == 201
-    assert first.json() == {"registered": "a", "ttl_s": NODE_TTL_S}
+    assert first.json() == {"registered": "a", "ttl_s": NODE_TTL_S, "next_hops": []}
     again = client.post("/v1/nodes", json=registration("a", "0:12", kv_bytes_free=5))
     assert again.status_code == 200
-    assert again.json() == {"registered": "a", "ttl_s": NODE_TTL_S}
+    assert again.json() == {"registered": "a", "ttl_s": NODE_TTL_S, "next_hops": []}
     [node] = client.get("/v1/nodes").json()["nodes"]
     assert node["kv_bytes_free"] == 5  # a heartbeat refreshes what the node reports
+
+
+# What a node that sends no advertisement is listed with.
+UNADVERTISED = {
+    "quantization": None,
+    "hardware": {
+        "cpu": None,
+        "logical_cores": None,
+        "threads": None,
+        "ram_total_bytes": None,
+        "ram_available_bytes": None,
+        "gpu": None,
+    },
+    "prefill_tps": 0.0,
+    "decode_tps": 0.0,
+    "queue_depth": 0,
+    "kv_bytes_per_token": 0,
+    "latency_ms": {},
+    "warm": False,
+    "weight_bytes": 0,
+    "reliability": 1.0,
+    "manifest": None,
+    "files": [],
+}
 
 
 def test_list_nodes(client: TestClient, clock: list[float]):
     assert client.get("/v1/nodes").json() == {"nodes": []}
     client.post("/v1/nodes", json=registration("a", "0:6"))
     client.post("/v1/nodes", json=registration("b", "6:", kv_bytes_free=7))
-    assert client.get("/v1/nodes").json() == {
+    listed = client.get("/v1/nodes").json()
+    for node in listed["nodes"]:
+        assert {k: node.pop(k) for k in UNADVERTISED} == UNADVERTISED
+    assert listed == {
         "nodes": [
             {
                 "node_id": "a",
@@ -333,7 +363,9 @@ def test_open_session_returns_a_route_covering_every_layer(client: TestClient, c
     response = client.post("/v1/sessions", json={"model": MODEL})
     assert response.status_code == 201
     session = response.json()
-    assert set(session) == {"session_id", "route_id", "model", "hops", "created"}
+    assert set(session) == {"session_id", "route_id", "model", "hops", "created", "alternatives", "estimated_s"}
+    assert session["alternatives"] == []  # only one chain exists
+    assert session["estimated_s"] > 0
     assert session["session_id"].startswith("ses-")
     assert session["route_id"].startswith("rte-")
     assert session["model"] == MODEL
@@ -354,6 +386,7 @@ def test_a_session_is_sticky_across_a_tracker_restart(db_path: str):
             first.post("/v1/nodes", json=registration("a", "0:6"))
             first.post("/v1/nodes", json=registration("b", "6:12"))
             session = first.post("/v1/sessions", json={"model": MODEL}).json()
+            del session["alternatives"], session["estimated_s"]  # the choice's snapshot, not persisted
     finally:
         first_db.close()
     second_db = TrackerDB(db_path)  # a restarted tracker: no nodes yet, the same database
@@ -362,23 +395,27 @@ def test_a_session_is_sticky_across_a_tracker_restart(db_path: str):
             assert second.get("/v1/nodes").json() == {"nodes": []}
             got = second.get(f"/v1/sessions/{session['session_id']}")
             assert got.status_code == 200
-            assert got.json() == session
+            assert got.json() == {**session, "status": "open", "updated": session["created"], "repairs": 0,
+                                  "ended_reason": None}  # fmt: skip
             deleted = second.delete(f"/v1/sessions/{session['session_id']}")
             assert deleted.json() == {"deleted": session["session_id"]}
     finally:
         second_db.close()
 
 
-def test_delete_session_then_404(client: TestClient):
+def test_delete_closes_a_session_once_and_keeps_its_record(client: TestClient):
     client.post("/v1/nodes", json=registration("a", "0:12"))
     sid = client.post("/v1/sessions", json={"model": MODEL}).json()["session_id"]
-    assert client.get(f"/v1/sessions/{sid}").status_code == 200
+    assert client.get(f"/v1/sessions/{sid}").json()["status"] == "open"
+    assert [s["session_id"] for s in client.get("/v1/sessions").json()["sessions"]] == [sid]
     deleted = client.delete(f"/v1/sessions/{sid}")
     assert deleted.status_code == 200
     assert deleted.json() == {"deleted": sid}
-    error = assert_error(client.get(f"/v1/sessions/{sid}"), 404, "not_found_error")
-    assert error["message"] == f"no session {sid} on this tracker"
-    assert_error(client.delete(f"/v1/sessions/{sid}"), 404, "not_found_error")
+    closed = client.get(f"/v1/sessions/{sid}").json()  # kept: billing may still arrive for it
+    assert closed["status"] == "closed" and closed["ended_reason"] == "closed by the gateway"
+    assert client.get("/v1/sessions").json()["sessions"] == []
+    error = assert_error(client.delete(f"/v1/sessions/{sid}"), 404, "not_found_error")
+    assert error["message"] == f"session {sid} is already closed"
     assert_error(client.get("/v1/sessions/ses-never"), 404, "not_found_error")
 
 

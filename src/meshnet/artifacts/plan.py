@@ -1,10 +1,11 @@
 """``meshnet plan``: what a model costs a shard — KV/state per token and per layer, per-shard KV at a
 context length, and the bytes that cross a seam per decode step and per prefill chunk.
 
-Pure arithmetic over a ``ModelShape``, read from a Hugging Face ``config.json`` or a GGUF's
-metadata. Cache kinds: standard (GQA/MHA) attention caches K and V per KV head; MLA (DeepSeek
-V2/V3, GLM-5.x) caches one compressed latent (``kv_lora_rank``) plus the decoupled RoPE key
-(``qk_rope_head_dim``) per token and layer — the seed's GLM-5.2 estimate.
+Pure arithmetic over a ``ModelShape``, read from a Hugging Face ``config.json``, a GGUF's
+metadata, or a published model's ``manifest.json`` (its ``kv_cache`` record). Cache kinds:
+standard (GQA/MHA) attention caches K and V per KV head; MLA (DeepSeek V2/V3, GLM-5.x) caches
+one compressed latent (``kv_lora_rank``) plus the decoupled RoPE key (``qk_rope_head_dim``) per
+token and layer — the seed's GLM-5.2 estimate.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
 
-__all__ = ["KVPlan", "ModelShape", "format_plan", "plan", "read_shape"]
+if TYPE_CHECKING:
+    from meshnet.artifacts.manifest import Manifest
+
+__all__ = ["KVPlan", "ModelShape", "format_plan", "plan", "read_shape", "shape_from_fields"]
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "f16": 2, "bf16": 2, "f32": 4, "q8_0": 1}
 GIB = 2**30
@@ -91,7 +95,7 @@ def _dtype_bytes(name: str, field: str) -> int:
 
 
 def read_shape(path: Path, *, cache_dtype: str | None = None, seam_dtype: str = "bfloat16") -> ModelShape:
-    """A model's shape from a Hugging Face ``config.json`` (or a directory holding one) or a GGUF."""
+    """A model's shape from a Hugging Face ``config.json`` (or a directory holding one), a GGUF or a manifest."""
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
@@ -102,8 +106,27 @@ def read_shape(path: Path, *, cache_dtype: str | None = None, seam_dtype: str = 
         config: dict[str, Any] = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise InvalidRequest(f"{path} is not a readable JSON config: {exc}", param="config") from None
+    from meshnet.artifacts.manifest import SCHEMA, parse_manifest
+
+    if config.get("schema") == SCHEMA:
+        return _from_manifest(parse_manifest(path.read_bytes()), cache_dtype, seam_dtype)
     config = config.get("text_config", config)  # multimodal configs nest the language model's
     return _from_config(path.parent.name or path.stem, config, cache_dtype, seam_dtype)
+
+
+def _from_manifest(manifest: Manifest, cache_dtype: str | None, seam_dtype: str) -> ModelShape:
+    kv = manifest.kv_cache
+    cache_bytes = _dtype_bytes(cache_dtype or kv.dtype, "cache dtype")
+    seam_bytes = _dtype_bytes(seam_dtype, "seam dtype")
+    name = manifest.model_id
+    if kv.kind == "mla":
+        return ModelShape(
+            name, manifest.layers, kv.hidden, "mla", cache_bytes, seam_bytes,
+            kv_lora_rank=kv.kv_lora_rank, qk_rope_head_dim=kv.qk_rope_head_dim,
+        )  # fmt: skip
+    return ModelShape(
+        name, manifest.layers, kv.hidden, "gqa", cache_bytes, seam_bytes, kv_heads=kv.kv_heads, head_dim=kv.head_dim
+    )
 
 
 def _need(config: dict[str, Any], key: str) -> int:
@@ -132,7 +155,11 @@ def _from_config(name: str, config: dict[str, Any], cache_dtype: str | None, sea
 def _from_gguf(path: Path, cache_dtype: str, seam_dtype: str) -> ModelShape:
     import gguf
 
-    fields = gguf.GGUFReader(str(path)).fields
+    return shape_from_fields(path, gguf.GGUFReader(str(path)).fields, cache_dtype, seam_dtype)
+
+
+def shape_from_fields(path: Path, fields: Any, cache_dtype: str = "f16", seam_dtype: str = "bfloat16") -> ModelShape:
+    """A GGUF's shape from its parsed metadata (``gguf.GGUFReader(...).fields``)."""
 
     def get(key: str, default: int | None = None) -> int:
         if key in fields:

@@ -14,6 +14,9 @@ The recipe (DESIGN.md, verified on llama-cpp-python 0.3.36):
   embeddings up itself (``gguf.quants.dequantize`` matches llama.cpp exactly) and feeds them in
   as hidden states.
 
+Adjacent shard files merge into one (``merge_shards``): blocks renumbered, per-layer arrays
+concatenated, everything else from the last part (the tail's vocabulary if it is one).
+
 Writes are atomic: a temporary file is renamed into place only when complete.
 """
 
@@ -34,6 +37,7 @@ __all__ = [
     "SHARD_START_KEY",
     "ShardFiles",
     "embeddings_path",
+    "merge_shards",
     "read_shard_range",
     "write_shard",
 ]
@@ -72,13 +76,20 @@ def _block_index(name: str) -> int | None:
     return int(name.split(".", 2)[1])
 
 
-def write_shard(source: Path, layers: LayerRange | str, out: Path, *, cut_vocab: bool | None = None) -> ShardFiles:
-    """Write the shard GGUF for ``layers`` of ``source`` to ``out`` (and the head's sidecar)."""
+def write_shard(
+    source: Path, layers: LayerRange | str, out: Path, *, cut_vocab: bool | None = None, reader: Any = None
+) -> ShardFiles:
+    """Write the shard GGUF for ``layers`` of ``source`` to ``out`` (and the head's sidecar).
+
+    ``reader``: a ``gguf.GGUFReader`` of ``source`` already open (parsing a big vocabulary takes
+    seconds; a caller cutting several ranges parses once).
+    """
     import gguf
 
     if not source.is_file():
         raise InvalidRequest(f"GGUF file not found: {source}", param="gguf")
-    reader = gguf.GGUFReader(str(source))
+    if reader is None:
+        reader = gguf.GGUFReader(str(source))
     arch = str(_field_value(reader.fields["general.architecture"]))
     total = int(_field_value(reader.fields[f"{arch}.block_count"]))
     if isinstance(layers, str):
@@ -207,3 +218,90 @@ def read_shard_range(path: Path) -> tuple[LayerRange, bool] | None:
         return None
     start, stop, total = (int(_field_value(fields[k])) for k in (SHARD_START_KEY, SHARD_STOP_KEY, SHARD_TOTAL_KEY))
     return LayerRange(start, stop, total), bool(_field_value(fields[SHARD_VOCAB_CUT_KEY]))
+
+
+def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
+    """Write one shard GGUF holding the adjacent ranges of ``parts`` (shard files, in layer order).
+
+    Metadata and non-block tensors come from the last part: if it is the tail, the merged shard
+    keeps its full vocabulary; otherwise the vocabulary stays cut and the head (if the first part is
+    one) keeps using its ``*.embd.gguf`` sidecar.
+    """
+    import gguf
+
+    if not parts:
+        raise InvalidRequest("nothing to merge")
+    readers = [gguf.GGUFReader(str(p)) for p in parts]
+    ranges: list[LayerRange] = []
+    for path, reader in zip(parts, readers, strict=True):
+        if SHARD_START_KEY not in reader.fields:
+            raise InvalidRequest(f"{path} is not a shard file")
+        start, stop, total = (
+            int(_field_value(reader.fields[k])) for k in (SHARD_START_KEY, SHARD_STOP_KEY, SHARD_TOTAL_KEY)
+        )
+        if ranges and (ranges[-1].stop != start or ranges[-1].total != total):
+            raise InvalidRequest(f"{path} (layers {start}:{stop}) does not continue layers {ranges[-1]}")
+        ranges.append(LayerRange(start, stop, total))
+    layers = LayerRange(ranges[0].start, ranges[-1].stop, ranges[0].total)
+    last = readers[-1]
+    arch = str(_field_value(last.fields["general.architecture"]))
+    cut = bool(_field_value(last.fields[SHARD_VOCAB_CUT_KEY]))
+    tensors: list[tuple[str, np.ndarray[Any, Any], Any]] = []
+    for part, reader in zip(ranges, readers, strict=True):
+        offset = part.start - layers.start
+        for tensor in reader.tensors:
+            block = _block_index(tensor.name)
+            if block is not None:
+                rest = tensor.name.split(".", 2)[2]
+                tensors.append((f"blk.{block + offset}.{rest}", tensor.data, tensor.tensor_type))
+    tensors += [(t.name, t.data, t.tensor_type) for t in last.tensors if _block_index(t.name) is None]
+
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        for field in last.fields.values():
+            name: str = field.name
+            if name.startswith("GGUF.") or name == "general.architecture":
+                continue
+            value = _field_value(field)
+            val_type = field.types[0]
+            sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
+            if name == f"{arch}.block_count":
+                value = len(layers)
+            elif name in (SHARD_START_KEY, SHARD_STOP_KEY):
+                value = layers.start if name == SHARD_START_KEY else layers.stop
+            elif name.startswith(f"{arch}.") and isinstance(value, list) and _per_layer(name, readers, ranges):
+                value = [v for reader in readers for v in _field_value(reader.fields[name])]
+            writer.add_key_value(name, value, val_type, sub_type=sub_type)
+        for name, data, qtype in tensors:
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _, data, _ in tensors:
+            writer.write_tensor_data(data, tensor_endianess=last.endianess)
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ShardFiles(
+        path=out,
+        embeddings=None,
+        layers=layers,
+        vocab_cut=cut,
+        tensor_bytes=sum(int(d.nbytes) for _, d, _ in tensors),
+        tensors=len(tensors),
+    )
+
+
+def _per_layer(name: str, readers: list[Any], ranges: list[LayerRange]) -> bool:
+    """A per-layer array: present in every part with one entry per block of that part."""
+    for reader, part in zip(readers, ranges, strict=True):
+        field = reader.fields.get(name)
+        if field is None:
+            return False
+        value = _field_value(field)
+        if not isinstance(value, list) or len(value) != len(part):
+            return False
+    return True

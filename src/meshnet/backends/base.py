@@ -19,7 +19,7 @@ from meshnet.layers import LayerRange
 from meshnet.routes import Hop, RoutePlan
 from meshnet.sampling import Sampler
 
-__all__ = ["EngineStep", "ModelInfo", "PrefillProgress", "TextEngine", "TokenStep", "local_plan"]
+__all__ = ["EngineStep", "ModelInfo", "PrefillProgress", "RouteChange", "TextEngine", "TokenStep", "local_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,25 @@ class TokenStep:
     hop_ms: tuple[float, ...] = ()
 
 
-EngineStep = PrefillProgress | TokenStep
+@dataclass(frozen=True, slots=True)
+class RouteChange:
+    """The route changed mid-generation because a hop failed (routes only).
+
+    ``kind`` is ``"repair"`` (the failed hop was replaced and rebuilt; generation goes on where it
+    was) or ``"reroute"`` (a fresh route, prefilled from scratch). ``replayed`` positions were
+    recomputed on the new hops; ``seconds`` is from the failure to the route serving again.
+    """
+
+    kind: str
+    reason: str
+    failed_node: str
+    plan: RoutePlan
+    attempt: int
+    replayed: int = 0
+    seconds: float = 0.0
+
+
+EngineStep = PrefillProgress | TokenStep | RouteChange
 
 
 class TextEngine(Protocol):

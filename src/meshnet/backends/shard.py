@@ -116,6 +116,8 @@ class ShardBackend(Protocol):
         self, sid: SessionId, position: int, *, token: int | None = None, hidden: F32 | None = None
     ) -> ShardOutput: ...
 
+    def rewind(self, sid: SessionId, position: int) -> None: ...
+
     def snapshot(self, sid: SessionId) -> bytes: ...
 
     def restore(self, sid: SessionId, blob: bytes) -> None: ...
@@ -182,6 +184,10 @@ class ShardBase(abc.ABC, Generic[S]):
         if hidden is not None and hidden.shape[:1] != (1,):
             raise SeamMismatch(f"a decode step carries one position, got hidden of shape {hidden.shape}")
         return self.prefill(sid, position, tokens=tokens, hidden=hidden)
+
+    def rewind(self, sid: SessionId, position: int) -> None:
+        """Forget positions ``>= position``; a backend that cannot (``EngineError``) leaves the session as it was."""
+        self._store.rewind(sid, position)
 
     def snapshot(self, sid: SessionId) -> bytes:
         session = self._store.get(sid)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshnet import __version__
+from meshnet.cli.artifacts import add_artifact_commands
 from meshnet.cli.swarm import add_swarm_commands
 
 __all__ = ["main"]
@@ -39,8 +40,9 @@ def _build_parser() -> argparse.ArgumentParser:
     make.add_argument("--keep-vocab", action="store_true", help="keep the full vocabulary on a non-tail shard (slower)")
 
     add_swarm_commands(sub)
+    add_artifact_commands(sub)
     plan = sub.add_parser("plan", help="KV/state and seam bytes of a model at a context length")
-    plan.add_argument("config", type=Path, help="a Hugging Face config.json (or its folder), or a .gguf")
+    plan.add_argument("config", type=Path, help="a config.json (or its folder), a .gguf or a manifest.json")
     plan.add_argument("--context", type=int, default=131072, help="tokens of context (default 131072)")
     plan.add_argument("--layers", help="only this layer range, START:STOP")
     plan.add_argument("--cache-dtype", help="KV cache dtype (default: the config's dtype; f16 for a GGUF)")
@@ -50,7 +52,13 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gguf", type=Path, help="GGUF to split (default: the bundled model)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    up.add_argument("--nodes", type=int, default=3, help="shard nodes (default 3)")
+    up.add_argument("--nodes", type=int, default=3, help="shard node processes, spares included (default 3)")
+    up.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="of those, spares holding every layer but the head's: route repair replaces a failed node with one",
+    )
     up.add_argument("--backend", choices=("llama", "torch"), default="llama")
     up.add_argument("--threads", type=int, help="threads per node (default: cores / nodes, at least 1)")
     up.add_argument("--ctx", type=int, default=2048, help="context per session (default 2048)")
@@ -92,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from meshnet.cli.shard import run_shard_make
 
         return run_shard_make(args)
+    if args.command in ("publish", "fetch"):
+        from meshnet.cli import artifacts
+
+        return artifacts.run_publish(args) if args.command == "publish" else artifacts.run_fetch(args)
     if args.command == "chat":
         from meshnet.cli.chat import run_chat
 

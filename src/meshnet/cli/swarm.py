@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshnet.cli.artifacts import add_fetch_arguments, fetch_node_shard
 from meshnet.cli.serve import bind_socket, resolve_gguf, serve_app, setup_logging
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
@@ -24,8 +25,12 @@ def default_cache_dir() -> Path:
 
 def add_swarm_commands(sub: Any) -> None:
     node = sub.add_parser("node", help="serve one layer range of a GGUF to a route")
-    node.add_argument("--gguf", type=Path, help="full model GGUF (default: the bundled model)")
+    source = node.add_mutually_exclusive_group()
+    source.add_argument("--gguf", type=Path, help="full model GGUF (default: the bundled model)")
+    source.add_argument("--manifest", help="fetch the range's files from a published manifest (path or URL)")
     node.add_argument("--layers", required=True, help="half-open block range START:STOP, e.g. 10:20")
+    node.add_argument("--dest", type=Path, help="with --manifest: folder holding fetched files")
+    add_fetch_arguments(node)
     node.add_argument("--host", default="127.0.0.1")
     node.add_argument("--port", type=int, default=0, help="port (default 0: a free one)")
     node.add_argument("--tracker", help="tracker URL to register with, e.g. http://127.0.0.1:8001")
@@ -38,6 +43,12 @@ def add_swarm_commands(sub: Any) -> None:
     node.add_argument("--cache-dir", type=Path, default=None, help="where shard files are cut to")
     node.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session's KV is freed")
     node.add_argument("--max-body-mb", type=float, default=256.0, help="largest request body accepted (MiB)")
+    node.add_argument(
+        "--seam-log-mb",
+        type=float,
+        default=512.0,
+        help="activations kept for route repair, all sessions together (MiB; 0 turns repair from this node off)",
+    )
 
     tracker = sub.add_parser("tracker", help="node registry and sticky routes")
     tracker.add_argument("--host", default="127.0.0.1")
@@ -57,17 +68,23 @@ def add_swarm_commands(sub: Any) -> None:
 
 def run_node(args: argparse.Namespace) -> int:
     setup_logging()
-    gguf = resolve_gguf(args.gguf, "node")
+    from meshnet.artifacts.fetch import FetchError
+
+    gguf = None if args.manifest else resolve_gguf(args.gguf, "node")
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
     started = time.monotonic()
+    seeder = None  # with --manifest: the BitTorrent swarm that fetched the files and keeps seeding them
     try:
-        shard = _load_shard(args, gguf)
+        if gguf is None:
+            seeder, shard, advert = fetch_node_shard(args)
+        else:
+            shard, advert = _load_shard(args, gguf)
     except (MeshnetError, ValueError) as exc:
         sock.close()
         print(f"meshnet node: {getattr(exc, 'message', exc)}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, FetchError) else 2
     from meshnet.node.app import NodeConfig, create_node_app
 
     info = shard.info
@@ -77,8 +94,10 @@ def run_node(args: argparse.Namespace) -> int:
         url=url,
         wire_dtype=args.wire_dtype,
         max_body_bytes=int(args.max_body_mb * 2**20),
+        seam_log_bytes=int(args.seam_log_mb * 2**20),
         sweep_interval_s=min(5.0, max(0.2, args.session_ttl / 2)),
         tracker_url=args.tracker.rstrip("/") if args.tracker else None,
+        advert=tuple(advert.items()),
     )
     print(
         f"meshnet: node {node_id} holds layers {info.layers} of {info.model_id} ({info.backend}, "
@@ -87,11 +106,16 @@ def run_node(args: argparse.Namespace) -> int:
         flush=True,
     )
     print(f"meshnet: listening on {url}", flush=True)
-    serve_app(create_node_app(shard, config), sock)
+    try:
+        serve_app(create_node_app(shard, config), sock)
+    finally:
+        if seeder is not None:
+            seeder.close()
     return 0
 
 
-def _load_shard(args: argparse.Namespace, gguf: Path) -> Any:
+def _load_shard(args: argparse.Namespace, gguf: Path) -> tuple[Any, dict[str, Any]]:
+    """The shard, and what the node advertises about it beyond ``ShardInfo`` (node.advert)."""
     from meshnet.backends.llama_vocab import LlamaVocab
 
     vocab = LlamaVocab(gguf)
@@ -99,6 +123,7 @@ def _load_shard(args: argparse.Namespace, gguf: Path) -> Any:
     vocab.close()
     layers = LayerRange.parse(args.layers, total)
     threads = args.threads or os.cpu_count() or 1
+    advert = {"quantization": vocab.info.quantization, "threads": threads}
     if args.backend == "torch":
         from meshnet.backends.torch_shard import StoreBudget, TorchShard, set_threads
 
@@ -107,7 +132,7 @@ def _load_shard(args: argparse.Namespace, gguf: Path) -> Any:
         shard = TorchShard.from_gguf(gguf, layers, budget=budget)
         if shard.info.model_id != model_id:
             raise ValueError(f"the torch backend names the model {shard.info.model_id!r}, the gateway {model_id!r}")
-        return shard
+        return shard, advert
     from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
 
     config = LlamaShardConfig(
@@ -117,9 +142,9 @@ def _load_shard(args: argparse.Namespace, gguf: Path) -> Any:
         idle_ttl_s=args.session_ttl,
     )
     if layers.is_full:
-        return LlamaShard(gguf, model_id=model_id, config=config)
+        return LlamaShard(gguf, model_id=model_id, config=config), advert
     cache = args.cache_dir or default_cache_dir()
-    return LlamaShard.from_model(gguf, layers, cache_dir=cache, model_id=model_id, config=config)
+    return LlamaShard.from_model(gguf, layers, cache_dir=cache, model_id=model_id, config=config), advert
 
 
 def run_tracker(args: argparse.Namespace) -> int:

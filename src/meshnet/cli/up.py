@@ -2,7 +2,9 @@
 
 The bundled model's layers are split evenly between the nodes, the machine's cores between
 their compute threads (llama.cpp threads spin; oversubscribed cores slow decode by orders of
-magnitude). Ctrl-C (or any child dying) stops every process; nothing is left behind.
+magnitude). ``--spares K`` makes K of the nodes spares that hold every layer but the head's, so
+route repair can replace any other node that dies. Ctrl-C (or the tracker or gateway dying)
+stops every process; nothing is left behind. A node dying does not: the route repairs around it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,19 @@ import httpx
 
 from meshnet.layers import LayerRange
 
-__all__ = ["run_up", "split_layers"]
+__all__ = ["run_up", "split_layers", "swarm_layout"]
 
 _READY_TIMEOUT_S = 300.0
+
+
+def swarm_layout(total: int, nodes: int, spares: int) -> list[LayerRange]:
+    """The serving ranges (``nodes - spares`` of them, tiling the model), then the spares' range."""
+    if not 0 <= spares < nodes:
+        raise ValueError(f"--spares must be within 0..{nodes - 1} (some node must serve), got {spares}")
+    ranges = split_layers(total, nodes - spares)
+    if spares and len(ranges) == 1:
+        raise ValueError("a spare needs at least 2 serving nodes (it stands in for every node but the head)")
+    return ranges + [LayerRange(ranges[0].stop, total, total)] * spares
 
 
 def split_layers(total: int, nodes: int) -> list[LayerRange]:
@@ -107,7 +119,7 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange]] | None:
         vocab = LlamaVocab(gguf)
         total = vocab.info.n_layers
         vocab.close()
-        return gguf, split_layers(total, args.nodes)
+        return gguf, swarm_layout(total, args.nodes, args.spares)
     except MeshnetError as exc:
         print(f"meshnet up: {exc.message}", file=sys.stderr)
     except ValueError as exc:
@@ -147,7 +159,8 @@ def run_up(args: argparse.Namespace) -> int:
                 "--backend", args.backend, "--threads", str(threads), "--wire-dtype", args.wire_dtype,
                 "--node-id", f"node-{i}", "--ctx", str(args.ctx),
             ]  # fmt: skip
-            children.append(_Child(f"node-{i} ({layers})", node_args, workdir / f"node-{i}.log"))
+            role = " spare" if i >= args.nodes - args.spares else ""
+            children.append(_Child(f"node-{i} ({layers}{role})", node_args, workdir / f"node-{i}.log"))
         print(f"meshnet: tracker {tracker_url}; loading {args.nodes} nodes ({threads} threads each) ...", flush=True)
         nodes = _wait_nodes(tracker_url, args.nodes, children[1:], deadline)
         gateway_args = [
@@ -158,12 +171,22 @@ def run_up(args: argparse.Namespace) -> int:
         children.append(gateway)
         gateway_url = _wait_url(gateway, deadline)
         _banner(gateway_url, tracker_url, nodes)
+        vital, reported = {tracker, gateway}, set()
         while not stop:
             for child in children:
-                if child.popen.poll() is not None:
+                if child.popen.poll() is None or child in reported:
+                    continue
+                if child in vital:
                     print(f"meshnet: {child.name} exited unexpectedly; stopping the swarm. Its log:", file=sys.stderr)
                     print(child.log_path.read_text()[-2000:], file=sys.stderr)
                     return 1
+                reported.add(child)
+                print(
+                    f"meshnet: {child.name} exited ({child.popen.returncode}); routes repair around it "
+                    f"where another node covers its layers (log: {child.log_path})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             time.sleep(0.2)
         return 0
     except (RuntimeError, TimeoutError) as exc:

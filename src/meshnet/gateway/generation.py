@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from meshnet.backends.base import PrefillProgress, TextEngine
+from meshnet.backends.base import PrefillProgress, RouteChange, TextEngine
 from meshnet.errors import EngineError, MeshnetError, Overloaded
 from meshnet.gateway.metrics import GatewayMetrics
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, Phase, TelemetryHub
@@ -74,7 +74,7 @@ class Heartbeat:
     """Nothing new for a while; streaming clients get an empty delta with telemetry."""
 
 
-WorkerReport = PrefillProgress | Delta | Finished | Failed
+WorkerReport = PrefillProgress | RouteChange | Delta | Finished | Failed
 StreamItem = Delta | Finished | Failed | Heartbeat
 
 
@@ -125,7 +125,7 @@ def run_worker(
     try:
         with contextlib.closing(steps):
             for step in steps:
-                if isinstance(step, PrefillProgress):
+                if isinstance(step, PrefillProgress | RouteChange):
                     report(step)
                     continue
                 if engine.is_end_of_generation(step.token):
@@ -198,6 +198,9 @@ class GenerationService:
                 if isinstance(item, PrefillProgress):
                     self._on_prefill(tel, item)
                     continue
+                if isinstance(item, RouteChange):
+                    self._on_route_change(tel, item)
+                    continue
                 if isinstance(item, Delta):
                     self._on_token(tel, item.hop_ms)
                 elif isinstance(item, Finished):
@@ -267,6 +270,25 @@ class GenerationService:
         tel.phase = Phase.DECODE
         tel.decode_started_at = time.monotonic()
         tel.emit(EventType.DECODE_STARTED)
+
+    def _on_route_change(self, tel: GenerationTelemetry, change: RouteChange) -> None:
+        """A hop failed and the route engine recovered: say so, with the reason and the new route."""
+        tel.route, tel.session_id, tel.route_id = change.plan.hops, change.plan.session_id, change.plan.route_id
+        tel.retries += 1
+        tel.emit(
+            EventType.ROUTE_RETRY,
+            kind=change.kind,
+            attempt=change.attempt,
+            reason=change.reason,
+            failed_node=change.failed_node,
+            replayed_positions=change.replayed,
+            seconds=round(change.seconds, 4),
+            session_id=tel.session_id,
+            route_id=tel.route_id,
+            nodes=[hop.as_json() for hop in tel.route],
+        )
+        if change.kind == "reroute" and tel.phase == Phase.PREFILL:
+            tel.prefill_done = 0
 
     def _on_token(self, tel: GenerationTelemetry, hop_ms: tuple[float, ...]) -> None:
         if hop_ms:

@@ -6,6 +6,20 @@ a non-final chunk as soon as it has computed it and queued the forward, so the h
 chunk k+1 while the next hop works on chunk k — and the tail answers the last chunk and each
 decode step with the sampled token. Only a one-token step crosses each seam in decode.
 
+Failures (docs/tracker.md, "Failure handling"): every hop answer that names a failed hop
+(``failed_hop``) is recovered from, at most ``max_retries`` times per generation —
+
+- during prefill: the failed node is reported, a fresh route without it is pinned, and prefill
+  starts again from scratch (``RouteChange`` kind ``reroute``);
+- during decode: **route repair** — the tracker picks replacement hops for the failed segment, the
+  node upstream of it replays its seam log (the activations it already sent) into them, the
+  interrupted step is resent, and generation continues with the same session and the same tokens
+  (kind ``repair``). When the head itself failed, the gateway is the upstream and replays the
+  token ids. A repair that cannot work (no seam log, a backend that cannot rewind) falls back to
+  a fresh route prefilled with everything so far.
+
+Every HTTP call is bounded in time, so a dead hop ends in a retry or a stated failure, never a hang.
+
 Threading: ``generate`` runs on a gateway worker thread; each worker thread keeps its own
 kept-alive HTTP client (a per-token TCP handshake would dominate decode latency).
 """
@@ -16,15 +30,17 @@ import contextlib
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Generator, Sequence
 from typing import Any, Protocol
 
 import httpx
 import numpy as np
 
-from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, TokenStep
-from meshnet.errors import BadGateway, EngineError, InvalidRequest, MeshnetError, Overloaded
-from meshnet.httputil import error_message
+from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep
+from meshnet.errors import BadGateway, EngineError, HopFailed, InvalidRequest, MeshnetError, Overloaded
+from meshnet.gateway.billing_outbox import BillingOutbox, Usage
+from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
 from meshnet.protocol import headers as H
@@ -45,6 +61,17 @@ class Tokenizer(Protocol):
     def is_end_of_generation(self, token: int) -> bool: ...
 
 
+@dataclasses.dataclass
+class _Run:
+    """One generation's mutable route state: the current plan, what each node computed, retries."""
+
+    plan: RoutePlan
+    sampling: str
+    usage: Usage
+    retries: int = 0
+    failed_nodes: set[str] = dataclasses.field(default_factory=set)
+
+
 class RouteEngine:
     def __init__(
         self,
@@ -55,6 +82,8 @@ class RouteEngine:
         max_concurrency: int = 4,
         prefill_chunk: int = 128,
         timeout_s: float = 120.0,
+        max_retries: int = 3,
+        outbox: BillingOutbox | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.info = tokenizer.info
@@ -62,8 +91,10 @@ class RouteEngine:
         self.n_ctx = n_ctx
         self.max_concurrency = max_concurrency
         self.prefill_chunk = prefill_chunk
+        self.max_retries = max_retries
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
         self._local = threading.local()
+        self.outbox = outbox if outbox is not None else BillingOutbox(self.tracker_url)
 
     # -- tokenizer ---------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
@@ -85,24 +116,32 @@ class RouteEngine:
 
     def _tracker(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
-            return self._client().request(method, f"{self.tracker_url}{path}", **kwargs)
+            return self._client().request(method, f"{self.tracker_url}{path}", timeout=30.0, **kwargs)
         except httpx.HTTPError as exc:
             raise Overloaded(f"the tracker at {self.tracker_url} is unreachable: {exc}", retry_after_s=5) from None
 
-    def plan(self) -> RoutePlan:
-        body = {"model": self.info.model_id, "total_layers": self.info.n_layers}
+    def plan(self, *, exclude: Sequence[str] = (), prompt_tokens: int = 0, max_tokens: int = 0) -> RoutePlan:
+        body: dict[str, Any] = {"model": self.info.model_id, "total_layers": self.info.n_layers}
+        if exclude:
+            body["exclude"] = list(exclude)
+        if prompt_tokens:
+            body["prefill_tokens"] = prompt_tokens
+        if max_tokens:
+            body["max_tokens"] = max_tokens
         response = self._tracker("POST", "/v1/sessions", json=body)
         if response.status_code == 503:
             raise Overloaded(f"no route: {error_message(response)}", retry_after_s=5)
         if response.status_code >= 400:
             raise EngineError(f"the tracker refused a route: {error_message(response)}")
         data = response.json()
+        return RoutePlan(SessionId(data["session_id"]), RouteId(data["route_id"]), self._hops(data["hops"]))
+
+    def _hops(self, hops: Sequence[dict[str, Any]]) -> tuple[Hop, ...]:
         total = self.info.n_layers
-        hops = tuple(Hop(h["node_id"], h["url"], LayerRange.parse(h["layers"], total)) for h in data["hops"])
-        return RoutePlan(SessionId(data["session_id"]), RouteId(data["route_id"]), hops)
+        return tuple(Hop(h["node_id"], h["url"], LayerRange.parse(h["layers"], total)) for h in hops)
 
     def release(self, plan: RoutePlan) -> None:
-        with contextlib.suppress(MeshnetError):  # best effort: nothing was reserved on any node
+        with contextlib.suppress(MeshnetError):  # best effort: the tracker expires it otherwise
             self._tracker("DELETE", f"/v1/sessions/{plan.session_id}")
 
     # -- generation --------------------------------------------------------------------------
@@ -113,44 +152,177 @@ class RouteEngine:
             raise InvalidRequest("a route engine generates only on a planned route")
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")
-        head = plan.hops[0].url
-        base = {H.MODEL: self.info.model_id, H.ROUTE_ID: plan.route_id, "Content-Type": "application/octet-stream"}
+        run = _Run(plan, json.dumps(dataclasses.asdict(sampler.params)), Usage())
+        tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
+        outcome = "failed"
         try:
-            answer = yield from self._prefill(plan, prompt, sampler, cancel, base)
-            position = len(prompt)
+            answer = yield from self._prefill_with_retries(run, tokens, cancel)
             while answer is not None and not cancel.is_set():
-                yield TokenStep(int(answer["token"]), float(answer["logprob"]), _hop_ms(answer))
-                if position + 1 > self.n_ctx:
-                    return
-                frame = encode_tensor(np.asarray([[answer["token"]]], dtype=np.int32), "int32")
-                send = {**base, H.POSITION: str(position), H.SHAPE: format_shape(frame.shape), H.DTYPE: "int32"}
-                answer = self._post(f"{head}/v1/sessions/{plan.session_id}/decode-step", frame.body, send)
-                position += 1
+                token = int(answer["token"])
+                yield TokenStep(token, float(answer["logprob"]), _hop_ms(answer))
+                if len(tokens) + 1 > self.n_ctx:
+                    break
+                tokens.append(token)
+                answer = yield from self._decode_with_repair(run, tokens, cancel)
+            outcome = "completed"
+        except GeneratorExit:
+            outcome = "completed"  # the consumer stopped: a stop sequence, max_tokens or a disconnect
+            raise
         finally:
-            self._close(plan)
+            self._close(run.plan)
+            self.outbox.submit(run.plan, run.usage, outcome)
+
+    def _prefill_with_retries(
+        self, run: _Run, tokens: list[int], cancel: threading.Event
+    ) -> Generator[EngineStep, None, dict[str, Any] | None]:
+        """Prefill ``tokens``; a failed hop means a fresh route without it, from scratch."""
+        while True:
+            try:
+                answer = yield from self._prefill(run.plan, tokens, cancel, run.sampling)
+            except HopFailed as exc:
+                began = time.monotonic()
+                failed = self._failed_hop(run, exc)
+                self._report_failure(failed, exc.message)
+                self._close(run.plan)
+                run.plan = self.plan(exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens))
+                run.usage = Usage()
+                yield RouteChange("reroute", exc.message, failed.node, run.plan, run.retries, 0, _since(began))
+                continue
+            if answer is not None:
+                run.usage.add(run.plan.hops, prefill=len(tokens))
+            return answer
+
+    def _decode_with_repair(
+        self, run: _Run, tokens: list[int], cancel: threading.Event
+    ) -> Generator[EngineStep, None, dict[str, Any] | None]:
+        """One decode step for ``tokens[-1]`` at position ``len(tokens) - 1``, repairing the route if a hop fails."""
+        position = len(tokens) - 1
+        frame = encode_tensor(np.asarray([[tokens[-1]]], dtype=np.int32), "int32")
+        headers = {**self._base(run.plan), H.POSITION: str(position), H.SHAPE: format_shape(frame.shape)}
+        headers[H.DTYPE] = "int32"
+        head = run.plan.hops[0].url
+        try:
+            answer = self._post(head, f"/v1/sessions/{run.plan.session_id}/decode-step", frame.body, headers)
+        except HopFailed as exc:
+            return (yield from self._recover(run, tokens, exc, cancel))
+        run.usage.add(run.plan.hops, decode=1)
+        return answer
+
+    def _recover(
+        self, run: _Run, tokens: list[int], error: HopFailed, cancel: threading.Event
+    ) -> Generator[EngineStep, None, dict[str, Any] | None]:
+        """Repair the route after ``error`` (retrying while repairs fail), else re-prefill on a fresh route."""
+        while True:
+            began = time.monotonic()
+            failed = self._failed_hop(run, error)
+            try:
+                answer, replayed = self._repair(run, failed, error, tokens)
+            except HopFailed as again:  # a replacement (or the upstream) failed too: repair that
+                error = again
+                continue
+            except (Overloaded, BadGateway):
+                raise
+            except MeshnetError as exc:  # no seam log, no rewind on this backend...: start over
+                reason = f"{error.message}; route repair impossible ({exc.message})"
+                self._close(run.plan)
+                run.plan = self.plan(exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens))
+                run.usage = Usage()
+                yield RouteChange("reroute", reason, failed.node, run.plan, run.retries, len(tokens), _since(began))
+                return (yield from self._prefill_with_retries(run, tokens, cancel))
+            yield RouteChange("repair", error.message, failed.node, run.plan, run.retries, replayed, _since(began))
+            return answer
+
+    def _repair(self, run: _Run, failed: Hop, error: HopFailed, tokens: list[int]) -> tuple[dict[str, Any], int]:
+        """Ask the tracker for replacement hops, rebuild them from the upstream's seam log, resend the step."""
+        position = len(tokens) - 1
+        body = {"failed_node": failed.node, "reason": error.message, "position": position}
+        response = self._tracker("POST", f"/v1/sessions/{run.plan.session_id}/repair", json=body)
+        if response.status_code >= 400:
+            raise BadGateway(f"{error.message}; no route repair: {error_message(response)}")
+        data = response.json()
+        old = run.plan
+        run.plan = dataclasses.replace(old, hops=self._hops(data["hops"]))
+        first, count = int(data["replaced"]["first"]), int(data["replaced"]["count"])
+        new_hops = run.plan.hops
+        sid = run.plan.session_id
+        if first == 0:  # the head failed: the gateway is the upstream and replays token ids
+            answer = self._replay_tokens(run, tokens, count)
+        else:
+            upstream = new_hops[first - 1]
+            answer = self._post(
+                upstream.url, f"/v1/sessions/{sid}/reroute", b"", self._reroute_headers(run, first - 1, count)
+            )
+            for i in range(first - 2, -1, -1):  # the hops above it broke the session too: clear them
+                self._post(new_hops[i].url, f"/v1/sessions/{sid}/reroute", b"", self._reroute_headers(run, i, 0))
+        run.usage.add(new_hops[first : first + count], prefill=position)
+        run.usage.add(new_hops, decode=1)
+        kept = {h.url for h in new_hops}
+        for hop in old.hops:  # hops cut out of the route (but alive) free the session now, not at TTL
+            if hop.url not in kept and hop.node != failed.node:
+                with contextlib.suppress(httpx.HTTPError):
+                    self._client().delete(f"{hop.url}/v1/sessions/{sid}", timeout=5.0)
+        return answer, position
+
+    def _reroute_headers(self, run: _Run, index: int, replay: int) -> dict[str, str]:
+        hops = run.plan.hops
+        return {
+            **self._base(run.plan),
+            H.NEXT_HOPS: ",".join(h.url for h in hops[index + 1 :]),
+            H.REPLAY: str(replay),
+            H.SAMPLING: run.sampling,
+        }
+
+    def _replay_tokens(self, run: _Run, tokens: list[int], count: int) -> dict[str, Any]:
+        """Rebuild a new head (and ``count - 1`` hops after it) from the token ids, then resend the step."""
+        plan, position = run.plan, len(tokens) - 1
+        url = f"/v1/sessions/{plan.session_id}"
+        ids = np.asarray(tokens, dtype=np.int32)
+        for begin in range(0, position, self.prefill_chunk):
+            end = min(position, begin + self.prefill_chunk)
+            frame = encode_tensor(ids[begin:end].reshape(1, -1), "int32")
+            headers = {**self._base(plan), H.TOKEN_RANGE: f"{begin}-{end - 1}", H.SHAPE: format_shape(frame.shape)}
+            headers.update({H.DTYPE: "int32", H.REPLAY: str(count)})
+            if begin == 0:
+                headers.update({H.NEXT_HOPS: ",".join(h.url for h in plan.hops[1:]), H.SAMPLING: run.sampling})
+            self._post(plan.hops[0].url, f"{url}/prefill", frame.body, headers)
+        frame = encode_tensor(ids[position:].reshape(1, 1), "int32")
+        headers = {**self._base(plan), H.POSITION: str(position), H.SHAPE: "1,1", H.DTYPE: "int32", H.REWIND: "1"}
+        return self._post(plan.hops[0].url, f"{url}/decode-step", frame.body, headers)
+
+    def _failed_hop(self, run: _Run, error: HopFailed) -> Hop:
+        """The hop ``error`` names, counted against the retry budget."""
+        run.retries += 1
+        hop = next((h for h in run.plan.hops if h.url == error.failed_hop), None)
+        if hop is None:
+            raise BadGateway(f"{error.message} (the failed hop {error.failed_hop} is not on this route)")
+        if run.retries > self.max_retries:
+            raise BadGateway(f"{error.message}; gave up after {self.max_retries} route retries")
+        run.failed_nodes.add(hop.node)
+        return hop
+
+    def _report_failure(self, hop: Hop, reason: str) -> None:
+        with contextlib.suppress(MeshnetError):  # reliability bookkeeping only; a new route is what matters
+            self._tracker("POST", f"/v1/nodes/{hop.node}/failures", json={"reason": reason})
+
+    # -- the wire ----------------------------------------------------------------------------
+    def _base(self, plan: RoutePlan) -> dict[str, str]:
+        return {H.MODEL: self.info.model_id, H.ROUTE_ID: plan.route_id, "Content-Type": "application/octet-stream"}
 
     def _prefill(
-        self,
-        plan: RoutePlan,
-        prompt: Sequence[int],
-        sampler: Sampler,
-        cancel: threading.Event,
-        base: dict[str, str],
+        self, plan: RoutePlan, prompt: Sequence[int], cancel: threading.Event, sampling: str
     ) -> Generator[EngineStep, None, dict[str, Any] | None]:
         tokens = np.asarray(prompt, dtype=np.int32)
         total = len(tokens)
-        url = f"{plan.hops[0].url}/v1/sessions/{plan.session_id}/prefill"
-        first = {
-            H.NEXT_HOPS: ",".join(h.url for h in plan.hops[1:]),
-            H.SAMPLING: json.dumps(dataclasses.asdict(sampler.params)),
-        }
+        path = f"/v1/sessions/{plan.session_id}/prefill"
+        first = {H.NEXT_HOPS: ",".join(h.url for h in plan.hops[1:]), H.SAMPLING: sampling}
+        answer: dict[str, Any] | None = None
         for begin in range(0, total, self.prefill_chunk):
             if cancel.is_set():
                 return None
             end = min(total, begin + self.prefill_chunk)
             frame = encode_tensor(tokens[begin:end].reshape(1, -1), "int32")
             send = {
-                **base,
+                **self._base(plan),
                 **(first if begin == 0 else {}),
                 H.TOKEN_RANGE: f"{begin}-{end - 1}",
                 H.SHAPE: format_shape(frame.shape),
@@ -158,26 +330,34 @@ class RouteEngine:
             }
             if end == total:
                 send[H.SAMPLE] = "1"
-            answer = self._post(url, frame.body, send)
+            answer = self._post(plan.hops[0].url, path, frame.body, send)
             yield PrefillProgress(done=end, total=total)
         return answer
 
-    def _post(self, url: str, body: bytes, headers: dict[str, str]) -> dict[str, Any]:
+    def _post(self, hop_url: str, path: str, body: bytes, headers: dict[str, str]) -> dict[str, Any]:
+        """POST to a hop; a failure that names a hop (or is this hop's own) raises ``HopFailed``."""
         try:
-            response = self._client().post(url, content=body, headers=headers)
+            response = self._client().post(f"{hop_url}{path}", content=body, headers=headers)
         except httpx.HTTPError as exc:
-            raise BadGateway(f"head node {url} failed: {type(exc).__name__}: {exc}") from None
+            raise HopFailed(f"node {hop_url} failed: {type(exc).__name__}: {exc}", failed_hop=hop_url) from None
         if response.status_code >= 400:
-            raise BadGateway(f"route hop answered {response.status_code}: {error_message(response)}")
+            message = f"route hop answered {response.status_code}: {error_message(response)}"
+            failed = error_field(response, "failed_hop")
+            if failed:
+                raise HopFailed(message, failed_hop=str(failed))
+            if response.status_code == 410:  # the hop restarted and lost the session: replace (rebuild) it
+                raise HopFailed(message, failed_hop=hop_url)
+            raise BadGateway(message)
         return dict(response.json())
 
     def _close(self, plan: RoutePlan) -> None:
         """Free the session's KV on every hop (the head forwards the delete) and on the tracker."""
         with contextlib.suppress(httpx.HTTPError):  # an unreachable node frees it by its idle TTL
-            self._client().delete(f"{plan.hops[0].url}/v1/sessions/{plan.session_id}")
+            self._client().delete(f"{plan.hops[0].url}/v1/sessions/{plan.session_id}", timeout=10.0)
         self.release(plan)
 
     def close(self) -> None:
+        self.outbox.close()
         client = getattr(self._local, "client", None)
         if client is not None:
             client.close()
@@ -185,3 +365,7 @@ class RouteEngine:
 
 def _hop_ms(answer: dict[str, Any]) -> tuple[float, ...]:
     return tuple(float(h.get("compute_ms", 0.0)) for h in answer.get("hops", []))
+
+
+def _since(began: float) -> float:
+    return time.monotonic() - began

@@ -42,6 +42,7 @@ class EventType(StrEnum):
     DECODE_STARTED = "decode.started"
     DECODE_PROGRESS = "decode.progress"
     ROUTE_HEALTH = "route.health"
+    ROUTE_RETRY = "route.retry"
     BILLING_ESTIMATE = "billing.estimate"
     GENERATION_COMPLETED = "generation.completed"
     GENERATION_FAILED = "generation.failed"
@@ -100,6 +101,7 @@ class GenerationTelemetry:
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    retries: int = 0
     billing: BillingEstimate | None = None
     events: list[TelemetryEvent] = field(default_factory=list)
     prefill_started_at: float | None = None
@@ -191,6 +193,7 @@ class GenerationTelemetry:
             "error": self.error,
             "billing_units": None if self.billing is None else self.billing.units,
             "route": [hop.as_json() for hop in self.route],
+            "retries": self.retries,
             "last_event": None if last is None else str(last.type),
             "events": len(self.events),
         }

@@ -34,21 +34,30 @@ from starlette.routing import Route
 
 from meshnet.backends.shard import ShardBackend
 from meshnet.errors import (
-    BadGateway,
     Conflict,
+    HopFailed,
     InvalidRequest,
     MeshnetError,
     PayloadTooLarge,
     SeamMismatch,
+    SessionBroken,
     SessionBusy,
     SessionGone,
     SessionNotFound,
 )
-from meshnet.httputil import EXCEPTION_HANDLERS, error_message
+from meshnet.httputil import EXCEPTION_HANDLERS, error_field, error_message
 from meshnet.ids import SessionId
+from meshnet.node.advert import (
+    LatencyProber,
+    SelfBenchmark,
+    Traffic,
+    advert_fields,
+    benchmark_in_background,
+    host_hardware,
+)
 from meshnet.node.metrics import NodeMetrics
 from meshnet.protocol import headers as H
-from meshnet.protocol.wire import decode_tensor, encode_tensor, format_shape, parse_range
+from meshnet.protocol.wire import TensorFrame, decode_tensor, encode_tensor, format_shape, parse_range
 from meshnet.sampling import Sampler, SamplingParams
 
 __all__ = ["NodeConfig", "create_node_app"]
@@ -64,6 +73,9 @@ class NodeConfig:
     sweep_interval_s: float = 5.0
     tracker_url: str | None = None
     heartbeat_s: float = 5.0
+    # Outbound activations kept per session for route repair (all sessions together); 0 turns it off.
+    seam_log_bytes: int = 512 * 2**20
+    replay_chunk: int = 256  # positions per request when a repair replays the seam log
     # Extra fields for the tracker registration (e.g. the artifact manifest digest and held files).
     advert: tuple[tuple[str, Any], ...] = ()
 
@@ -77,8 +89,13 @@ class _Route:
     sampler: Sampler | None
     busy: bool = False
     broken: str | None = None
+    broken_hop: str | None = None
     forward: asyncio.Task[Any] | None = None
     pending: list[asyncio.Task[Any]] = field(default_factory=list)
+    # The seam log: every activation this node sent onward, wire-encoded, positions 0.. in order.
+    # A repair replays it into a replacement next hop; ``None`` once dropped (budget) or on the tail.
+    log: bytearray | None = field(default_factory=bytearray)
+    log_dtype: str = ""
 
 
 class _Node:
@@ -90,6 +107,8 @@ class _Node:
         self.metrics = NodeMetrics()
         self.started = time.time()
         self.client: httpx.AsyncClient | None = None
+        self.traffic = Traffic()  # queue depth and measured speed, for the tracker (node.advert)
+        self.log_bytes = 0  # all sessions' seam logs together
 
     # -- request plumbing ----------------------------------------------------------------------
     def check_model(self, request: Request) -> None:
@@ -117,17 +136,19 @@ class _Node:
                 )
             if not route_id:
                 raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
-            route = _Route(route_id, self._next_hops(request), self._sampler(request))
+            route = _Route(route_id, self.next_hops(request), self._sampler(request))
+            if self.info.layers.is_tail or self.config.seam_log_bytes <= 0:
+                route.log = None
             self.shard.open_session(sid)
             self.routes[sid] = route
             return route
         if route_id is not None and route_id != route.route_id:
             raise Conflict(f"session {sid} is pinned to route {route.route_id}, not {route_id}")
         if route.broken:
-            raise Conflict(f"session {sid} is broken on this node: {route.broken}", code="session_broken")
+            raise SessionBroken(f"session {sid} is broken on this node: {route.broken}", failed_hop=route.broken_hop)
         return route
 
-    def _next_hops(self, request: Request) -> tuple[str, ...]:
+    def next_hops(self, request: Request) -> tuple[str, ...]:
         raw = request.headers.get(H.NEXT_HOPS, "")
         hops = tuple(h.strip().rstrip("/") for h in raw.split(",") if h.strip())
         if self.info.layers.is_tail and hops:
@@ -173,11 +194,12 @@ class _Node:
         return out.hidden, out.logits, 1000 * (time.perf_counter() - began)
 
     async def forward(
-        self, sid: SessionId, route: _Route, path: str, hidden: np.ndarray, headers: dict[str, str]
+        self, sid: SessionId, route: _Route, path: str, frame: TensorFrame, headers: dict[str, str]
     ) -> dict[str, Any]:
+        """POST ``frame`` to the next hop; a failure names the innermost hop that failed (``HopFailed``)."""
         assert self.client is not None
-        frame = encode_tensor(hidden.reshape(1, *hidden.shape), self.config.wire_dtype)
-        url = f"{route.next_hops[0]}/v1/sessions/{sid}/{path}"
+        nxt = route.next_hops[0]
+        url = f"{nxt}/v1/sessions/{sid}/{path}"
         send = {
             **headers,
             H.MODEL: self.info.model_id,
@@ -190,15 +212,96 @@ class _Node:
         try:
             response = await self.client.post(url, content=frame.body, headers=send)
         except httpx.HTTPError as exc:
-            raise BadGateway(f"next hop {route.next_hops[0]} failed: {type(exc).__name__}: {exc}") from None
+            raise HopFailed(f"next hop {nxt} failed: {type(exc).__name__}: {exc}", failed_hop=nxt) from None
         if response.status_code >= 400:
-            raise BadGateway(
-                f"next hop {route.next_hops[0]} answered {response.status_code}: {error_message(response)}"
+            deeper = error_field(response, "failed_hop")
+            raise HopFailed(
+                f"next hop {nxt} answered {response.status_code}: {error_message(response)}",
+                failed_hop=str(deeper or nxt),
             )
         try:
             return dict(response.json())
         except ValueError:
-            raise BadGateway(f"next hop {route.next_hops[0]} sent an answer that is not JSON") from None
+            raise HopFailed(f"next hop {nxt} sent an answer that is not JSON", failed_hop=nxt) from None
+
+    # -- the seam log (route repair) -------------------------------------------------------------
+    def log_frame(self, route: _Route, start: int, frame: TensorFrame) -> None:
+        """Append the activations of positions ``start..`` to the session's seam log, within budget."""
+        log = route.log
+        if log is None:
+            return
+        row = len(frame.body) // frame.shape[1]
+        if (route.log_dtype and route.log_dtype != frame.dtype) or len(log) != start * row:
+            self.drop_log(route)  # not a gapless record of this session any more: useless for a replay
+            return
+        if self.log_bytes + len(frame.body) > self.config.seam_log_bytes:
+            self.drop_log(route)
+            return
+        route.log_dtype = frame.dtype
+        log += frame.body
+        self.log_bytes += len(frame.body)
+
+    def drop_log(self, route: _Route) -> None:
+        if route.log is not None:
+            self.log_bytes -= len(route.log)
+            route.log = None
+
+    def forget(self, sid: SessionId) -> _Route | None:
+        route = self.routes.pop(sid, None)
+        if route is not None:
+            self.drop_log(route)
+        return route
+
+    async def rewind(self, sid: SessionId, route: _Route, position: int) -> None:
+        """A repair resends a step this node may already hold: drop it (KV and log) first."""
+        before = self.shard.store.get(sid).position
+        if before <= position:
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, lambda: self.shard.rewind(sid, position))
+        if route.log:
+            keep = position * (len(route.log) // before)
+            self.log_bytes -= len(route.log) - keep
+            del route.log[keep:]
+
+    async def reroute(
+        self, sid: SessionId, route: _Route, hops: tuple[str, ...], replay: int, sampling: str | None
+    ) -> dict[str, Any]:
+        """Point the session at new next hops; with ``replay`` > 0, rebuild their KV from the seam log.
+
+        Positions ``0..p-1`` (all but the newest) are replayed as prefill chunks that the first
+        ``replay`` hops compute without answering a token; the newest position ``p`` is then resent
+        as a decode step through the whole chain (``X-Meshnet-Rewind`` lets a hop that already has
+        it drop it first), and its answer — the next token — is returned.
+        """
+        if route.forward is not None:
+            with contextlib.suppress(Exception):
+                await route.forward  # the failed forward: its outcome is why we are here
+        route.next_hops, route.broken, route.broken_hop, route.forward = hops, None, None, None
+        position = self.shard.store.get(sid).position
+        if replay == 0:
+            return {"rerouted": sid, "position": position, "next_hops": list(hops)}
+        if route.log is None or not route.log_dtype:
+            raise Conflict(
+                f"session {sid} has no seam log on this node (over the log budget or never forwarded); "
+                "it needs a fresh prefill",
+                code="no_seam_log",
+            )
+        row = len(route.log) // position
+        seam = self.info.seam.shape
+        first = {H.NEXT_HOPS: ",".join(hops[1:]), **({H.SAMPLING: sampling} if sampling else {})}
+        try:
+            for begin in range(0, position - 1, self.config.replay_chunk):
+                end = min(position - 1, begin + self.config.replay_chunk)
+                frame = TensorFrame((1, end - begin, *seam), route.log_dtype, bytes(route.log[begin * row : end * row]))
+                headers = {H.TOKEN_RANGE: f"{begin}-{end - 1}", H.REPLAY: str(replay), **(first if begin == 0 else {})}
+                await self.forward(sid, route, "prefill", frame, headers)
+            last = TensorFrame((1, 1, *seam), route.log_dtype, bytes(route.log[(position - 1) * row :]))
+            headers = {H.POSITION: str(position - 1), H.REWIND: "1", **(first if position == 1 else {})}
+            return await self.forward(sid, route, "decode-step", last, headers)
+        except MeshnetError as exc:
+            self.break_session(route, exc)
+            raise
 
     async def delete(self, sid: SessionId) -> None:
         """Free a session here, then on the next hop (the delete travels down the chain)."""
@@ -216,12 +319,14 @@ class _Node:
             raise
         except (SessionGone, SessionNotFound):
             pass  # already expired on this node; the delete still travels down the chain
+        self.drop_log(route)
         if route.next_hops and self.client is not None:
             with contextlib.suppress(httpx.HTTPError):
                 await self.client.delete(f"{route.next_hops[0]}/v1/sessions/{sid}")
 
-    def break_session(self, route: _Route, reason: str) -> None:
-        route.broken = route.broken or reason
+    def break_session(self, route: _Route, error: MeshnetError) -> None:
+        if not route.broken:
+            route.broken, route.broken_hop = error.message, getattr(error, "failed_hop", None)
 
 
 def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
@@ -234,13 +339,21 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
             limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=300),
         )
         tasks = [asyncio.create_task(_sweep(node))]
+        bench = SelfBenchmark(shard)
+        benching: set[asyncio.Task[None]] = set()
         if config.tracker_url:
+            # The first registration does not wait for the self-benchmark (it says "speed unknown");
+            # the heartbeat re-registers as soon as the benchmark is done.
+            benching.add(asyncio.create_task(benchmark_in_background(bench, node.traffic)))
             tasks.append(asyncio.create_task(_heartbeat(node, config.tracker_url)))
         try:
             yield
         finally:
             for task in tasks:
                 task.cancel()
+            bench.stop()
+            if benching:
+                await asyncio.wait(benching, timeout=10.0)  # it stops between steps; never close the shard under it
             await node.client.aclose()
             shard.close()
 
@@ -262,6 +375,9 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
             raise SeamMismatch(f"header {H.POSITION} must be the step's absolute position, got {raw!r}")
         tokens, hidden = node.inputs(request, await request.body(), 1)
         return await _handle(node, sid, request, start=int(raw), tokens=tokens, hidden=hidden, final=True, decode=True)
+
+    async def reroute(request: Request) -> Response:
+        return await _reroute(node, request)
 
     async def delete_session(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
@@ -301,6 +417,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
     routes = [
         Route("/v1/sessions/{session_id}/prefill", prefill, methods=["POST"]),
         Route("/v1/sessions/{session_id}/decode-step", decode_step, methods=["POST"]),
+        Route("/v1/sessions/{session_id}/reroute", reroute, methods=["POST"]),
         Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
         Route("/v1/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -324,41 +441,57 @@ async def _handle(
     decode: bool = False,
 ) -> Response:
     route = node.session_route(sid, request, start=start)
+    replay = _replay_hops(request)
+    rewind = request.headers.get(H.REWIND) == "1"
     if route.busy:
         raise SessionBusy(f"session {sid} already has a request in flight on this node; send one at a time")
     route.busy = True
     try:
-        out_hidden, logits, compute_ms = await node.run(sid, start, tokens, hidden)
+        if rewind:
+            await node.rewind(sid, route, start)
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
+        with node.traffic.measure(n, decode=decode):
+            out_hidden, logits, compute_ms = await node.run(sid, start, tokens, hidden)
         node.metrics.positions.inc(n)
         me = {
             "node": node.config.node_id,
             "layers": str(node.info.layers),
+            "positions": n,
             "compute_ms": round(compute_ms, 3),
         }
         if node.info.layers.is_tail:
+            if replay:
+                return JSONResponse({"replayed": n, "hops": [me]})
             if not final:
                 return JSONResponse({"accepted": n, "hops": [me]}, status_code=202)
             assert logits is not None and route.sampler is not None
             token, logprob = route.sampler.sample(logits)
             return JSONResponse({"token": token, "logprob": logprob, "position": start + n, "hops": [me]})
         assert out_hidden is not None
+        frame = encode_tensor(out_hidden.reshape(1, *out_hidden.shape), node.config.wire_dtype)
+        node.log_frame(route, start, frame)
+        if replay == 1:
+            return JSONResponse({"replayed": n, "hops": [me]})  # the hops after this one already hold it
         path = "decode-step" if decode else "prefill"
         headers = {H.POSITION: str(start)} if decode else _prefill_headers(request, route, start, start + n, final)
+        if replay:
+            headers[H.REPLAY] = str(replay - 1)
+        if rewind:
+            headers[H.REWIND] = "1"
         previous = route.forward
 
         async def send() -> dict[str, Any]:
             if previous is not None:
                 await previous  # forwards leave in position order
             try:
-                return await node.forward(sid, route, path, out_hidden, headers)
+                return await node.forward(sid, route, path, frame, headers)
             except MeshnetError as exc:
-                node.break_session(route, exc.message)
+                node.break_session(route, exc)
                 raise
 
         task: asyncio.Task[Any] = asyncio.ensure_future(send())
         route.forward = task
-        if not final:
+        if not final and not replay:
             task.add_done_callback(_consume)
             return JSONResponse({"accepted": n, "hops": [me]}, status_code=202)
         answer = await task
@@ -366,6 +499,42 @@ async def _handle(
         return JSONResponse(answer)
     finally:
         route.busy = False
+
+
+async def _reroute(node: _Node, request: Request) -> Response:
+    """``POST /v1/sessions/{id}/reroute``: new next hops for a session, optionally rebuilt (route repair)."""
+    sid = SessionId(request.path_params["session_id"])
+    node.check_model(request)
+    route = node.routes.get(sid)
+    if route is None:
+        node.shard.store.get(sid)  # 404/410 with the reason
+        raise SessionNotFound(f"no session {sid} on this node")
+    route_id = request.headers.get(H.ROUTE_ID)
+    if route_id != route.route_id:
+        raise Conflict(f"session {sid} is pinned to route {route.route_id}, not {route_id}")
+    hops = node.next_hops(request)
+    raw = request.headers.get(H.REPLAY, "0")
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > len(hops):
+        raise InvalidRequest(f"header {H.REPLAY} must be 0..{len(hops)} (hops to rebuild), got {raw!r}")
+    if route.busy:
+        raise SessionBusy(f"session {sid} has a request in flight on this node; reroute it after that")
+    route.busy = True
+    try:
+        answer = await node.reroute(sid, route, hops, int(raw), request.headers.get(H.SAMPLING))
+    finally:
+        route.busy = False
+    return JSONResponse(answer)
+
+
+def _replay_hops(request: Request) -> int:
+    raw = request.headers.get(H.REPLAY)
+    if raw is None:
+        return 0
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+        raise InvalidRequest(f"header {H.REPLAY} must be the number of hops to rebuild (>= 1), got {raw!r}")
+    if request.headers.get(H.SAMPLE) == "1":
+        raise InvalidRequest(f"a replayed chunk answers no token: drop {H.SAMPLE}")
+    return int(raw)
 
 
 def _consume(task: asyncio.Task[Any]) -> None:
@@ -384,32 +553,53 @@ def _prefill_headers(request: Request, route: _Route, start: int, stop: int, fin
 
 
 async def _heartbeat(node: _Node, tracker_url: str) -> None:
-    """Register, then re-register every ``heartbeat_s``: a restarted tracker relearns us by itself."""
+    """Register, then re-register every ``heartbeat_s``: a restarted tracker relearns us by itself.
+
+    Each registration carries the advertisement (``node.advert``); the tracker answers with the
+    candidate next hops, which are probed in the background and reported on the next heartbeat.
+    """
     assert node.client is not None
     info = node.info
     log = logging.getLogger("meshnet.node")
+    extra = dict(node.config.advert)
+    threads = extra.pop("threads", None)
+    prober = LatencyProber()
+    probing: asyncio.Task[None] | None = None
     reported = False
-    while True:
-        body = {
-            "node_id": node.config.node_id,
-            "url": node.config.url,
-            "model": info.model_id,
-            "layers": str(info.layers),
-            "total_layers": info.layers.total,
-            "backend": info.backend,
-            "kv_bytes_free": node.shard.store.free_bytes(),
-            **dict(node.config.advert),
-        }
-        try:
-            response = await node.client.post(f"{tracker_url}/v1/nodes", json=body, timeout=5.0)
-            if response.status_code >= 400:
-                log.warning("tracker refused registration: %s", error_message(response))
-            reported = False
-        except httpx.HTTPError as exc:
-            if not reported:  # say it once per outage, not every heartbeat
-                log.warning("tracker %s unreachable (%s); retrying", tracker_url, exc)
-                reported = True
-        await asyncio.sleep(node.config.heartbeat_s)
+    try:
+        while True:
+            node.traffic.news.clear()
+            body = {
+                "node_id": node.config.node_id,
+                "url": node.config.url,
+                "model": info.model_id,
+                "layers": str(info.layers),
+                "total_layers": info.layers.total,
+                "backend": info.backend,
+                "kv_bytes_free": node.shard.store.free_bytes(),
+                "heartbeat_s": node.config.heartbeat_s,
+                "hardware": host_hardware(threads),
+                **advert_fields(node.shard, node.traffic, prober),
+                **extra,
+            }
+            try:
+                response = await node.client.post(f"{tracker_url}/v1/nodes", json=body, timeout=5.0)
+                if response.status_code >= 400:
+                    log.warning("tracker refused registration: %s", error_message(response))
+                elif probing is None or probing.done():
+                    hops = response.json().get("next_hops") or []
+                    probing = asyncio.create_task(prober.probe(node.client, [str(h) for h in hops]))
+                    probing.add_done_callback(_consume)
+                reported = False
+            except (httpx.HTTPError, ValueError, AttributeError) as exc:
+                if not reported:  # say it once per outage, not every heartbeat
+                    log.warning("tracker %s unreachable (%s); retrying", tracker_url, exc)
+                    reported = True
+            with contextlib.suppress(TimeoutError):  # the self-benchmark finishing wakes us early
+                await asyncio.wait_for(node.traffic.news.wait(), node.config.heartbeat_s)
+    finally:
+        if probing is not None:
+            probing.cancel()
 
 
 async def _sweep(node: _Node) -> None:
@@ -419,4 +609,4 @@ async def _sweep(node: _Node) -> None:
         node.shard.store.expire_idle()
         alive = set(node.shard.store.ids())
         for sid in [s for s in node.routes if s not in alive]:
-            node.routes.pop(sid, None)
+            node.forget(sid)

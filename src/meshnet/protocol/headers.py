@@ -12,6 +12,8 @@ __all__ = [
     "MODEL",
     "NEXT_HOPS",
     "POSITION",
+    "REPLAY",
+    "REWIND",
     "ROUTE_ID",
     "SAMPLE",
     "SAMPLING",
@@ -31,3 +33,5 @@ POSITION = "X-Meshnet-Position"
 NEXT_HOPS = "X-Meshnet-Next-Hops"  # URLs of the hops after the receiver, comma-separated (first chunk)
 SAMPLING = "X-Meshnet-Sampling"  # sampling parameters for the tail, JSON (first chunk)
 SAMPLE = "X-Meshnet-Sample"  # "1" on the last prefill chunk: the tail must answer with a token
+REPLAY = "X-Meshnet-Replay"  # route repair: rebuild KV on this many hops from here, answer no token
+REWIND = "X-Meshnet-Rewind"  # "1" on a repair's resent step: a hop already past it drops it first

@@ -177,6 +177,28 @@ class SessionStore(Generic[S]):
                     session.positions_processed += n
                     session.steps += 1
 
+    def rewind(self, sid: SessionId, position: int) -> None:
+        """Drop positions ``>= position`` (route repair resends a step a downstream hop may already hold)."""
+        with self._lock:
+            session = self._lookup_locked(sid)
+            if session.busy:
+                raise SessionBusy(f"session {sid} is computing; rewind it after the call returns")
+            if not 0 <= position <= session.position:
+                raise PositionMismatch(f"session {sid} is at position {session.position}; cannot rewind to {position}")
+            if position == session.position:
+                return
+            session.busy = True
+        done = False
+        try:
+            self._truncate_state(session.state, position)
+            done = True
+        finally:
+            with self._lock:
+                session.busy = False
+                if done:
+                    session.position = position
+                    session.last_used = self._clock()
+
     # -- reading -----------------------------------------------------------------------------
     def get(self, sid: SessionId) -> Session[S]:
         with self._lock:

@@ -7,26 +7,41 @@ the database so a route stays sticky across a tracker restart. The tracker never
 
 from __future__ import annotations
 
+import random
 import time
-from dataclasses import asdict
-from typing import Any, TypeVar
+from dataclasses import asdict, replace
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.errors import InvalidRequest, NotFound
+from meshnet.errors import InvalidRequest
 from meshnet.httputil import EXCEPTION_HANDLERS
-from meshnet.ids import new_route_id, new_session_id
 from meshnet.layers import LayerRange
 from meshnet.tracker.db import TrackerDB
-from meshnet.tracker.routing import NodeRecord, plan_route
+from meshnet.tracker.reliability import Reliability
+from meshnet.tracker.routing import Hardware, NodeRecord
+from meshnet.tracker.sessions import SessionsApi, parse_body
 
 __all__ = ["create_tracker_app"]
 
 NODE_TTL_S = 15.0  # three missed 5 s heartbeats
+WARM_WINDOW_S = 600.0  # a node that computed anything this recently still has its weights paged in
+MAX_PROBE_TARGETS = 16  # next-hop URLs handed to a node per heartbeat, for it to measure latency to
+_RECORD_KEEP_S = 86_400.0  # reliability records of nodes gone this long are forgotten
+
+
+class HardwareAdvert(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    cpu: str | None = Field(None, max_length=256)
+    logical_cores: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1)
+    ram_total_bytes: int | None = Field(None, ge=0)
+    ram_available_bytes: int | None = Field(None, ge=0)
+    gpu: str | None = Field(None, max_length=256)
 
 
 class Registration(BaseModel):
@@ -38,50 +53,110 @@ class Registration(BaseModel):
     total_layers: int = Field(ge=1)
     backend: str = "llama.cpp"
     kv_bytes_free: int = Field(0, ge=0)
-
-
-class SessionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    model: str = Field(min_length=1)
-    total_layers: int | None = Field(None, ge=1)
-
-
-SchemaT = TypeVar("SchemaT", bound=BaseModel)
-
-
-def _parse(schema: type[SchemaT], raw: bytes) -> SchemaT:
-    try:
-        return schema.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise InvalidRequest(f"invalid '{where}': {first['msg']}", param=where) from None
+    # The advertisement (docs/tracker.md); every field is optional so an older node still registers.
+    quantization: str | None = Field(None, max_length=64)
+    hardware: HardwareAdvert = Field(default_factory=lambda: HardwareAdvert.model_validate({}))
+    prefill_tps: float = Field(0.0, ge=0)  # positions/s of this layer range; 0 = not measured yet
+    decode_tps: float = Field(0.0, ge=0)
+    queue_depth: int = Field(0, ge=0)
+    kv_bytes_per_token: int = Field(0, ge=0)
+    latency_ms: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict, max_length=4 * MAX_PROBE_TARGETS)
+    idle_s: float | None = Field(None, ge=0)  # since it last computed anything; None = never
+    weight_bytes: int = Field(0, ge=0)
+    heartbeat_s: float = Field(5.0, gt=0, le=NODE_TTL_S)
+    manifest: str | None = Field(None, max_length=512)
+    files: list[str] = Field(default_factory=list, max_length=100_000)
 
 
 class _Tracker:
+    """Live nodes (in memory) and every node's reliability record (kept across its expiry)."""
+
     def __init__(self, db: TrackerDB) -> None:
         self.db = db
         self.nodes: dict[str, NodeRecord] = {}
+        self.records: dict[str, Reliability] = {}
 
     def live_nodes(self) -> list[NodeRecord]:
-        cutoff = time.time() - NODE_TTL_S
+        now = time.time()
+        cutoff = now - NODE_TTL_S
         for node_id in [k for k, n in self.nodes.items() if n.last_seen < cutoff]:
             del self.nodes[node_id]
+        # A node that is overdue but not yet expired already pays for the heartbeats it missed.
+        for node_id, node in self.nodes.items():
+            record = self.records.get(node_id)
+            if record is not None and now - node.last_seen > 2 * record.interval_s:
+                self.nodes[node_id] = replace(node, reliability=record.value(now))
         return list(self.nodes.values())
+
+    def heartbeat(self, node_id: str, interval_s: float) -> float:
+        """Count a heartbeat of ``node_id``; its reliability now."""
+        now = time.time()
+        record = self.records.setdefault(node_id, Reliability())
+        record.heartbeat(now, interval_s)
+        if len(self.records) > 2 * len(self.nodes) + 1000:
+            for gone in [k for k, r in self.records.items() if r.last_update < now - _RECORD_KEEP_S]:
+                del self.records[gone]
+        return record.value()
+
+    def record_failure(self, node_id: str, reason: str) -> None:
+        """A request through ``node_id`` failed because of it: lowers its reliability at once."""
+        now = time.time()
+        record = self.records.setdefault(node_id, Reliability())
+        record.failure(now, reason)
+        node = self.nodes.get(node_id)
+        if node is not None:
+            self.nodes[node_id] = replace(node, reliability=record.value(now))
+
+    def suspend(self, node_id: str) -> None:
+        """Take a node reported failed off the live set until its next heartbeat (a dead one sends none)."""
+        self.nodes.pop(node_id, None)
+
+    def next_hops(self, node: NodeRecord) -> list[str]:
+        """URLs of live nodes a route could send to after ``node``: what it should measure latency to."""
+        if node.layers.is_tail:
+            return []
+        urls = sorted(
+            n.url
+            for n in self.nodes.values()
+            if n.model == node.model
+            and n.layers.total == node.layers.total
+            and n.layers.start == node.layers.stop
+            and n.node_id != node.node_id
+        )
+        # Many candidates: a different sample each heartbeat, so every pair gets measured in time.
+        return urls if len(urls) <= MAX_PROBE_TARGETS else random.sample(urls, MAX_PROBE_TARGETS)
 
 
 def _node_json(node: NodeRecord) -> dict[str, Any]:
-    data = asdict(node)
-    data["layers"] = str(node.layers)
-    data["total_layers"] = node.layers.total
-    return data
+    return {
+        "node_id": node.node_id,
+        "url": node.url,
+        "model": node.model,
+        "layers": str(node.layers),
+        "total_layers": node.layers.total,
+        "backend": node.backend,
+        "kv_bytes_free": node.kv_bytes_free,
+        "last_seen": node.last_seen,
+        "quantization": node.quantization,
+        "hardware": asdict(node.hardware),
+        "prefill_tps": node.prefill_tps,
+        "decode_tps": node.decode_tps,
+        "queue_depth": node.queue_depth,
+        "kv_bytes_per_token": node.kv_bytes_per_token,
+        "latency_ms": dict(node.latency_ms),
+        "warm": node.warm,
+        "weight_bytes": node.weight_bytes,
+        "reliability": node.reliability,
+        "manifest": node.manifest,
+        "files": list(node.files),
+    }
 
 
 def create_tracker_app(db: TrackerDB) -> Starlette:
     tracker = _Tracker(db)
 
     async def register(request: Request) -> Response:
-        reg = _parse(Registration, await request.body())
+        reg = parse_body(Registration, await request.body())
         try:
             layers = LayerRange.parse(reg.layers, reg.total_layers)
         except ValueError as exc:
@@ -94,38 +169,27 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
             backend=reg.backend,
             kv_bytes_free=reg.kv_bytes_free,
             last_seen=time.time(),
+            quantization=reg.quantization,
+            hardware=Hardware(**reg.hardware.model_dump()),
+            prefill_tps=reg.prefill_tps,
+            decode_tps=reg.decode_tps,
+            queue_depth=reg.queue_depth,
+            kv_bytes_per_token=reg.kv_bytes_per_token,
+            latency_ms={url.rstrip("/"): ms for url, ms in reg.latency_ms.items()},
+            warm=reg.idle_s is not None and reg.idle_s <= WARM_WINDOW_S,
+            weight_bytes=reg.weight_bytes,
+            manifest=reg.manifest,
+            files=tuple(reg.files),
         )
         # A node that expired and came back registers afresh (201), like one never seen.
         fresh = reg.node_id not in {n.node_id for n in tracker.live_nodes()}
+        node = replace(node, reliability=tracker.heartbeat(reg.node_id, reg.heartbeat_s))
         tracker.nodes[reg.node_id] = node
-        return JSONResponse({"registered": reg.node_id, "ttl_s": NODE_TTL_S}, status_code=201 if fresh else 200)
+        answer = {"registered": reg.node_id, "ttl_s": NODE_TTL_S, "next_hops": tracker.next_hops(node)}
+        return JSONResponse(answer, status_code=201 if fresh else 200)
 
     async def list_nodes(_: Request) -> Response:
         return JSONResponse({"nodes": [_node_json(n) for n in tracker.live_nodes()]})
-
-    async def open_session(request: Request) -> Response:
-        req = _parse(SessionRequest, await request.body())
-        chain = plan_route(tracker.live_nodes(), req.model, req.total_layers)
-        session = {
-            "session_id": new_session_id(),
-            "route_id": new_route_id(),
-            "model": req.model,
-            "hops": [{"node_id": n.node_id, "url": n.url, "layers": str(n.layers)} for n in chain],
-            "created": time.time(),
-        }
-        db.save_session(session)
-        return JSONResponse(session, status_code=201)
-
-    async def get_session(request: Request) -> Response:
-        session = db.load_session(request.path_params["session_id"])
-        if session is None:
-            raise NotFound(f"no session {request.path_params['session_id']} on this tracker")
-        return JSONResponse(session)
-
-    async def close_session(request: Request) -> Response:
-        if not db.delete_session(request.path_params["session_id"]):
-            raise NotFound(f"no session {request.path_params['session_id']} on this tracker")
-        return JSONResponse({"deleted": request.path_params["session_id"]})
 
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok", "nodes": len(tracker.live_nodes()), "database": db.url_for_display})
@@ -134,10 +198,8 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
         routes=[
             Route("/v1/nodes", register, methods=["POST"]),
             Route("/v1/nodes", list_nodes, methods=["GET"]),
-            Route("/v1/sessions", open_session, methods=["POST"]),
-            Route("/v1/sessions/{session_id}", get_session, methods=["GET"]),
-            Route("/v1/sessions/{session_id}", close_session, methods=["DELETE"]),
             Route("/v1/health", health, methods=["GET"]),
+            *SessionsApi(tracker, db).routes(),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
     )

@@ -22,6 +22,7 @@ __all__ = [
     "LAYER_TOKENS_PER_UNIT",
     "PREFILL_WEIGHT",
     "BillingEstimate",
+    "bill",
     "estimate",
 ]
 
@@ -48,11 +49,16 @@ class BillingEstimate:
         }
 
 
-def estimate(*, prompt_tokens: int, completion_tokens: int, layers: int) -> BillingEstimate:
-    """Billing units for tokens that went through ``layers`` blocks (all hops of a route summed)."""
-    if min(prompt_tokens, completion_tokens, layers) < 0:
+def bill(*, prefill_tokens: int, decode_tokens: int, layers: int) -> BillingEstimate:
+    """Billing units for positions computed through ``layers`` blocks (one node, or a route's hops summed)."""
+    if min(prefill_tokens, decode_tokens, layers) < 0:
         raise ValueError("token and layer counts are never negative")
-    prefill = prompt_tokens * layers
-    decode = completion_tokens * layers
+    prefill = prefill_tokens * layers
+    decode = decode_tokens * layers
     units = (prefill * PREFILL_WEIGHT + decode * DECODE_WEIGHT) / LAYER_TOKENS_PER_UNIT
     return BillingEstimate(prefill, decode, round(units, 6))
+
+
+def estimate(*, prompt_tokens: int, completion_tokens: int, layers: int) -> BillingEstimate:
+    """The gateway's running estimate for a generation: the same formula the tracker records with."""
+    return bill(prefill_tokens=prompt_tokens, decode_tokens=completion_tokens, layers=layers)

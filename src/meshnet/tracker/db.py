@@ -1,17 +1,26 @@
 """The tracker's persistent state through SQLAlchemy: SQLite by default, PostgreSQL by URL.
 
-Today: sessions with their pinned routes. Billing records join them with the tracker issue.
+Two tables: ``sessions`` (each session's pinned route, its status and repairs) and
+``billing_records`` (per session and node: the positions it computed and the billing units by
+``meshnet.tracker.billing``). Every write is one committed transaction, so whatever the tracker
+acknowledged survives a ``kill -9``; ``(session_id, node_id)`` is unique, so a record resent by a
+gateway that never saw the acknowledgement is recognised as a duplicate instead of billed twice.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["TrackerDB"]
+from meshnet.tracker.billing import bill
+
+__all__ = ["BillingRow", "TrackerDB"]
 
 _metadata = sa.MetaData()
 _sessions = sa.Table(
@@ -22,26 +31,78 @@ _sessions = sa.Table(
     sa.Column("model", sa.String(512), nullable=False),
     sa.Column("hops", sa.Text, nullable=False),
     sa.Column("created", sa.Float, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False, server_default="open"),
+    sa.Column("updated", sa.Float, nullable=False, server_default="0"),
+    sa.Column("repairs", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("ended_reason", sa.Text, nullable=True),
 )
+_billing = sa.Table(
+    "billing_records",
+    _metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("session_id", sa.String(64), nullable=False),
+    sa.Column("node_id", sa.String(128), nullable=False),
+    sa.Column("route_id", sa.String(64), nullable=False),
+    sa.Column("model", sa.String(512), nullable=False),
+    sa.Column("layers", sa.String(32), nullable=False),
+    sa.Column("prefill_tokens", sa.BigInteger, nullable=False),
+    sa.Column("decode_tokens", sa.BigInteger, nullable=False),
+    sa.Column("prefill_layer_tokens", sa.BigInteger, nullable=False),
+    sa.Column("decode_layer_tokens", sa.BigInteger, nullable=False),
+    sa.Column("units", sa.Float, nullable=False),
+    sa.Column("outcome", sa.String(16), nullable=False),
+    sa.Column("recorded_at", sa.Float, nullable=False),
+    sa.UniqueConstraint("session_id", "node_id", name="billing_session_node"),
+)
+_BILLING_FIELDS = [c.name for c in _billing.columns if c.name != "id"]
+
+
+@dataclass(frozen=True, slots=True)
+class BillingRow:
+    """One node's work for one session, as the gateway counted it."""
+
+    node_id: str
+    layers: str
+    n_layers: int
+    prefill_tokens: int
+    decode_tokens: int
 
 
 class TrackerDB:
     """Thread-safe (SQLAlchemy's pool); every write is its own committed transaction."""
 
     def __init__(self, url: str) -> None:
+        for plain in ("postgresql://", "postgres://"):  # SQLAlchemy would look for psycopg2; we ship psycopg 3
+            if url.startswith(plain):
+                url = "postgresql+psycopg://" + url.removeprefix(plain)
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
         try:
             self._engine = sa.create_engine(url, future=True, pool_pre_ping=True)
             _metadata.create_all(self._engine)
+            self._add_missing_columns()
         except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
             raise ValueError(f"--db {url!r} is not a usable database URL: {exc}") from None
         except sa.exc.OperationalError as exc:
             raise ValueError(f"cannot open database {url!r}: {exc.orig}") from None
         self.url_for_display = self._engine.url.render_as_string(hide_password=True)
 
+    def _add_missing_columns(self) -> None:
+        """Bring a database written by an older tracker up to date (additive changes only)."""
+        inspector = sa.inspect(self._engine)
+        with self._engine.begin() as conn:
+            for table in _metadata.sorted_tables:
+                have = {c["name"] for c in inspector.get_columns(table.name)}
+                for column in table.columns:
+                    if column.name not in have:
+                        kind = column.type.compile(dialect=self._engine.dialect)
+                        default = column.server_default.arg if column.server_default is not None else None  # type: ignore[attr-defined]
+                        tail = f" NOT NULL DEFAULT '{default}'" if default is not None else ""
+                        conn.execute(sa.text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}{tail}'))
+
+    # -- sessions ------------------------------------------------------------------------------
     def save_session(self, session: dict[str, Any]) -> None:
-        row = {**session, "hops": json.dumps(session["hops"])}
+        row = {**session, "hops": json.dumps(session["hops"]), "status": "open", "updated": session["created"]}
         with self._engine.begin() as conn:
             conn.execute(sa.insert(_sessions).values(**row))
 
@@ -52,10 +113,98 @@ class TrackerDB:
             return None
         return {**row, "hops": json.loads(row["hops"])}
 
-    def delete_session(self, session_id: str) -> bool:
+    def repin_session(self, session_id: str, hops: list[dict[str, Any]]) -> None:
+        """A repaired route: the session's new hops (route id and session stay)."""
         with self._engine.begin() as conn:
-            result = conn.execute(sa.delete(_sessions).where(_sessions.c.session_id == session_id))
+            conn.execute(
+                sa.update(_sessions)
+                .where(_sessions.c.session_id == session_id)
+                .values(hops=json.dumps(hops), repairs=_sessions.c.repairs + 1, updated=time.time())
+            )
+
+    def end_session(self, session_id: str, status: str, reason: str) -> bool:
+        """Mark an open session ended (``closed`` / ``expired``); False if there is no open one."""
+        with self._engine.begin() as conn:
+            result = conn.execute(
+                sa.update(_sessions)
+                .where(_sessions.c.session_id == session_id, _sessions.c.status == "open")
+                .values(status=status, ended_reason=reason, updated=time.time())
+            )
         return bool(result.rowcount)
+
+    def expire_sessions(self, idle_s: float) -> int:
+        cutoff = time.time() - idle_s
+        with self._engine.begin() as conn:
+            result = conn.execute(
+                sa.update(_sessions)
+                .where(_sessions.c.status == "open", _sessions.c.updated < cutoff)
+                .values(status="expired", ended_reason=f"no activity for {idle_s:g}s", updated=time.time())
+            )
+        return int(result.rowcount)
+
+    def open_sessions(self) -> list[dict[str, Any]]:
+        with self._engine.connect() as conn:
+            rows = conn.execute(sa.select(_sessions).where(_sessions.c.status == "open")).mappings().all()
+        return [{**row, "hops": json.loads(row["hops"])} for row in rows]
+
+    # -- billing -------------------------------------------------------------------------------
+    def record_billing(self, session: dict[str, Any], outcome: str, rows: Sequence[BillingRow]) -> bool:
+        """Write a session's records in one transaction; False if they were already recorded."""
+        now = time.time()
+        values = []
+        for row in rows:
+            b = bill(prefill_tokens=row.prefill_tokens, decode_tokens=row.decode_tokens, layers=row.n_layers)
+            values.append(
+                {
+                    "session_id": session["session_id"],
+                    "node_id": row.node_id,
+                    "route_id": session["route_id"],
+                    "model": session["model"],
+                    "layers": row.layers,
+                    "prefill_tokens": row.prefill_tokens,
+                    "decode_tokens": row.decode_tokens,
+                    "prefill_layer_tokens": b.prefill_layer_tokens,
+                    "decode_layer_tokens": b.decode_layer_tokens,
+                    "units": b.units,
+                    "outcome": outcome,
+                    "recorded_at": now,
+                }
+            )
+        try:
+            with self._engine.begin() as conn:
+                conn.execute(sa.insert(_billing), values)
+        except sa.exc.IntegrityError:
+            return False
+        return True
+
+    def billing(
+        self, *, session_id: str | None = None, node_id: str | None = None, limit: int = 100, offset: int = 0
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Records (oldest first) and totals over every record that matches the filters."""
+        where = []
+        if session_id is not None:
+            where.append(_billing.c.session_id == session_id)
+        if node_id is not None:
+            where.append(_billing.c.node_id == node_id)
+        query = sa.select(*[_billing.c[f] for f in _BILLING_FIELDS]).where(*where).order_by(_billing.c.id)
+        totals_query = sa.select(
+            sa.func.count(),
+            sa.func.count(sa.distinct(_billing.c.session_id)),
+            sa.func.coalesce(sa.func.sum(_billing.c.prefill_layer_tokens), 0),
+            sa.func.coalesce(sa.func.sum(_billing.c.decode_layer_tokens), 0),
+            sa.func.coalesce(sa.func.sum(_billing.c.units), 0.0),
+        ).where(*where)
+        with self._engine.connect() as conn:
+            rows = [dict(r) for r in conn.execute(query.limit(limit).offset(offset)).mappings()]
+            count, sessions, prefill, decode, units = conn.execute(totals_query).one()
+        totals = {
+            "records": int(count),
+            "sessions": int(sessions),
+            "prefill_layer_tokens": int(prefill),
+            "decode_layer_tokens": int(decode),
+            "units": round(float(units), 6),
+        }
+        return rows, totals
 
     def close(self) -> None:
         self._engine.dispose()

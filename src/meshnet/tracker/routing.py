@@ -1,25 +1,99 @@
 """Route selection as a pure function over a snapshot of registered nodes.
 
-A route is a chain of nodes serving one model whose layer ranges tile ``[0, total)`` exactly:
-the head starts at 0, each next node starts where the previous stopped, the tail ends at
-``total``. Among the chains that exist, fewer hops win (each hop costs a network round trip per
-decode step), then the nodes with the most free KV. Measured-speed scoring arrives with the
-tracker issue; this function keeps the same signature.
+A route is a chain of nodes serving one model whose layer ranges tile a span exactly (``[0,
+total)`` for a fresh route, ``[a, b)`` when repairing a failed segment): the first node starts
+at ``a``, each next node starts where the previous stopped, the last ends at ``b``.
+
+Among the chains that exist, the one with the lowest *estimated time* for the request wins
+(docs/tracker.md, "Route selection", derives every term)::
+
+    cost = Σ_node [ P·prefill_s/token + D·decode_s/token          (the node's own work, "own")
+                    + queue_depth · own                            (load: waits behind its queue)
+                    + (1 - r)/r · (own + REPAIR_S)                 (expected retry cost, r = reliability)
+                    + cold penalty + no-KV-room penalty ]
+         + Σ_hop (D + 1) · RTT(upstream → downstream)
+
+Every term is per node or per consecutive pair, so the cost is additive along the chain and a
+dynamic programme over the nodes (state = a node: the hop cost depends on the pair) finds the
+exact best chain and the exact ``k`` best alternatives. Costs are summed in integer nanoseconds,
+so equal routes tie exactly and ties break deterministically: then by the most free KV at the
+weakest hop, then by node ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import heapq
+import itertools
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 from meshnet.errors import Overloaded
 from meshnet.layers import LayerRange
 
-__all__ = ["NodeRecord", "plan_route"]
+__all__ = [
+    "COLD_READ_BYTES_PER_S",
+    "COLD_START_S",
+    "DEFAULT_DECODE_S_PER_LAYER",
+    "DEFAULT_HOP_LATENCY_MS",
+    "DEFAULT_PREFILL_S_PER_LAYER",
+    "NO_KV_ROOM_PENALTY_S",
+    "REPAIR_S",
+    "Hardware",
+    "NodeRecord",
+    "RouteChoice",
+    "RouteRequest",
+    "plan_route",
+    "select_routes",
+]
+
+# -- defaults and penalties (docs/tracker.md explains each) ------------------------------------
+# A hop nobody measured: a loopback-ish round trip. Pessimistic for one host, optimistic for a WAN,
+# and the same for every unmeasured pair, so among unmeasured chains fewer hops still win.
+DEFAULT_HOP_LATENCY_MS = 5.0
+# A node that has not measured its speed yet (it self-benchmarks seconds after start): charged
+# per layer it holds, as a slow CPU node would be (a 32-layer model at ~3 decode tokens/s), so a
+# measured node is preferred and chains of unmeasured nodes cost the same whatever the split.
+DEFAULT_PREFILL_S_PER_LAYER = 1e-3
+DEFAULT_DECODE_S_PER_LAYER = 1e-2
+# A node that has not computed anything lately pays for paging its weights back in: a fixed start
+# plus its weight bytes at a modest disk read rate.
+COLD_START_S = 0.25
+COLD_READ_BYTES_PER_S = 1 << 30
+# What a failure of one node costs besides redoing its work: noticing it, asking the tracker for a
+# repair, re-prefilling the segment elsewhere.
+REPAIR_S = 2.0
+_MIN_RELIABILITY = 0.01  # caps the retry cost of a node that fails every time at 99 retries
+# A node without KV room for the request would refuse it (StoreFull). It is not dropped: when every
+# chain has such a node the best of them is still returned (its sessions may expire first), but one
+# full node costs more than any plausible request, so any chain with room wins.
+NO_KV_ROOM_PENALTY_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """What a node says it runs on; informational (the route cost uses measured speeds instead)."""
+
+    cpu: str | None = None
+    logical_cores: int | None = None
+    threads: int | None = None
+    ram_total_bytes: int | None = None
+    ram_available_bytes: int | None = None
+    gpu: str | None = None
+
+
+_NO_LATENCY: Mapping[str, float] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
 class NodeRecord:
+    """One live node as the tracker knows it (its latest heartbeat plus the tracker's own record).
+
+    Speeds are positions per second of this node's layer range (0 = not measured yet);
+    ``latency_ms`` maps the URLs of candidate next hops to the measured round trip.
+    """
+
     node_id: str
     url: str
     model: str
@@ -27,14 +101,58 @@ class NodeRecord:
     backend: str
     kv_bytes_free: int
     last_seen: float
+    quantization: str | None = None
+    hardware: Hardware = field(default_factory=Hardware)
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    queue_depth: int = 0
+    kv_bytes_per_token: int = 0
+    latency_ms: Mapping[str, float] = field(default_factory=lambda: _NO_LATENCY, hash=False)
+    warm: bool = False
+    weight_bytes: int = 0
+    reliability: float = 1.0
+    manifest: str | None = None
+    files: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """The request a route is chosen for: how many positions it prefills and decodes."""
+
+    prefill_tokens: int = 512
+    decode_tokens: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    nodes: tuple[NodeRecord, ...]
+    estimated_s: float  # the estimated time of the request on this route
+    breakdown: Mapping[str, float]  # prefill_s, decode_s, hop_latency_s and the penalties, summing to it
 
 
 def plan_route(nodes: Sequence[NodeRecord], model: str, total_layers: int | None = None) -> list[NodeRecord]:
-    """The best chain of ``nodes`` covering every layer of ``model``; ``Overloaded`` if none exists.
+    """The best chain of ``nodes`` covering every layer of ``model``; ``Overloaded`` if none exists."""
+    return list(select_routes(nodes, model, total_layers, k=1)[0].nodes)
+
+
+def select_routes(
+    nodes: Sequence[NodeRecord],
+    model: str,
+    total_layers: int | None = None,
+    *,
+    request: RouteRequest = RouteRequest(),
+    exclude: Collection[str] = (),
+    span: tuple[int, int] | None = None,
+    k: int = 3,
+) -> list[RouteChoice]:
+    """Up to ``k`` chains covering ``span`` (default: every layer), best first.
 
     ``total_layers``, when the caller knows it (the gateway reads it from the GGUF), rules out nodes
-    that registered the model with another layer count.
+    that registered the model with another layer count. ``exclude`` names nodes to avoid (ones that
+    just failed). Raises ``Overloaded`` saying where coverage breaks when no chain exists.
     """
+    if k < 1:
+        raise ValueError("k must be at least 1")
     candidates = [n for n in nodes if n.model == model]
     if not candidates:
         raise Overloaded(f"no node serves model {model!r} right now", retry_after_s=5)
@@ -47,72 +165,198 @@ def plan_route(nodes: Sequence[NodeRecord], model: str, total_layers: int | None
                 retry_after_s=5,
             )
         candidates = matching
+    if exclude:
+        skip = set(exclude)
+        kept = [n for n in candidates if n.node_id not in skip]
+        if not kept:
+            raise Overloaded(
+                f"no node serves model {model!r} right now besides the {len(candidates)} excluded", retry_after_s=5
+            )
+        candidates = kept
     # A chain only joins nodes that agree on the layer count. Which count is "right" is not the
     # tracker's to know (one misconfigured node must not hide a complete chain that registered
-    # after it), so every count is planned on its own and the best complete chain wins.
-    totals = sorted({n.layers.total for n in candidates})
-    chains = [c for c in (_best_chain(candidates, total) for total in totals) if c is not None]
-    if not chains:
-        raise Overloaded(_gap_message(candidates, model), retry_after_s=5)
-    return min(chains, key=_rank)[2]
+    # after it), so every count is planned on its own and the best chains of all counts compete.
+    found: list[_Partial] = []
+    for total in sorted({n.layers.total for n in candidates}):
+        a, b = span if span is not None else (0, total)
+        if 0 <= a < b <= total:
+            group = [n for n in candidates if n.layers.total == total and a <= n.layers.start and n.layers.stop <= b]
+            found += _k_best(group, a, b, request, k)
+    if not found:
+        raise Overloaded(_gap_message(candidates, model, span), retry_after_s=5)
+    return [_choice(_unlink(p), request) for p in heapq.nsmallest(k, found)]
 
 
-_Chain = tuple[int, int, list[NodeRecord]]  # (hops, free KV of its weakest node, nodes head first)
+# -- the dynamic programme ----------------------------------------------------------------------
+# A partial route: a chain from some node to the span's end, as a linked list sharing suffixes.
+# Ordered by (cost in ns, -(free KV at its weakest node), node ids head first as nested tuples):
+# nested tuples compare like the flat id tuple but are built in O(1). Ids are unique, so the
+# comparison never reaches the node itself.
+_Partial = tuple[int, int, tuple[Any, ...], "NodeRecord", Any]
 
 
-def _rank(chain: _Chain) -> tuple[int, int, list[str]]:
-    hops, free, nodes = chain
-    return hops, -free, [n.node_id for n in nodes]
-
-
-def _best_chain(candidates: Sequence[NodeRecord], total: int) -> _Chain | None:
+def _k_best(nodes: Sequence[NodeRecord], a: int, b: int, request: RouteRequest, k: int) -> list[_Partial]:
+    """The ``k`` cheapest chains tiling ``[a, b)`` out of ``nodes`` (all of one layer count)."""
     by_start: dict[int, list[NodeRecord]] = {}
-    for node in candidates:
-        if node.layers.total == total:
-            by_start.setdefault(node.layers.start, []).append(node)
-    # best[s] = the best chain covering [s, total): shortest, then most free KV at its weakest node.
-    best: dict[int, _Chain] = {total: (0, 1 << 62, [])}
+    for node in nodes:
+        by_start.setdefault(node.layers.start, []).append(node)
+    hop_runs = request.decode_tokens + 1  # every decode step and the final prefill chunk cross each hop
+    default_hop = round(DEFAULT_HOP_LATENCY_MS * 1e6 * hop_runs)
+    # suffixes[s]: the k best chains to b of every node starting at s, pooled and sorted, and the
+    # same chains by the URL of their first node.
+    suffixes: dict[int, _Suffixes] = {}
     for start in sorted(by_start, reverse=True):
-        options = []
+        pooled: list[_Partial] = []
+        by_url: dict[str, list[_Partial]] = {}
         for node in by_start[start]:
-            rest = best.get(node.layers.stop)
-            if rest is not None:
-                hops, free, chain = rest
-                options.append((hops + 1, min(free, node.kv_bytes_free), [node, *chain]))
-        if options:
-            best[start] = min(options, key=_rank)
-    return best.get(0)
+            own = _cost_ns(node, request)
+            stop = node.layers.stop
+            if stop == b:
+                mine = [(own, -node.kv_bytes_free, (node.node_id, ()), node, None)]
+            elif stop in suffixes:
+                mine = _extend(node, own, suffixes[stop], hop_runs=hop_runs, default_hop=default_hop, k=k)
+            else:
+                continue  # nothing continues from where this node stops
+            pooled += mine
+            by_url.setdefault(node.url, []).extend(mine)
+        if pooled:
+            pooled.sort()
+            suffixes[start] = _Suffixes(pooled, by_url)
+    return suffixes[a].pooled[:k] if a in suffixes else []
 
 
-def _gap_message(candidates: Sequence[NodeRecord], model: str) -> str:
+@dataclass(frozen=True, slots=True)
+class _Suffixes:
+    pooled: list[_Partial]
+    by_url: dict[str, list[_Partial]]
+
+
+def _extend(node: NodeRecord, own: int, after: _Suffixes, *, hop_runs: int, default_hop: int, k: int) -> list[_Partial]:
+    """``node``'s k best chains: itself, one hop, then one of the chains in ``after``.
+
+    Next hops this node has measured pay their measured latency; every other next hop pays the
+    default, so the cheapest of those are simply the first chains of ``after.pooled`` (sorted)
+    whose first node was not measured: O(k + measured) per node instead of O(next hops).
+    """
+    options: list[_Partial] = []
+    measured: set[str] = set()
+    for url, ms in node.latency_ms.items():
+        found = after.by_url.get(url)
+        if found:
+            measured.add(url)
+            hop = round(max(0.0, ms) * 1e6 * hop_runs)
+            options += [_prepend(node, own + hop, p) for p in found]
+    taken = 0
+    for partial in after.pooled:
+        if taken == k:
+            break
+        if partial[3].url in measured:
+            continue
+        options.append(_prepend(node, own + default_hop, partial))
+        taken += 1
+    return heapq.nsmallest(k, options)
+
+
+def _prepend(node: NodeRecord, cost: int, rest: _Partial) -> _Partial:
+    return (cost + rest[0], max(rest[1], -node.kv_bytes_free), (node.node_id, rest[2]), node, rest)
+
+
+def _unlink(partial: _Partial) -> tuple[NodeRecord, ...]:
+    chain = []
+    at: _Partial | None = partial
+    while at is not None:
+        chain.append(at[3])
+        at = at[4]
+    return tuple(chain)
+
+
+# -- the cost model -----------------------------------------------------------------------------
+def _node_terms(node: NodeRecord, request: RouteRequest) -> dict[str, float]:
+    """One node's share of the estimated time, by term, in seconds."""
+    layers = len(node.layers)
+    prefill_per = 1.0 / node.prefill_tps if node.prefill_tps > 0 else DEFAULT_PREFILL_S_PER_LAYER * layers
+    decode_per = 1.0 / node.decode_tps if node.decode_tps > 0 else DEFAULT_DECODE_S_PER_LAYER * layers
+    prefill_s = request.prefill_tokens * prefill_per
+    decode_s = request.decode_tokens * decode_per
+    own = prefill_s + decode_s
+    reliability = min(1.0, max(_MIN_RELIABILITY, node.reliability))
+    need = (request.prefill_tokens + request.decode_tokens) * node.kv_bytes_per_token
+    return {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        # Compute is serialized per node: each request ahead of ours delays each of our steps by
+        # about one of its own steps, so ``queue_depth`` requests stretch our work (1 + depth)-fold.
+        "load_penalty_s": max(0, node.queue_depth) * own,
+        # Geometric retries: a node that completes with probability r is tried 1/r times on
+        # average; each extra try redoes its work and pays a repair.
+        "reliability_penalty_s": (1.0 - reliability) / reliability * (own + REPAIR_S),
+        "cold_penalty_s": 0.0 if node.warm else COLD_START_S + node.weight_bytes / COLD_READ_BYTES_PER_S,
+        # kv_bytes_per_token 0 means the node did not say; it is not held against it.
+        "kv_penalty_s": NO_KV_ROOM_PENALTY_S if node.kv_bytes_free < need else 0.0,
+    }
+
+
+def _cost_ns(node: NodeRecord, request: RouteRequest) -> int:
+    return round(sum(_node_terms(node, request).values()) * 1e9)
+
+
+def _hop_ms(upstream: NodeRecord, downstream: NodeRecord) -> float:
+    ms = upstream.latency_ms.get(downstream.url)
+    return DEFAULT_HOP_LATENCY_MS if ms is None else max(0.0, ms)
+
+
+def _choice(chain: tuple[NodeRecord, ...], request: RouteRequest) -> RouteChoice:
+    breakdown: dict[str, float] = {}
+    total_ns = 0
+    for node in chain:
+        for term, seconds in _node_terms(node, request).items():
+            breakdown[term] = breakdown.get(term, 0.0) + seconds
+        total_ns += _cost_ns(node, request)
+    hop_runs = request.decode_tokens + 1
+    hops_ns = [round(_hop_ms(up, down) * 1e6 * hop_runs) for up, down in itertools.pairwise(chain)]
+    breakdown["hop_latency_s"] = sum(hops_ns) / 1e9
+    total_ns += sum(hops_ns)
+    return RouteChoice(chain, total_ns / 1e9, MappingProxyType(breakdown))
+
+
+def route_cost_ns(chain: Sequence[NodeRecord], request: RouteRequest = RouteRequest()) -> int:
+    """The cost ``select_routes`` minimizes, of any chain, in integer nanoseconds (for tests and tools)."""
+    hop_runs = request.decode_tokens + 1
+    hops = sum(round(_hop_ms(up, down) * 1e6 * hop_runs) for up, down in itertools.pairwise(chain))
+    return sum(_cost_ns(n, request) for n in chain) + hops
+
+
+# -- explaining a failure -----------------------------------------------------------------------
+def _gap_message(candidates: Sequence[NodeRecord], model: str, span: tuple[int, int] | None = None) -> str:
     """Say where the chain breaks, for the layer count most of the model's nodes report."""
     counts: dict[int, int] = {}
     for node in candidates:
         counts[node.layers.total] = counts.get(node.layers.total, 0) + 1
     total = max(counts, key=lambda t: (counts[t], t))
-    ranges = [n.layers for n in candidates if n.layers.total == total]
+    a, b = span if span is not None else (0, total)
+    ranges = [n.layers for n in candidates if n.layers.total == total and a <= n.layers.start and n.layers.stop <= b]
     gap = None
-    covered = 0  # layers [0, covered) are served by some node (interval sweep: totals can be large)
+    covered = a  # layers [a, covered) are served by some node (interval sweep: totals can be large)
     for r in sorted(ranges, key=lambda r: r.start):
         if r.start > covered:
             gap = (covered, r.start)
             break
         covered = max(covered, r.stop)
-    if gap is None and covered < total:
-        gap = (covered, total)
+    if gap is None and covered < b:
+        gap = (covered, b)
     if gap is not None:
         why = f"no node serves layers {gap[0]}:{gap[1]}"
     else:
-        # Every layer is served, but the ranges do not tile: follow the chain from layer 0 to where it stops.
-        reach, frontier = {0}, [0]
+        # Every layer is served, but the ranges do not tile: follow the chain from layer a to where it stops.
+        reach, frontier = {a}, [a]
         while frontier:
             at = frontier.pop()
             for r in ranges:
                 if r.start == at and r.stop not in reach:
                     reach.add(r.stop)
                     frontier.append(r.stop)
-        why = f"no node starts at layer {max(reach)}, where the chain from layer 0 ends"
-    have = ", ".join(str(r) for r in sorted(ranges, key=lambda r: (r.start, r.stop)))
-    others = len(candidates) - len(ranges)
+        why = f"no node starts at layer {max(reach)}, where the chain from layer {a} ends"
+    have = ", ".join(str(r) for r in sorted(ranges, key=lambda r: (r.start, r.stop))) or "none"
+    others = sum(1 for n in candidates if n.layers.total != total)
     ignored = f"; {others} node(s) reporting another layer count ignored" if others else ""
-    return f"the nodes serving {model!r} do not cover layers 0:{total}: {why} (have {have}){ignored}"
+    return f"the nodes serving {model!r} do not cover layers {a}:{b}: {why} (have {have}){ignored}"

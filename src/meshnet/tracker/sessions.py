@@ -1,0 +1,224 @@
+"""The tracker's session, repair, failure and billing endpoints (docs/tracker.md).
+
+- ``POST /v1/sessions`` pins the best route (``exclude`` avoids nodes that just failed);
+  ``GET``/``DELETE /v1/sessions/{id}``; ``GET /v1/sessions`` lists the open ones.
+- ``POST /v1/sessions/{id}/repair`` — a hop failed mid-decode: records the failure, picks the
+  replacement run of hops (``tracker.repair``) and re-pins the session to the repaired route.
+- ``POST /v1/nodes/{id}/failures`` — a hop failed outside a repair (e.g. during prefill).
+- ``POST /v1/billing`` records a finished session's per-node work in one transaction
+  (idempotent); ``GET /v1/billing`` reads records and totals.
+
+A node reported failed is dropped from the live set at once (a dead node must not be handed to
+the next session while its heartbeat TTL runs out); if it is alive, its next heartbeat brings it
+back, with the failure in its reliability record.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from meshnet.errors import Conflict, InvalidRequest, NotFound
+from meshnet.ids import new_route_id, new_session_id
+from meshnet.layers import LayerRange
+from meshnet.tracker.billing import FORMULA
+from meshnet.tracker.db import BillingRow, TrackerDB
+from meshnet.tracker.repair import PinnedHop, plan_repair
+from meshnet.tracker.routing import NodeRecord, RouteRequest, select_routes
+
+__all__ = ["NodeRegistry", "SessionsApi", "parse_body"]
+
+SESSION_IDLE_S = 3600.0  # an open session nobody repaired, billed or closed for this long is expired
+
+
+class NodeRegistry(Protocol):
+    def live_nodes(self) -> list[NodeRecord]: ...
+
+    def record_failure(self, node_id: str, reason: str) -> None: ...
+
+    def suspend(self, node_id: str) -> None: ...
+
+
+class SessionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    model: str = Field(min_length=1)
+    total_layers: int | None = Field(None, ge=1)
+    prefill_tokens: int | None = Field(None, ge=0)  # the expected request, for route selection
+    max_tokens: int | None = Field(None, ge=0)
+    exclude: list[str] = Field(default_factory=list, max_length=1000)
+
+
+class RepairRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    failed_node: str = Field(min_length=1, max_length=128)
+    reason: str = Field("", max_length=4096)
+    position: int = Field(0, ge=0)  # positions the session holds: what the replacements must replay
+
+
+class FailureReport(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    reason: str = Field("", max_length=4096)
+
+
+class NodeWork(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    node_id: str = Field(min_length=1, max_length=128)
+    layers: str = Field(min_length=3, max_length=32)
+    prefill_tokens: int = Field(ge=0)
+    decode_tokens: int = Field(ge=0)
+
+
+class BillingReport(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    session_id: str = Field(min_length=1, max_length=64)
+    route_id: str = Field(min_length=1, max_length=64)
+    outcome: str = Field("completed", pattern=r"^(completed|failed|cancelled)$")
+    records: list[NodeWork] = Field(min_length=1, max_length=1000)
+
+
+SchemaT = TypeVar("SchemaT", bound=BaseModel)
+
+
+def parse_body(schema: type[SchemaT], raw: bytes) -> SchemaT:
+    try:
+        return schema.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequest(f"invalid '{where}': {first['msg']}", param=where) from None
+
+
+def hops_json(chain: Sequence[NodeRecord]) -> list[dict[str, str]]:
+    return [{"node_id": n.node_id, "url": n.url, "layers": str(n.layers)} for n in chain]
+
+
+def _total_layers(session: dict[str, Any]) -> int:
+    """A pinned route ends at the model's last layer: its tail's stop is the layer count."""
+    return int(session["hops"][-1]["layers"].partition(":")[2])
+
+
+class SessionsApi:
+    """The handlers; ``routes()`` mounts them."""
+
+    def __init__(self, registry: NodeRegistry, db: TrackerDB) -> None:
+        self.registry = registry
+        self.db = db
+
+    def load(self, session_id: str) -> dict[str, Any]:
+        session = self.db.load_session(session_id)
+        if session is None:
+            raise NotFound(f"no session {session_id} on this tracker")
+        return session
+
+    async def open_session(self, request: Request) -> Response:
+        req = parse_body(SessionRequest, await request.body())
+        self.db.expire_sessions(SESSION_IDLE_S)
+        defaults = RouteRequest()
+        expected = RouteRequest(
+            prefill_tokens=defaults.prefill_tokens if req.prefill_tokens is None else req.prefill_tokens,
+            decode_tokens=defaults.decode_tokens if req.max_tokens is None else req.max_tokens,
+        )
+        live = self.registry.live_nodes()
+        choices = select_routes(live, req.model, req.total_layers, request=expected, exclude=req.exclude)
+        session = {
+            "session_id": new_session_id(),
+            "route_id": new_route_id(),
+            "model": req.model,
+            "hops": hops_json(choices[0].nodes),
+            "created": time.time(),
+        }
+        self.db.save_session(session)
+        # Not persisted: the alternatives are a snapshot for the caller to fall back on right away.
+        extra = {"alternatives": [hops_json(c.nodes) for c in choices[1:]], "estimated_s": choices[0].estimated_s}
+        return JSONResponse({**session, **extra}, status_code=201)
+
+    async def list_sessions(self, _: Request) -> Response:
+        self.db.expire_sessions(SESSION_IDLE_S)
+        return JSONResponse({"sessions": self.db.open_sessions()})
+
+    async def get_session(self, request: Request) -> Response:
+        return JSONResponse(self.load(request.path_params["session_id"]))
+
+    async def close_session(self, request: Request) -> Response:
+        sid = request.path_params["session_id"]
+        session = self.load(sid)
+        if not self.db.end_session(sid, "closed", "closed by the gateway"):
+            raise NotFound(f"session {sid} is already {session['status']}")
+        return JSONResponse({"deleted": sid})
+
+    async def repair(self, request: Request) -> Response:
+        sid = request.path_params["session_id"]
+        req = parse_body(RepairRequest, await request.body())
+        session = self.load(sid)
+        if session["status"] != "open":
+            raise Conflict(f"session {sid} is {session['status']}; open a new one")
+        self.registry.record_failure(req.failed_node, req.reason or "failed during decode")
+        self.registry.suspend(req.failed_node)
+        total = _total_layers(session)
+        pinned = [PinnedHop(h["node_id"], LayerRange.parse(h["layers"], total)) for h in session["hops"]]
+        if req.failed_node not in {h.node_id for h in pinned}:
+            raise InvalidRequest(f"node {req.failed_node} is not on session {sid}'s route", param="failed_node")
+        fix = plan_repair(
+            pinned,
+            req.failed_node,
+            self.registry.live_nodes(),
+            session["model"],
+            request=RouteRequest(req.position, 256),
+        )
+        hops = [*session["hops"][: fix.first], *hops_json(fix.nodes), *session["hops"][fix.first + fix.removed :]]
+        self.db.repin_session(sid, hops)
+        replaced = {"first": fix.first, "count": len(fix.nodes), "removed": fix.removed}
+        return JSONResponse({"session_id": sid, "route_id": session["route_id"], "hops": hops, "replaced": replaced})
+
+    async def report_failure(self, request: Request) -> Response:
+        node_id = request.path_params["node_id"]
+        req = parse_body(FailureReport, await request.body())
+        self.registry.record_failure(node_id, req.reason or "reported failed")
+        self.registry.suspend(node_id)
+        return JSONResponse({"recorded": node_id})
+
+    async def record_billing(self, request: Request) -> Response:
+        req = parse_body(BillingReport, await request.body())
+        session = self.load(req.session_id)
+        if session["route_id"] != req.route_id:
+            raise Conflict(f"session {req.session_id} is on route {session['route_id']}, not {req.route_id}")
+        rows, total = [], _total_layers(session)
+        for work in req.records:
+            try:
+                layers = LayerRange.parse(work.layers, total)
+            except ValueError as exc:
+                raise InvalidRequest(f"records: {exc}", param="records.layers") from None
+            rows.append(BillingRow(work.node_id, str(layers), len(layers), work.prefill_tokens, work.decode_tokens))
+        fresh = self.db.record_billing(session, req.outcome, rows)
+        self.db.end_session(req.session_id, "closed", f"billed ({req.outcome})")
+        return JSONResponse({"session_id": req.session_id, "duplicate": not fresh}, status_code=201 if fresh else 200)
+
+    async def read_billing(self, request: Request) -> Response:
+        q = request.query_params
+        try:
+            limit = min(1000, max(1, int(q.get("limit", "100"))))
+            offset = max(0, int(q.get("offset", "0")))
+        except ValueError:
+            raise InvalidRequest("limit and offset must be integers", param="limit") from None
+        records, totals = self.db.billing(
+            session_id=q.get("session_id"), node_id=q.get("node_id"), limit=limit, offset=offset
+        )
+        return JSONResponse({"records": records, "totals": totals, "formula": FORMULA})
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/sessions", self.open_session, methods=["POST"]),
+            Route("/v1/sessions", self.list_sessions, methods=["GET"]),
+            Route("/v1/sessions/{session_id}", self.get_session, methods=["GET"]),
+            Route("/v1/sessions/{session_id}", self.close_session, methods=["DELETE"]),
+            Route("/v1/sessions/{session_id}/repair", self.repair, methods=["POST"]),
+            Route("/v1/nodes/{node_id}/failures", self.report_failure, methods=["POST"]),
+            Route("/v1/billing", self.record_billing, methods=["POST"]),
+            Route("/v1/billing", self.read_billing, methods=["GET"]),
+        ]

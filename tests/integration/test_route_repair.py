@@ -1,0 +1,170 @@
+"""kill -9 of a serving node, mid-decode and mid-prefill: the stream completes with the same greedy text.
+
+A swarm with two candidates for the middle (10:20) and for the tail (20:30). Mid-decode the
+middle dies: route repair rebuilds the other middle from the head's seam log and generation goes
+on. Mid-prefill the tail dies: a fresh route without it prefills from scratch. The official
+``openai`` client streams through both and sees nothing but the tokens; telemetry shows each retry.
+Then, with no candidate left, a third kill fails the stream with a stated reason, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import Proc, meshnet_process
+
+pytestmark = pytest.mark.real
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+PROMPT = "The three most useful things to know about the moon are"
+LONG_PROMPT = "Summarize: " + " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    db = f"sqlite:///{tmp_path_factory.mktemp('repair')}/tracker.db"
+    with contextlib.ExitStack() as stack:
+        tracker = stack.enter_context(meshnet_process(["tracker", "--port", "0", "--db", db]))
+        args = ["--threads", "1", "--tracker", tracker.url, "--ctx", "2048", "--session-ttl", "120"]
+        layout = [("head", "0:10"), ("mid-a", "10:20"), ("mid-b", "10:20"), ("tail-a", "20:30"), ("tail-b", "20:30")]
+        nodes = {
+            name: stack.enter_context(meshnet_process(["node", "--layers", layers, "--node-id", name, *args]))
+            for name, layers in layout
+        }
+        deadline = time.monotonic() + 60
+        while len(httpx.get(f"{tracker.url}/v1/nodes", timeout=10).json()["nodes"]) < len(nodes):
+            assert time.monotonic() < deadline, "nodes never registered"
+            time.sleep(0.2)
+        gateway = stack.enter_context(
+            meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--prefill-chunk", "32"])
+        )
+        yield {"tracker": tracker, "gateway": gateway, "nodes": nodes}
+
+
+def stream(gateway: Proc, prompt: str, gid: str, max_tokens: int, on_chunk: Any = None) -> str:
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    text = ""
+    chunks = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        extra_headers={"X-Meshnet-Generation-Id": gid},
+    )  # fmt: skip
+    for n, chunk in enumerate(chunks):
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if on_chunk is not None:
+            on_chunk(n)
+    return text
+
+
+def events(gateway: Proc, gid: str) -> list[dict[str, Any]]:
+    body = httpx.get(f"{gateway.url}/v1/generations/{gid}/events", timeout=30).text
+    return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
+
+
+def serving(gateway: Proc, gid: str, layers: str) -> str:
+    route = httpx.get(f"{gateway.url}/v1/generations/{gid}", timeout=10).json()["route"]
+    return next(hop["node"] for hop in route if hop["layers"] == layers)
+
+
+def kill(swarm: dict[str, Any], name: str) -> None:
+    proc: Proc = swarm["nodes"][name]
+    proc.popen.kill()  # SIGKILL: no goodbye, no cleanup
+    proc.popen.wait(10)
+
+
+def test_kill_9_of_the_middle_mid_decode_is_repaired_with_identical_text(swarm: dict[str, Any]) -> None:
+    gateway = swarm["gateway"]
+    expected = stream(gateway, PROMPT, "gen-repair-baseline", 48)
+    killed: list[str] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 12 and not killed:
+            killed.append(serving(gateway, "gen-repair-decode", "10:20"))
+            kill(swarm, killed[0])
+
+    assert stream(gateway, PROMPT, "gen-repair-decode", 48, on_chunk) == expected
+    retries = [e for e in events(gateway, "gen-repair-decode") if e["type"] == "route.retry"]
+    assert len(retries) == 1, retries
+    retry = retries[0]
+    assert retry["kind"] == "repair" and retry["failed_node"] == killed[0]
+    assert retry["replayed_positions"] > 0 and "failed" in retry["reason"]
+    assert [n["layers"] for n in retry["nodes"]] == ["0:10", "10:20", "20:30"]
+    assert killed[0] not in {n["node"] for n in retry["nodes"]}
+    snapshot = httpx.get(f"{gateway.url}/v1/generations/gen-repair-decode", timeout=10).json()
+    assert snapshot["phase"] == "completed" and snapshot["retries"] == 1
+
+
+def test_kill_9_of_the_tail_mid_prefill_reroutes_with_identical_text(swarm: dict[str, Any]) -> None:
+    gateway = swarm["gateway"]
+    expected = stream(gateway, LONG_PROMPT, "gen-reroute-baseline", 16)
+    killed: list[str] = []
+
+    def watch() -> None:  # kill the tail as soon as the first prefill chunk is through
+        with httpx.stream("GET", f"{gateway.url}/v1/generations/gen-reroute/events?wait=30", timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["type"] == "prefill.progress":
+                    killed.append(serving(gateway, "gen-reroute", "20:30"))
+                    kill(swarm, killed[0])
+                    return
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert stream(gateway, LONG_PROMPT, "gen-reroute", 16) == expected
+    finally:
+        watcher.join(60)
+    evs = events(gateway, "gen-reroute")
+    retries = [e for e in evs if e["type"] == "route.retry"]
+    assert len(retries) == 1 and retries[0]["kind"] == "reroute", retries
+    assert retries[0]["failed_node"] == killed[0]
+    # The kill landed in prefill: the retry comes before decoding started.
+    types = [e["type"] for e in evs]
+    assert types.index("route.retry") < types.index("decode.started")
+
+
+def test_with_no_candidate_left_the_stream_fails_with_a_reason_promptly(swarm: dict[str, Any]) -> None:
+    gateway = swarm["gateway"]
+    started = time.monotonic()
+    with pytest.raises(openai.APIError) as failure:
+
+        def on_chunk(n: int) -> None:
+            if n == 5:
+                kill(swarm, serving(gateway, "gen-no-spare", "20:30"))
+
+        stream(gateway, PROMPT, "gen-no-spare", 200, on_chunk)
+    assert time.monotonic() - started < 60
+    assert "no live node can take over layers 20:30" in str(failure.value)
+    snapshot = httpx.get(f"{gateway.url}/v1/generations/gen-no-spare", timeout=10).json()
+    assert snapshot["phase"] == "failed" and "no live node can take over layers 20:30" in snapshot["error"]
+
+
+def test_completed_generations_are_billed_per_node(swarm: dict[str, Any], tmp_path: Path) -> None:
+    tracker, gateway = swarm["tracker"], swarm["gateway"]
+    session = httpx.get(f"{gateway.url}/v1/generations/gen-repair-decode", timeout=10).json()["session_id"]
+    deadline = time.monotonic() + 30
+    while True:
+        data = httpx.get(f"{tracker.url}/v1/billing", params={"session_id": session}, timeout=10).json()
+        if data["records"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    by_layers: dict[str, list[dict[str, Any]]] = {}
+    for record in data["records"]:
+        by_layers.setdefault(record["layers"], []).append(record)
+    assert set(by_layers) == {"0:10", "10:20", "20:30"}
+    head, tail = by_layers["0:10"][0], by_layers["20:30"][0]
+    # The killed middle is billed for what it did before dying, its replacement for the replay.
+    assert len(by_layers["10:20"]) == 2
+    assert head["decode_tokens"] == tail["decode_tokens"] == sum(r["decode_tokens"] for r in by_layers["10:20"])
+    replacement = max(by_layers["10:20"], key=lambda r: r["prefill_tokens"])
+    assert replacement["prefill_tokens"] > head["prefill_tokens"]  # the prompt plus the replayed tokens
+    assert all(r["units"] > 0 for r in data["records"])

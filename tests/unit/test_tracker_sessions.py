@@ -1,0 +1,183 @@
+"""The tracker's session, repair, failure and billing endpoints, on SQLite and on a real PostgreSQL."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from meshnet.tracker.app import create_tracker_app
+from meshnet.tracker.billing import FORMULA, bill
+from meshnet.tracker.db import TrackerDB
+from tests.postgres import postgres_server
+
+MODEL = "m"
+
+
+@pytest.fixture(scope="module")
+def postgres_url() -> Iterator[str]:
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/tracker.db"
+        return
+    url = request.getfixturevalue("postgres_url")
+    yield url
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:  # every test starts from empty tables
+        conn.execute(sa.text("DROP TABLE IF EXISTS sessions, billing_records"))
+    engine.dispose()
+
+
+@pytest.fixture
+def client(db_url: str) -> Iterator[TestClient]:
+    db = TrackerDB(db_url)
+    try:
+        with TestClient(create_tracker_app(db)) as c:
+            yield c
+    finally:
+        db.close()
+
+
+def register(client: TestClient, node_id: str, layers: str, **fields: Any) -> None:
+    body = {"node_id": node_id, "url": f"http://{node_id}.local:7000", "model": MODEL, "layers": layers,
+            "total_layers": 30, "backend": "fake", "kv_bytes_free": 1 << 30, "prefill_tps": 1000.0,
+            "decode_tps": 100.0, **fields}  # fmt: skip
+    assert client.post("/v1/nodes", json=body).status_code in (200, 201)
+
+
+def swarm(client: TestClient, *extra: tuple[str, str]) -> None:
+    for node_id, layers in (("a", "0:10"), ("b", "10:20"), ("c", "20:30"), *extra):
+        register(client, node_id, layers)
+
+
+def open_session(client: TestClient, **fields: Any) -> dict[str, Any]:
+    response = client.post("/v1/sessions", json={"model": MODEL, "total_layers": 30, **fields})
+    assert response.status_code == 201, response.text
+    return dict(response.json())
+
+
+def work(session: dict[str, Any], prefill: int = 10, decode: int = 5) -> dict[str, Any]:
+    records = [{"node_id": h["node_id"], "layers": h["layers"], "prefill_tokens": prefill, "decode_tokens": decode}
+               for h in session["hops"]]  # fmt: skip
+    return {"session_id": session["session_id"], "route_id": session["route_id"], "records": records}
+
+
+def test_billing_records_are_written_once_and_read_back_with_totals(client: TestClient):
+    swarm(client)
+    session = open_session(client)
+    first = client.post("/v1/billing", json=work(session))
+    assert first.status_code == 201 and first.json()["duplicate"] is False
+    again = client.post("/v1/billing", json=work(session))  # a gateway retry after a lost answer
+    assert again.status_code == 200 and again.json()["duplicate"] is True
+    data = client.get("/v1/billing", params={"session_id": session["session_id"]}).json()
+    assert data["formula"] == FORMULA
+    assert [r["node_id"] for r in data["records"]] == ["a", "b", "c"]
+    one = bill(prefill_tokens=10, decode_tokens=5, layers=10)
+    for record in data["records"]:
+        assert record["prefill_layer_tokens"] == one.prefill_layer_tokens == 100
+        assert record["decode_layer_tokens"] == one.decode_layer_tokens == 50
+        assert record["units"] == pytest.approx(one.units)
+        assert record["outcome"] == "completed"
+    assert data["totals"] == {"records": 3, "sessions": 1, "prefill_layer_tokens": 300, "decode_layer_tokens": 150,
+                              "units": pytest.approx(3 * one.units)}  # fmt: skip
+    assert client.get("/v1/sessions/" + session["session_id"]).json()["status"] == "closed"
+    by_node = client.get("/v1/billing", params={"node_id": "b"}).json()
+    assert [r["node_id"] for r in by_node["records"]] == ["b"] and by_node["totals"]["records"] == 1
+
+
+def test_bad_billing_reports_are_refused_and_write_nothing(client: TestClient):
+    swarm(client)
+    session = open_session(client)
+    good = work(session)
+    cases = [
+        ({**good, "session_id": "ses-nope"}, 404, "no session ses-nope"),
+        ({**good, "route_id": "rte-other"}, 409, "is on route"),
+        ({**good, "records": []}, 400, "records"),
+        ({**good, "outcome": "great"}, 400, "outcome"),
+        ({**good, "records": [{**good["records"][0], "prefill_tokens": -1}]}, 400, "prefill_tokens"),
+        ({**good, "records": [{**good["records"][0], "layers": "ten"}]}, 400, "layers"),
+        ({**good, "records": [{**good["records"][0], "layers": "0:99"}]}, 400, "layers"),
+    ]
+    for body, status, needle in cases:
+        response = client.post("/v1/billing", json=body)
+        assert response.status_code == status, (body, response.text)
+        assert needle in response.json()["error"]["message"] + str(response.json()["error"]["param"])
+    assert client.get("/v1/billing").json()["totals"]["records"] == 0
+    assert client.post("/v1/billing", json=good).status_code == 201
+
+
+def test_billing_records_survive_a_tracker_restart(db_url: str):
+    db = TrackerDB(db_url)
+    with TestClient(create_tracker_app(db)) as first:
+        swarm(first)
+        sessions = [open_session(first) for _ in range(3)]
+        for s in sessions:
+            assert first.post("/v1/billing", json=work(s)).status_code == 201
+    db.close()
+    db = TrackerDB(db_url)
+    try:
+        with TestClient(create_tracker_app(db)) as second:
+            totals = second.get("/v1/billing").json()["totals"]
+            assert totals["records"] == 9 and totals["sessions"] == 3
+    finally:
+        db.close()
+
+
+def test_repair_replaces_the_failed_hop_and_repins_the_session(client: TestClient):
+    swarm(client, ("b2", "10:20"))
+    session = open_session(client, exclude=["b2"])
+    assert [h["node_id"] for h in session["hops"]] == ["a", "b", "c"]
+    sid = session["session_id"]
+    response = client.post(f"/v1/sessions/{sid}/repair", json={"failed_node": "b", "reason": "gone", "position": 40})
+    assert response.status_code == 200, response.text
+    fixed = response.json()
+    assert [h["node_id"] for h in fixed["hops"]] == ["a", "b2", "c"]
+    assert fixed["replaced"] == {"first": 1, "count": 1, "removed": 1}
+    assert fixed["route_id"] == session["route_id"]
+    stored = client.get(f"/v1/sessions/{sid}").json()
+    assert stored["hops"] == fixed["hops"] and stored["repairs"] == 1
+    # The failed node is off the live set until it heartbeats again, with the failure on its record.
+    assert "b" not in {n["node_id"] for n in client.get("/v1/nodes").json()["nodes"]}
+    register(client, "b", "10:20")
+    b = next(n for n in client.get("/v1/nodes").json()["nodes"] if n["node_id"] == "b")
+    assert b["reliability"] < 1.0
+
+
+def test_repair_without_a_replacement_says_which_layers_are_missing(client: TestClient):
+    swarm(client)
+    session = open_session(client)
+    response = client.post(f"/v1/sessions/{session['session_id']}/repair", json={"failed_node": "c"})
+    assert response.status_code == 503 and response.headers["retry-after"]
+    assert "no live node can take over layers 20:30 from failed node c" in response.json()["error"]["message"]
+    assert client.get(f"/v1/sessions/{session['session_id']}").json()["hops"] == session["hops"]  # unchanged
+
+
+def test_repair_refuses_a_node_off_the_route_and_a_closed_session(client: TestClient):
+    swarm(client)
+    session = open_session(client)
+    sid = session["session_id"]
+    response = client.post(f"/v1/sessions/{sid}/repair", json={"failed_node": "zzz"})
+    assert response.status_code == 400 and "not on session" in response.json()["error"]["message"]
+    assert client.post(f"/v1/sessions/{sid}/repair", json={}).status_code == 400
+    assert client.delete(f"/v1/sessions/{sid}").status_code == 200
+    response = client.post(f"/v1/sessions/{sid}/repair", json={"failed_node": "b"})
+    assert response.status_code == 409 and "closed" in response.json()["error"]["message"]
+
+
+def test_a_failure_report_suspends_the_node_and_new_sessions_avoid_it(client: TestClient):
+    swarm(client, ("b2", "10:20"))
+    assert client.post("/v1/nodes/b/failures", json={"reason": "connection refused"}).status_code == 200
+    for _ in range(3):
+        assert "b" not in [h["node_id"] for h in open_session(client)["hops"]]
+    response = client.post("/v1/sessions", json={"model": MODEL, "exclude": ["b2"]})
+    assert response.status_code == 503 and "10:20" in response.json()["error"]["message"]
