@@ -124,10 +124,14 @@ def test_nodes_from_the_manifest_fetch_only_their_layers_and_the_route_matches(
         others = []
         for layers in ("10:20", "20:30"):
             dest = tmp_path / layers.replace(":", "-")
-            args = [*node, "--layers", layers, "--dest", str(dest), "--peer", peer.group(2), "--tracker", tracker.url]
+            # 10:20 is told its peer; 20:30 learns it from the tracker (node 0:10 advertised where it seeds).
+            source = ["--peer", peer.group(2)] if layers == "10:20" else []
+            args = [*node, "--layers", layers, "--dest", str(dest), *source, "--tracker", tracker.url]
             proc = stack.enter_context(meshnet_process(args))
             fetched = _FETCHED.search(proc.output())
             assert fetched is not None, proc.output()
+            if not source:
+                assert "the tracker knows 1 peer(s) seeding these files" in proc.output()
             needed, downloaded = _num(fetched.group(1)), _num(fetched.group(3))
             assert 0 < downloaded <= 1.05 * needed
             held = sorted(p.name for p in (dest / NAME).iterdir())

@@ -91,8 +91,8 @@ class TextEngine(Protocol):
     n_ctx: int
     max_concurrency: int
 
-    def plan(self) -> RoutePlan:
-        """Pick (and pin) the route a new generation will use. May block: call it off the event loop."""
+    def plan(self, *, prompt_tokens: int = 0, max_tokens: int = 0) -> RoutePlan:
+        """Pick (and pin) the route a generation of this size will use. May block: call it off the event loop."""
         ...
 
     def release(self, plan: RoutePlan) -> None:

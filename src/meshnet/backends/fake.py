@@ -74,7 +74,7 @@ class FakeEngine:
     def is_end_of_generation(self, token: int) -> bool:
         return token == EOS
 
-    def plan(self) -> RoutePlan:
+    def plan(self, *, prompt_tokens: int = 0, max_tokens: int = 0) -> RoutePlan:
         return local_plan(self.info, self.url)
 
     def release(self, plan: RoutePlan) -> None:

@@ -80,7 +80,7 @@ class LlamaFullEngine:
     def is_end_of_generation(self, token: int) -> bool:
         return self.vocab.is_end_of_generation(token)
 
-    def plan(self) -> RoutePlan:
+    def plan(self, *, prompt_tokens: int = 0, max_tokens: int = 0) -> RoutePlan:
         return local_plan(self.info, self.url)
 
     def release(self, plan: RoutePlan) -> None:

@@ -7,6 +7,7 @@ Exit codes: 0 done; 1 the fetch failed (no source delivered, a file failed verif
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -56,6 +57,7 @@ def add_artifact_commands(sub: Any) -> None:
     fetch.add_argument("--dest", type=Path, required=True, help="folder to hold the files")
     fetch.add_argument("--layers", help="layer range START:STOP (default: every file)")
     add_fetch_arguments(fetch)
+    fetch.add_argument("--tracker", help="tracker URL: also fetch from the nodes it knows seed this model")
     fetch.add_argument("--seed", action="store_true", help="keep seeding what is held until interrupted")
 
 
@@ -145,7 +147,12 @@ def start_fetch(args: argparse.Namespace, dest: Path, layers_text: str | None, *
 
     manifest, torrent = load_source(args.manifest, expect_digest=args.manifest_digest)
     layers = manifest.parse_layers(layers_text)
-    swarm = Swarm(manifest, torrent, fetch_config(args, dest, layers))
+    config = fetch_config(args, dest, layers)
+    if getattr(args, "tracker", None):
+        wanted = {entry.name for entry in manifest.files_for(layers)}
+        found = tracker_peers(args.tracker, manifest.digest, wanted)
+        config = dataclasses.replace(config, peers=(*config.peers, *found))
+    swarm = Swarm(manifest, torrent, config)
     needed = sum(f.size for f in swarm.needed)
     print(
         f"meshnet: {label} {manifest.model_id} ({manifest.digest[:19]}…) layers {layers}: "
@@ -168,6 +175,28 @@ def start_fetch(args: argparse.Namespace, dest: Path, layers_text: str | None, *
         flush=True,
     )
     return swarm
+
+
+def tracker_peers(tracker_url: str, digest: str, wanted: set[str]) -> list[tuple[str, int]]:
+    """BitTorrent endpoints of live nodes seeding any of the ``wanted`` files of model ``digest``.
+
+    Best effort: an unreachable tracker means no extra peers, not a failed fetch (``--peer`` and
+    ``--web-seed`` still work); the fetch's own stall timeout bounds the case of no source at all.
+    """
+    import httpx
+
+    from meshnet.artifacts.torrent import parse_endpoint
+
+    try:
+        response = httpx.get(f"{tracker_url.rstrip('/')}/v1/artifacts/{digest}/peers", timeout=10)
+        peers = response.json()["peers"] if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError):
+        print(f"meshnet: tracker {tracker_url} did not answer for peers; using --peer / --web-seed only", flush=True)
+        return []
+    found = [parse_endpoint(p["bt_peer"], "bt_peer") for p in peers if wanted & set(p["files"])]
+    if found:
+        print(f"meshnet: the tracker knows {len(found)} peer(s) seeding these files", flush=True)
+    return found
 
 
 def default_artifacts_dir() -> Path:
@@ -215,6 +244,7 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
         "files": list(held),
         "quantization": str(manifest.quantization["file_type"]),
         "threads": threads,
+        "bt_peer": f"{args.listen.rsplit(':', 1)[0]}:{swarm.listen_port}",
     }
     return swarm, shard, advert
 

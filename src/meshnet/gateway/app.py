@@ -283,7 +283,8 @@ async def _serve(
     gid = _generation_id(request)
     state.hub.check_free(gid)
     # Planning may ask a tracker over the network: off the event loop.
-    plan = await asyncio.get_running_loop().run_in_executor(None, state.engine.plan)
+    size = {"prompt_tokens": len(gen.prompt_tokens), "max_tokens": gen.max_tokens}
+    plan = await asyncio.get_running_loop().run_in_executor(None, lambda: state.engine.plan(**size))
     try:
         tel = _open_telemetry(state, gid, plan, len(gen.prompt_tokens))
         state.service.admit(tel)

@@ -66,6 +66,7 @@ class Registration(BaseModel):
     heartbeat_s: float = Field(5.0, gt=0, le=NODE_TTL_S)
     manifest: str | None = Field(None, max_length=512)
     files: list[str] = Field(default_factory=list, max_length=100_000)
+    bt_peer: str | None = Field(None, pattern=r"^\S+:\d{1,5}$", max_length=300)  # where it seeds them
 
 
 class _Tracker:
@@ -149,6 +150,7 @@ def _node_json(node: NodeRecord) -> dict[str, Any]:
         "reliability": node.reliability,
         "manifest": node.manifest,
         "files": list(node.files),
+        "bt_peer": node.bt_peer,
     }
 
 
@@ -180,6 +182,7 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
             weight_bytes=reg.weight_bytes,
             manifest=reg.manifest,
             files=tuple(reg.files),
+            bt_peer=reg.bt_peer,
         )
         # A node that expired and came back registers afresh (201), like one never seen.
         fresh = reg.node_id not in {n.node_id for n in tracker.live_nodes()}
@@ -191,6 +194,16 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
     async def list_nodes(_: Request) -> Response:
         return JSONResponse({"nodes": [_node_json(n) for n in tracker.live_nodes()]})
 
+    async def artifact_peers(request: Request) -> Response:
+        """Nodes seeding files of a published model (by manifest digest): where a new node fetches from."""
+        digest = request.path_params["digest"]
+        peers = [
+            {"node_id": n.node_id, "bt_peer": n.bt_peer, "layers": str(n.layers), "files": list(n.files)}
+            for n in tracker.live_nodes()
+            if n.manifest == digest and n.bt_peer
+        ]
+        return JSONResponse({"manifest": digest, "peers": peers})
+
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok", "nodes": len(tracker.live_nodes()), "database": db.url_for_display})
 
@@ -198,6 +211,7 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
         routes=[
             Route("/v1/nodes", register, methods=["POST"]),
             Route("/v1/nodes", list_nodes, methods=["GET"]),
+            Route("/v1/artifacts/{digest}/peers", artifact_peers, methods=["GET"]),
             Route("/v1/health", health, methods=["GET"]),
             *SessionsApi(tracker, db).routes(),
         ],

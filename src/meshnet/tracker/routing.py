@@ -113,6 +113,7 @@ class NodeRecord:
     reliability: float = 1.0
     manifest: str | None = None
     files: tuple[str, ...] = ()
+    bt_peer: str | None = None  # HOST:PORT where it seeds ``files`` over BitTorrent
 
 
 @dataclass(frozen=True, slots=True)
