@@ -290,6 +290,7 @@ UNADVERTISED = {
     "reliability": 1.0,
     "manifest": None,
     "files": [],
+    "bt_peer": None,
 }
 
 

@@ -34,7 +34,9 @@ def swarm_layout(total: int, nodes: int, spares: int) -> list[LayerRange]:
     if not 0 <= spares < nodes:
         raise ValueError(f"--spares must be within 0..{nodes - 1} (some node must serve), got {spares}")
     ranges = split_layers(total, nodes - spares)
-    if spares and len(ranges) == 1:
+    if not spares:
+        return ranges
+    if len(ranges) == 1:
         raise ValueError("a spare needs at least 2 serving nodes (it stands in for every node but the head)")
     return ranges + [LayerRange(ranges[0].stop, total, total)] * spares
 
