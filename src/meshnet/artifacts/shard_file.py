@@ -23,7 +23,7 @@ Writes are atomic: a temporary file is renamed into place only when complete.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,22 +106,13 @@ def write_shard(
         raise InvalidRequest("the tail shard computes logits and must keep its vocabulary")
 
     tensors = list(_shard_tensors(reader, layers, cut))
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        writer = gguf.GGUFWriter(str(tmp), arch)
-        _copy_metadata(reader, writer, arch=arch, layers=layers, total=total, cut=cut)
-        for name, data, qtype in tensors:
-            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for _, data, _ in tensors:
-            writer.write_tensor_data(data, tensor_endianess=reader.endianess)
-        writer.close()
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _write_gguf(
+        out,
+        arch,
+        lambda writer: _copy_metadata(reader, writer, arch=arch, layers=layers, total=total, cut=cut),
+        tensors,
+        reader.endianess,
+    )
 
     sidecar = None
     if cut and layers.is_head:
@@ -256,10 +247,7 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
                 tensors.append((f"blk.{block + offset}.{rest}", tensor.data, tensor.tensor_type))
     tensors += [(t.name, t.data, t.tensor_type) for t in last.tensors if _block_index(t.name) is None]
 
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        writer = gguf.GGUFWriter(str(tmp), arch)
+    def metadata(writer: Any) -> None:
         for field in last.fields.values():
             name: str = field.name
             if name.startswith("GGUF.") or name == "general.architecture":
@@ -274,17 +262,8 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
             elif name.startswith(f"{arch}.") and isinstance(value, list) and _per_layer(name, readers, ranges):
                 value = [v for reader in readers for v in _field_value(reader.fields[name])]
             writer.add_key_value(name, value, val_type, sub_type=sub_type)
-        for name, data, qtype in tensors:
-            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for _, data, _ in tensors:
-            writer.write_tensor_data(data, tensor_endianess=last.endianess)
-        writer.close()
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    _write_gguf(out, arch, metadata, tensors, last.endianess)
     return ShardFiles(
         path=out,
         embeddings=None,
@@ -305,3 +284,31 @@ def _per_layer(name: str, readers: list[Any], ranges: list[LayerRange]) -> bool:
         if not isinstance(value, list) or len(value) != len(part):
             return False
     return True
+
+
+def _write_gguf(
+    out: Path,
+    arch: str,
+    metadata: Callable[[Any], None],
+    tensors: list[tuple[str, np.ndarray[Any, Any], Any]],
+    endianess: Any,
+) -> None:
+    """Write a GGUF atomically: to a hidden partial file, renamed over ``out`` only when complete."""
+    import gguf
+
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        metadata(writer)
+        for name, data, qtype in tensors:
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _, data, _ in tensors:
+            writer.write_tensor_data(data, tensor_endianess=endianess)
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
