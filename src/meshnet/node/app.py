@@ -9,6 +9,15 @@ Pipelined prefill: a non-final prefill chunk is answered ``202`` as soon as this
 computed it and queued the forward; forwards of one session leave in position order. A forward
 that fails marks the session *broken* on this node: every later request on it gets the reason,
 so a session is either advanced on every hop or reported broken — never silently diverged.
+Every failure names the innermost hop that failed (``failed_hop``), which is what route repair
+replaces.
+
+Route repair (docs/protocol.md): every non-tail node keeps a *seam log* per session — the
+activations it sent onward, wire-encoded — within a node-wide byte budget. ``reroute`` points a
+session at new next hops and replays the log into them (``X-Meshnet-Replay``: they rebuild
+their KV without answering a token), then resends the interrupted step with
+``X-Meshnet-Rewind`` so a hop that already computed it drops it first. Nothing upstream
+recomputes, and no KV crosses the network.
 
 Concurrency: one request per session at a time (a second gets 409); compute is serialized by
 the shard backend; everything else runs on the event loop.
