@@ -1,8 +1,9 @@
 """kill -9 of a serving node, mid-decode and mid-prefill: the stream completes with the same greedy text.
 
-A swarm with two candidates for the middle (10:20) and for the tail (20:30). Mid-decode the
-middle dies: route repair rebuilds the other middle from the head's seam log and generation goes
-on. Mid-prefill the tail dies: a fresh route without it prefills from scratch. The official
+A swarm with two candidates for every range. Mid-decode the middle dies: route repair rebuilds
+the other middle from the head's seam log and generation goes on; the head dies: the gateway
+rebuilds the other head from the token ids. Mid-prefill the tail dies: a fresh route without it
+prefills from scratch. The official
 ``openai`` client streams through both and sees nothing but the tokens; telemetry shows each retry.
 Then, with no candidate left, a third kill fails the stream with a stated reason, never a hang.
 """
@@ -36,7 +37,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     with contextlib.ExitStack() as stack:
         tracker = stack.enter_context(meshnet_process(["tracker", "--port", "0", "--db", db]))
         args = ["--threads", "1", "--tracker", tracker.url, "--ctx", "2048", "--session-ttl", "120"]
-        layout = [("head", "0:10"), ("mid-a", "10:20"), ("mid-b", "10:20"), ("tail-a", "20:30"), ("tail-b", "20:30")]
+        layout = [("head-a", "0:10"), ("head-b", "0:10"), ("mid-a", "10:20"), ("mid-b", "10:20"),
+                  ("tail-a", "20:30"), ("tail-b", "20:30")]  # fmt: skip
         nodes = {
             name: stack.enter_context(meshnet_process(["node", "--layers", layers, "--node-id", name, *args]))
             for name, layers in layout
@@ -102,6 +104,22 @@ def test_kill_9_of_the_middle_mid_decode_is_repaired_with_identical_text(swarm: 
     assert killed[0] not in {n["node"] for n in retry["nodes"]}
     snapshot = httpx.get(f"{gateway.url}/v1/generations/gen-repair-decode", timeout=10).json()
     assert snapshot["phase"] == "completed" and snapshot["retries"] == 1
+
+
+def test_kill_9_of_the_head_mid_decode_is_repaired_from_the_token_ids(swarm: dict[str, Any]) -> None:
+    gateway = swarm["gateway"]
+    expected = stream(gateway, PROMPT, "gen-head-baseline", 32)
+    killed: list[str] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 8 and not killed:
+            killed.append(serving(gateway, "gen-head-decode", "0:10"))
+            kill(swarm, killed[0])
+
+    assert stream(gateway, PROMPT, "gen-head-decode", 32, on_chunk) == expected
+    retries = [e for e in events(gateway, "gen-head-decode") if e["type"] == "route.retry"]
+    assert len(retries) == 1 and retries[0]["kind"] == "repair" and retries[0]["failed_node"] == killed[0]
+    assert retries[0]["nodes"][0]["node"] != killed[0]  # the other head, rebuilt by the gateway's token replay
 
 
 def test_kill_9_of_the_tail_mid_prefill_reroutes_with_identical_text(swarm: dict[str, Any]) -> None:
