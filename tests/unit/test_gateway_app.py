@@ -430,6 +430,26 @@ def test_events_subscriber_can_wait_for_a_proposed_id(engine: FakeEngine):
         assert types == full
 
 
+def test_a_route_repair_is_a_retry_event_and_the_text_is_unchanged():
+    with TestClient(create_app(FakeEngine(reply=REPLY))) as plain:
+        expected = _completion(plain, max_tokens=12).json()["choices"][0]["text"]
+    with TestClient(create_app(FakeEngine(reply=REPLY, repair_at=5))) as client:
+        resp = _completion(client, max_tokens=12)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == expected
+        gid = resp.headers["x-meshnet-generation-id"]
+        events = [e for _, e in _events(client, gid)]
+        retry = next(e for e in events if e["type"] == "route.retry")
+        assert retry["kind"] == "repair" and retry["failed_node"] == "local" and retry["attempt"] == 1
+        assert retry["reason"] == "node local failed: simulated" and retry["replayed_positions"] > 0
+        assert [n["node"] for n in retry["nodes"]] == ["spare"]
+        types = [e["type"] for e in events]
+        assert types.index("decode.started") < types.index("route.retry") < types.index("generation.completed")
+        snapshot = client.get(f"/v1/generations/{gid}").json()
+        assert snapshot["retries"] == 1 and snapshot["route"][0]["node"] == "spare"
+        assert snapshot["session_id"] == retry["session_id"]
+        assert 'meshnet_route_retries_total{kind="repair"} 1.0' in client.get("/metrics").text
+
+
 # -- errors ----------------------------------------------------------------------------------------
 def test_over_context_prompt_is_rejected_before_compute():
     engine = FakeEngine(reply=REPLY, n_ctx=64)

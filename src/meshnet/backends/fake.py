@@ -14,9 +14,10 @@ from collections.abc import Generator, Sequence
 
 import numpy as np
 
-from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, TokenStep, local_plan
+from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep, local_plan
 from meshnet.errors import Conflict, InvalidRequest
-from meshnet.routes import RoutePlan
+from meshnet.ids import new_route_id, new_session_id
+from meshnet.routes import Hop, RoutePlan
 from meshnet.sampling import Sampler
 
 __all__ = ["FakeEngine"]
@@ -42,12 +43,14 @@ class FakeEngine:
         n_ctx_train: int = 1024,
         prefill_chunk: int = 8,
         step_delay_s: float = 0.0,
+        repair_at: int | None = None,
     ) -> None:
         self.url = "local"
         self.reply = reply.encode("utf-8")
         self.n_ctx = n_ctx
         self.prefill_chunk = prefill_chunk
         self.step_delay_s = step_delay_s
+        self.repair_at = repair_at  # before this decode step, report a route repair (as routes do)
         self.prefill_calls = 0
         self._busy = threading.Lock()
         self.info = ModelInfo(
@@ -96,6 +99,11 @@ class FakeEngine:
             position = total
             step = 0
             while not cancel.is_set() and position < self.n_ctx:
+                if step == self.repair_at:
+                    moved = RoutePlan(
+                        new_session_id(), new_route_id(), (Hop("spare", "local-spare", self.info.layers),)
+                    )
+                    yield RouteChange("repair", "node local failed: simulated", "local", moved, 1, position, 0.01)
                 target = self.reply[step] if step < len(self.reply) else EOS
                 logits = np.full(VOCAB, -30.0, dtype=np.float32)
                 logits[target] = 30.0

@@ -275,6 +275,7 @@ class GenerationService:
         """A hop failed and the route engine recovered: say so, with the reason and the new route."""
         tel.route, tel.session_id, tel.route_id = change.plan.hops, change.plan.session_id, change.plan.route_id
         tel.retries += 1
+        self.metrics.route_retries.labels(kind=change.kind).inc()
         tel.emit(
             EventType.ROUTE_RETRY,
             kind=change.kind,

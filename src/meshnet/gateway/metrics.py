@@ -23,6 +23,12 @@ class GatewayMetrics:
         self.generations = Counter("meshnet_generations", "Generations by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("meshnet_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.completion_tokens = Counter("meshnet_completion_tokens", "Tokens generated", registry=r)
+        self.route_retries = Counter(
+            "meshnet_route_retries",
+            "Routes recovered after a hop failed, by kind (repair: rebuilt in place; reroute: fresh route)",
+            ["kind"],
+            registry=r,
+        )
         self.active = Gauge("meshnet_generations_active", "Generations running now", registry=r)
         self.queue_depth = Gauge("meshnet_queue_depth", "Generations waiting for the engine", registry=r)
         self.decode_tokens_per_second = Gauge(
