@@ -7,7 +7,19 @@ from dataclasses import dataclass
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
 
-__all__ = ["Hop", "RoutePlan"]
+__all__ = ["NESTED_TIMEOUT_MARGIN_S", "Hop", "RoutePlan", "hop_timeout_s"]
+
+# Each hop waits this much longer for its next hop than that hop waits for the one after it.
+NESTED_TIMEOUT_MARGIN_S = 10.0
+
+
+def hop_timeout_s(base_s: float, hops_below: int) -> float:
+    """How long to wait for an answer from a hop that has ``hops_below`` hops from itself to the tail.
+
+    Timeouts nest: the innermost caller gives up first, so a hung node (alive, not answering) is
+    named by the hop just above it, not blamed on an innocent hop further up that timed out first.
+    """
+    return base_s + NESTED_TIMEOUT_MARGIN_S * max(0, hops_below - 1)
 
 
 @dataclass(frozen=True, slots=True)

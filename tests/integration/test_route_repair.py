@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -36,9 +38,21 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     db = f"sqlite:///{tmp_path_factory.mktemp('repair')}/tracker.db"
     with contextlib.ExitStack() as stack:
         tracker = stack.enter_context(meshnet_process(["tracker", "--port", "0", "--db", db]))
-        args = ["--threads", "1", "--tracker", tracker.url, "--ctx", "2048", "--session-ttl", "120"]
+        # A short hop timeout: a hung node is noticed in seconds (each hop further up waits 10 s more).
+        args = [
+            "--threads",
+            "1",
+            "--tracker",
+            tracker.url,
+            "--ctx",
+            "2048",
+            "--session-ttl",
+            "120",
+            "--hop-timeout",
+            "4",
+        ]
         layout = [("head-a", "0:10"), ("head-b", "0:10"), ("mid-a", "10:20"), ("mid-b", "10:20"),
-                  ("tail-a", "20:30"), ("tail-b", "20:30")]  # fmt: skip
+                  ("tail-a", "20:30"), ("tail-b", "20:30"), ("tail-c", "20:30")]  # fmt: skip
         nodes = {
             name: stack.enter_context(meshnet_process(["node", "--layers", layers, "--node-id", name, *args]))
             for name, layers in layout
@@ -48,7 +62,9 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             assert time.monotonic() < deadline, "nodes never registered"
             time.sleep(0.2)
         gateway = stack.enter_context(
-            meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--prefill-chunk", "32"])
+            meshnet_process(
+                ["gateway", "--tracker", tracker.url, "--port", "0", "--prefill-chunk", "32", "--hop-timeout", "4"]
+            )
         )
         yield {"tracker": tracker, "gateway": gateway, "nodes": nodes}
 
@@ -120,6 +136,30 @@ def test_kill_9_of_the_head_mid_decode_is_repaired_from_the_token_ids(swarm: dic
     retries = [e for e in events(gateway, "gen-head-decode") if e["type"] == "route.retry"]
     assert len(retries) == 1 and retries[0]["kind"] == "repair" and retries[0]["failed_node"] == killed[0]
     assert retries[0]["nodes"][0]["node"] != killed[0]  # the other head, rebuilt by the gateway's token replay
+
+
+def test_a_hung_tail_is_blamed_by_the_hop_above_it_and_replaced(swarm: dict[str, Any]) -> None:
+    """SIGSTOP: the tail still accepts connections but never answers. Nested hop timeouts make the
+    middle give up first, so the tail — not the middle or the head — is the hop replaced."""
+    gateway = swarm["gateway"]
+    expected = stream(gateway, PROMPT, "gen-hang-baseline", 24)
+    stopped: list[str] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 6 and not stopped:
+            stopped.append(serving(gateway, "gen-hang", "20:30"))
+            os.kill(swarm["nodes"][stopped[0]].popen.pid, signal.SIGSTOP)
+
+    try:
+        started = time.monotonic()
+        assert stream(gateway, PROMPT, "gen-hang", 24, on_chunk) == expected
+        assert time.monotonic() - started < 60
+    finally:
+        if stopped:
+            kill(swarm, stopped[0])
+    retries = [e for e in events(gateway, "gen-hang") if e["type"] == "route.retry"]
+    assert len(retries) == 1 and retries[0]["kind"] == "repair", retries
+    assert retries[0]["failed_node"] == stopped[0] and "Timeout" in retries[0]["reason"]
 
 
 def test_kill_9_of_the_tail_mid_prefill_reroutes_with_identical_text(swarm: dict[str, Any]) -> None:

@@ -44,6 +44,12 @@ def add_swarm_commands(sub: Any) -> None:
     node.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session's KV is freed")
     node.add_argument("--max-body-mb", type=float, default=256.0, help="largest request body accepted (MiB)")
     node.add_argument(
+        "--hop-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the next hop of a route (default 120; hops further up wait 10 s more per hop)",
+    )
+    node.add_argument(
         "--seam-log-mb",
         type=float,
         default=512.0,
@@ -64,6 +70,12 @@ def add_swarm_commands(sub: Any) -> None:
     gateway.add_argument("--max-concurrency", type=int, default=4, help="generations in flight (default 4)")
     gateway.add_argument("--prefill-chunk", type=int, default=128, help="tokens per prefill chunk (default 128)")
     gateway.add_argument("--max-queue", type=int, default=64)
+    gateway.add_argument(
+        "--hop-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the next hop of a route (default 120; hops further up wait 10 s more per hop)",
+    )
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -94,6 +106,7 @@ def run_node(args: argparse.Namespace) -> int:
         url=url,
         wire_dtype=args.wire_dtype,
         max_body_bytes=int(args.max_body_mb * 2**20),
+        hop_timeout_s=args.hop_timeout,
         seam_log_bytes=int(args.seam_log_mb * 2**20),
         sweep_interval_s=min(5.0, max(0.2, args.session_ttl / 2)),
         tracker_url=args.tracker.rstrip("/") if args.tracker else None,
@@ -187,7 +200,12 @@ def run_gateway(args: argparse.Namespace) -> int:
         return 2
     cap = min(args.ctx, vocab.info.n_ctx_train, 131072)
     engine = RouteEngine(
-        vocab, args.tracker, n_ctx=cap, max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk
+        vocab,
+        args.tracker,
+        n_ctx=cap,
+        max_concurrency=args.max_concurrency,
+        prefill_chunk=args.prefill_chunk,
+        timeout_s=args.hop_timeout,
     )
     url = f"http://{host}:{port}"
     print(f"meshnet: gateway for {vocab.info.model_id} over tracker {args.tracker}; context cap {cap}", flush=True)

@@ -45,7 +45,7 @@ from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
 from meshnet.protocol import headers as H
 from meshnet.protocol.wire import encode_tensor, format_shape
-from meshnet.routes import Hop, RoutePlan
+from meshnet.routes import Hop, RoutePlan, hop_timeout_s
 from meshnet.sampling import Sampler
 
 __all__ = ["RouteEngine", "Tokenizer"]
@@ -92,6 +92,7 @@ class RouteEngine:
         self.max_concurrency = max_concurrency
         self.prefill_chunk = prefill_chunk
         self.max_retries = max_retries
+        self.timeout_s = timeout_s  # the innermost hop's wait for its next hop; outer waits nest above it
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
         self._local = threading.local()
         self.outbox = outbox if outbox is not None else BillingOutbox(self.tracker_url)
@@ -202,7 +203,8 @@ class RouteEngine:
         headers[H.DTYPE] = "int32"
         head = run.plan.hops[0].url
         try:
-            answer = self._post(head, f"/v1/sessions/{run.plan.session_id}/decode-step", frame.body, headers)
+            path = f"/v1/sessions/{run.plan.session_id}/decode-step"
+            answer = self._post(head, path, frame.body, headers, below=len(run.plan.hops))
         except HopFailed as exc:
             return (yield from self._recover(run, tokens, exc, cancel))
         run.usage.add(run.plan.hops, decode=1)
@@ -249,11 +251,12 @@ class RouteEngine:
             answer = self._replay_tokens(run, tokens, count)
         else:
             upstream = new_hops[first - 1]
-            answer = self._post(
-                upstream.url, f"/v1/sessions/{sid}/reroute", b"", self._reroute_headers(run, first - 1, count)
-            )
+            path, below = f"/v1/sessions/{sid}/reroute", len(new_hops) - first + 1
+            chunks = 1 + position // 256  # the upstream replays its log in chunks of up to 256 positions
+            headers = self._reroute_headers(run, first - 1, count)
+            answer = self._post(upstream.url, path, b"", headers, below=below, scale=chunks)
             for i in range(first - 2, -1, -1):  # the hops above it broke the session too: clear them
-                self._post(new_hops[i].url, f"/v1/sessions/{sid}/reroute", b"", self._reroute_headers(run, i, 0))
+                self._post(new_hops[i].url, path, b"", self._reroute_headers(run, i, 0), below=len(new_hops) - i)
         run.usage.add(new_hops[first : first + count], prefill=position)
         run.usage.add(new_hops, decode=1)
         kept = {h.url for h in new_hops}
@@ -284,10 +287,10 @@ class RouteEngine:
             headers.update({H.DTYPE: "int32", H.REPLAY: str(count)})
             if begin == 0:
                 headers.update({H.NEXT_HOPS: ",".join(h.url for h in plan.hops[1:]), H.SAMPLING: run.sampling})
-            self._post(plan.hops[0].url, f"{url}/prefill", frame.body, headers)
+            self._post(plan.hops[0].url, f"{url}/prefill", frame.body, headers, below=len(plan.hops))
         frame = encode_tensor(ids[position:].reshape(1, 1), "int32")
         headers = {**self._base(plan), H.POSITION: str(position), H.SHAPE: "1,1", H.DTYPE: "int32", H.REWIND: "1"}
-        return self._post(plan.hops[0].url, f"{url}/decode-step", frame.body, headers)
+        return self._post(plan.hops[0].url, f"{url}/decode-step", frame.body, headers, below=len(plan.hops))
 
     def _failed_hop(self, run: _Run, error: HopFailed) -> Hop:
         """The hop ``error`` names, counted against the retry budget."""
@@ -330,14 +333,18 @@ class RouteEngine:
             }
             if end == total:
                 send[H.SAMPLE] = "1"
-            answer = self._post(plan.hops[0].url, path, frame.body, send)
+            answer = self._post(plan.hops[0].url, path, frame.body, send, below=len(plan.hops))
             yield PrefillProgress(done=end, total=total)
         return answer
 
-    def _post(self, hop_url: str, path: str, body: bytes, headers: dict[str, str]) -> dict[str, Any]:
-        """POST to a hop; a failure that names a hop (or is this hop's own) raises ``HopFailed``."""
+    def _post(
+        self, hop_url: str, path: str, body: bytes, headers: dict[str, str], *, below: int, scale: int = 1
+    ) -> dict[str, Any]:
+        """POST to a hop with ``below`` hops from it to the tail; a failure that names a hop (or is
+        this hop's own) raises ``HopFailed``. The wait nests above the hops' own (``hop_timeout_s``)."""
+        timeout = httpx.Timeout(scale * hop_timeout_s(self.timeout_s, below + 1), connect=5.0)
         try:
-            response = self._client().post(f"{hop_url}{path}", content=body, headers=headers)
+            response = self._client().post(f"{hop_url}{path}", content=body, headers=headers, timeout=timeout)
         except httpx.HTTPError as exc:
             raise HopFailed(f"node {hop_url} failed: {type(exc).__name__}: {exc}", failed_hop=hop_url) from None
         if response.status_code >= 400:

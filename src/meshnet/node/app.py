@@ -67,6 +67,7 @@ from meshnet.node.advert import (
 from meshnet.node.metrics import NodeMetrics
 from meshnet.protocol import headers as H
 from meshnet.protocol.wire import TensorFrame, decode_tensor, encode_tensor, format_shape, parse_range
+from meshnet.routes import hop_timeout_s
 from meshnet.sampling import Sampler, SamplingParams
 
 __all__ = ["NodeConfig", "create_node_app"]
@@ -218,8 +219,9 @@ class _Node:
             "Content-Type": "application/octet-stream",
         }
         self.metrics.seam_bytes.inc(len(frame.body))
+        timeout = httpx.Timeout(hop_timeout_s(self.config.hop_timeout_s, len(route.next_hops)), connect=5.0)
         try:
-            response = await self.client.post(url, content=frame.body, headers=send)
+            response = await self.client.post(url, content=frame.body, headers=send, timeout=timeout)
         except httpx.HTTPError as exc:
             raise HopFailed(f"next hop {nxt} failed: {type(exc).__name__}: {exc}", failed_hop=nxt) from None
         if response.status_code >= 400:
