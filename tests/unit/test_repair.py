@@ -84,3 +84,12 @@ def test_the_faster_replacement_wins():
 def test_an_unknown_failed_node_is_a_caller_error():
     with pytest.raises(ValueError, match="not on this route"):
         plan_repair(route(A, B, C), "zzz", [A, B, C], MODEL)
+
+
+def test_hop_timeouts_nest_so_the_innermost_caller_gives_up_first():
+    from meshnet.routes import NESTED_TIMEOUT_MARGIN_S, hop_timeout_s
+
+    # Route head -> mid -> tail: mid waits for the tail, head for mid (and the tail), the gateway for all.
+    mid, head, gateway = hop_timeout_s(4.0, 1), hop_timeout_s(4.0, 2), hop_timeout_s(4.0, 4)
+    assert mid == 4.0 and head == 4.0 + NESTED_TIMEOUT_MARGIN_S and gateway > head > mid
+    assert hop_timeout_s(4.0, 0) == 4.0
