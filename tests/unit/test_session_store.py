@@ -152,3 +152,39 @@ def test_limits_are_validated() -> None:
     with pytest.raises(ValueError):
         StoreLimits(bytes_per_token=1, idle_ttl_s=0)
     assert StoreLimits(bytes_per_token=4, fixed_bytes=100).bytes_at(10) == 140
+
+
+def test_rewind_drops_the_newest_positions_and_frees_their_bytes() -> None:
+    store, _, log = make()
+    sid = SessionId("a")
+    store.open(sid)
+    advance(store, sid, 0, 6)
+    store.rewind(sid, 6)  # nothing to drop: a no-op
+    assert log == []
+    store.rewind(sid, 4)
+    session = store.get(sid)
+    assert (session.position, session.state, log) == (4, [0, 1, 2, 3], ["truncate 4"])
+    assert store.session_bytes(sid) == 40
+    with pytest.raises(PositionMismatch, match="cannot rewind to 5"):
+        store.rewind(sid, 5)  # forward is not a rewind
+    advance(store, sid, 4, 1)  # and it continues from there
+    assert store.get(sid).position == 5
+
+
+def test_a_failed_rewind_leaves_the_session_where_it_was() -> None:
+    def refuse(state: list[int], position: int) -> None:
+        raise RuntimeError("this backend cannot rewind")
+
+    store: SessionStore[list[int]] = SessionStore(
+        StoreLimits(bytes_per_token=10, budget_bytes=1000, max_sessions=3, idle_ttl_s=60),
+        new_state=lambda sid: [],
+        free_state=lambda state: None,
+        truncate_state=refuse,
+    )
+    sid = SessionId("a")
+    store.open(sid)
+    with store.use(sid, 0, 3) as session:
+        session.state.extend([0, 1, 2])
+    with pytest.raises(RuntimeError):
+        store.rewind(sid, 1)
+    assert store.get(sid).position == 3 and not store.get(sid).busy
