@@ -52,12 +52,14 @@ class MeshnetError(Exception):
     """Base of every error Meshnet raises on purpose.
 
     ``param`` names the request field at fault (OpenAI's error shape carries it);
-    ``code`` is a stable machine-readable string.
+    ``code`` is a stable machine-readable string; ``failed_hop`` (``HopFailed``, ``SessionBroken``)
+    is the base URL of the route hop whose failure caused this one: what route repair replaces.
     """
 
     status = 500
     error_type = "server_error"
     code: str | None = None
+    failed_hop: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

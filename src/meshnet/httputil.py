@@ -25,9 +25,8 @@ def error_body(error: MeshnetError) -> dict[str, Any]:
         "param": error.param,
         "code": error.code,
     }
-    failed_hop = getattr(error, "failed_hop", None)  # HopFailed, SessionBroken: what route repair replaces
-    if failed_hop is not None:
-        body["failed_hop"] = failed_hop
+    if error.failed_hop is not None:
+        body["failed_hop"] = error.failed_hop
     return {"error": body}
 
 
@@ -47,10 +46,8 @@ def error_response(error: MeshnetError, headers: dict[str, str] | None = None) -
 
 def error_message(response: httpx.Response) -> str:
     """The message of an error answer from any Meshnet server (or its raw text if it is not one)."""
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {response.status_code}: {response.text[:200]}"
+    message = error_field(response, "message")
+    return str(message) if message is not None else f"HTTP {response.status_code}: {response.text[:200]}"
 
 
 async def _meshnet_error(_: Request, exc: Exception) -> Response:

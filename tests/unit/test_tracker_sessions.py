@@ -181,3 +181,27 @@ def test_a_failure_report_suspends_the_node_and_new_sessions_avoid_it(client: Te
         assert "b" not in [h["node_id"] for h in open_session(client)["hops"]]
     response = client.post("/v1/sessions", json={"model": MODEL, "exclude": ["b2"]})
     assert response.status_code == 503 and "10:20" in response.json()["error"]["message"]
+
+
+def test_a_database_of_an_older_tracker_gets_the_new_columns_and_index(db_url: str):
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:  # the sessions table as the first tracker wrote it
+        old_schema = (
+            "CREATE TABLE sessions (session_id VARCHAR(64) PRIMARY KEY, route_id VARCHAR(64) NOT NULL, "
+            "model VARCHAR(512) NOT NULL, hops TEXT NOT NULL, created FLOAT NOT NULL)"
+        )
+        conn.execute(sa.text(old_schema))
+        conn.execute(sa.text("INSERT INTO sessions VALUES ('ses-old', 'rte-old', 'm', '[]', 1.0)"))
+    engine.dispose()
+    db = TrackerDB(db_url)
+    try:
+        old = db.load_session("ses-old")
+        assert old is not None and old["status"] == "open" and old["repairs"] == 0
+        engine = sa.create_engine(db_url)
+        indexes = {i["name"] for i in sa.inspect(engine).get_indexes("sessions")}
+        engine.dispose()
+        assert "sessions_status_updated" in indexes
+    finally:
+        db.close()

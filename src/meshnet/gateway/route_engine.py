@@ -184,9 +184,7 @@ class RouteEngine:
                 began = time.monotonic()
                 failed = self._failed_hop(run, exc)
                 self._report_failure(failed, exc.message)
-                self._close(run.plan)
-                run.plan = self.plan(exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens))
-                run.usage = Usage()
+                self._fresh_route(run, tokens)
                 yield RouteChange("reroute", exc.message, failed.node, run.plan, run.retries, 0, _since(began))
                 continue
             if answer is not None:
@@ -226,9 +224,7 @@ class RouteEngine:
                 raise
             except MeshnetError as exc:  # no seam log, no rewind on this backend...: start over
                 reason = f"{error.message}; route repair impossible ({exc.message})"
-                self._close(run.plan)
-                run.plan = self.plan(exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens))
-                run.usage = Usage()
+                self._fresh_route(run, tokens)
                 yield RouteChange("reroute", reason, failed.node, run.plan, run.retries, len(tokens), _since(began))
                 return (yield from self._prefill_with_retries(run, tokens, cancel))
             yield RouteChange("repair", error.message, failed.node, run.plan, run.retries, replayed, _since(began))
@@ -291,6 +287,12 @@ class RouteEngine:
         frame = encode_tensor(ids[position:].reshape(1, 1), "int32")
         headers = {**self._base(plan), H.POSITION: str(position), H.SHAPE: "1,1", H.DTYPE: "int32", H.REWIND: "1"}
         return self._post(plan.hops[0].url, f"{url}/decode-step", frame.body, headers, below=len(plan.hops))
+
+    def _fresh_route(self, run: _Run, tokens: list[int]) -> None:
+        """Abandon the current route (work on it is not billed) for a new one without the failed nodes."""
+        self._close(run.plan)
+        run.plan = self.plan(exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens))
+        run.usage = Usage()
 
     def _failed_hop(self, run: _Run, error: HopFailed) -> Hop:
         """The hop ``error`` names, counted against the retry budget."""

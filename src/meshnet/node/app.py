@@ -337,7 +337,7 @@ class _Node:
 
     def break_session(self, route: _Route, error: MeshnetError) -> None:
         if not route.broken:
-            route.broken, route.broken_hop = error.message, getattr(error, "failed_hop", None)
+            route.broken, route.broken_hop = error.message, error.failed_hop
 
 
 def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:

@@ -35,6 +35,9 @@ _sessions = sa.Table(
     sa.Column("updated", sa.Float, nullable=False, server_default="0"),
     sa.Column("repairs", sa.Integer, nullable=False, server_default="0"),
     sa.Column("ended_reason", sa.Text, nullable=True),
+    # Every session open expires idle open sessions; closed ones stay (billing, audit), so the
+    # expiry must not scan them all.
+    sa.Index("sessions_status_updated", "status", "updated"),
 )
 _billing = sa.Table(
     "billing_records",
@@ -99,6 +102,9 @@ class TrackerDB:
                         default = column.server_default.arg if column.server_default is not None else None  # type: ignore[attr-defined]
                         tail = f" NOT NULL DEFAULT '{default}'" if default is not None else ""
                         conn.execute(sa.text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}{tail}'))
+            for table in _metadata.sorted_tables:  # an index on a column just added, or new in this version
+                for index in table.indexes:
+                    index.create(conn, checkfirst=True)
 
     # -- sessions ------------------------------------------------------------------------------
     def save_session(self, session: dict[str, Any]) -> None:
