@@ -14,7 +14,8 @@
     │   └── SessionBroken             409  session_broken     (a forward failed; names the failed hop)
     ├── PayloadTooLarge               413  payload_too_large
     ├── BadGateway                    502  bad_gateway        (the next hop failed or broke the session)
-    │   └── HopFailed                 502  hop_failed         (names the hop that failed: route repair)
+    │   ├── HopFailed                 502  hop_failed         (names the hop that failed: route repair)
+    │   └── RouteInconsistent         502  route_inconsistent (hops disagree on what they computed)
     ├── Overloaded                    503  overloaded_error   (carries Retry-After)
     │   └── StoreFull                 503  kv_store_full
     └── EngineError                   500  engine_error       (a backend failed mid-generation)
@@ -37,6 +38,7 @@ __all__ = [
     "Overloaded",
     "PayloadTooLarge",
     "PositionMismatch",
+    "RouteInconsistent",
     "SeamMismatch",
     "SessionBroken",
     "SessionBusy",
@@ -148,6 +150,13 @@ class HopFailed(BadGateway):
     def __init__(self, message: str, *, failed_hop: str) -> None:
         super().__init__(message)
         self.failed_hop = failed_hop
+
+
+class RouteInconsistent(BadGateway):
+    """The hops of a route disagree on the positions they hold or on what they computed them from
+    (protocol.ledger): text from it could be wrong without any other error, so the generation stops."""
+
+    code = "route_inconsistent"
 
 
 class Overloaded(MeshnetError):

@@ -38,12 +38,21 @@ import httpx
 import numpy as np
 
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep
-from meshnet.errors import BadGateway, EngineError, HopFailed, InvalidRequest, MeshnetError, Overloaded
+from meshnet.errors import (
+    BadGateway,
+    EngineError,
+    HopFailed,
+    InvalidRequest,
+    MeshnetError,
+    Overloaded,
+    RouteInconsistent,
+)
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
 from meshnet.protocol import headers as H
+from meshnet.protocol.ledger import ChunkLedger, format_chunks, pack_chunks
 from meshnet.protocol.wire import encode_tensor, format_shape
 from meshnet.routes import Hop, RoutePlan, hop_timeout_s
 from meshnet.sampling import Sampler
@@ -63,13 +72,20 @@ class Tokenizer(Protocol):
 
 @dataclasses.dataclass
 class _Run:
-    """One generation's mutable route state: the current plan, what each node computed, retries."""
+    """One generation's mutable route state: the current plan, what each node computed, retries,
+    and the chunks its positions were computed in (``ledger``: the head's inputs, as the gateway
+    sent them — every hop's ledger must agree with it, protocol.ledger)."""
 
     plan: RoutePlan
     sampling: str
     usage: Usage
+    ledger: ChunkLedger
     retries: int = 0
     failed_nodes: set[str] = dataclasses.field(default_factory=set)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """``tokens`` become the route's next chunk (a prompt chunk, or one decode step)."""
+        self.ledger.record(len(tokens), np.asarray(tokens, dtype="<i4").tobytes())
 
 
 class RouteEngine:
@@ -153,8 +169,10 @@ class RouteEngine:
             raise InvalidRequest("a route engine generates only on a planned route")
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")
-        run = _Run(plan, json.dumps(dataclasses.asdict(sampler.params)), Usage())
+        run = _Run(plan, json.dumps(dataclasses.asdict(sampler.params)), Usage(), ChunkLedger(sends=False))
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
+        for begin in range(0, len(tokens), self.prefill_chunk):
+            run.add(tokens[begin : begin + self.prefill_chunk])
         outcome = "failed"
         try:
             answer = yield from self._prefill_with_retries(run, tokens, cancel)
@@ -164,6 +182,7 @@ class RouteEngine:
                 if len(tokens) + 1 > self.n_ctx:
                     break
                 tokens.append(token)
+                run.add(tokens[-1:])
                 answer = yield from self._decode_with_repair(run, tokens, cancel)
             outcome = "completed"
         except GeneratorExit:
@@ -179,7 +198,7 @@ class RouteEngine:
         """Prefill ``tokens``; a failed hop means a fresh route without it, from scratch."""
         while True:
             try:
-                answer = yield from self._prefill(run.plan, tokens, cancel, run.sampling)
+                answer = yield from self._prefill(run, tokens, cancel)
             except HopFailed as exc:
                 began = time.monotonic()
                 failed = self._failed_hop(run, exc)
@@ -188,6 +207,7 @@ class RouteEngine:
                 yield RouteChange("reroute", exc.message, failed.node, run.plan, run.retries, 0, _since(began))
                 continue
             if answer is not None:
+                _verify(run, answer["hops"])
                 run.usage.add(run.plan.hops, prefill=len(tokens))
             return answer
 
@@ -205,6 +225,7 @@ class RouteEngine:
             answer = self._post(head, path, frame.body, headers, below=len(run.plan.hops))
         except HopFailed as exc:
             return (yield from self._recover(run, tokens, exc, cancel))
+        _verify(run, answer["hops"])
         run.usage.add(run.plan.hops, decode=1)
         return answer
 
@@ -248,11 +269,16 @@ class RouteEngine:
         else:
             upstream = new_hops[first - 1]
             path, below = f"/v1/sessions/{sid}/reroute", len(new_hops) - first + 1
-            chunks = 1 + position // 256  # the upstream replays its log in chunks of up to 256 positions
+            chunks = 1 + position // 256  # the upstream replays its log in requests of up to 256 positions
             headers = self._reroute_headers(run, first - 1, count)
             answer = self._post(upstream.url, path, b"", headers, below=below, scale=chunks)
+            above: list[dict[str, Any]] = []
             for i in range(first - 2, -1, -1):  # the hops above it broke the session too: clear them
-                self._post(new_hops[i].url, path, b"", self._reroute_headers(run, i, 0), below=len(new_hops) - i)
+                headers = self._reroute_headers(run, i, 0)
+                cleared = self._post(new_hops[i].url, path, b"", headers, below=len(new_hops) - i)
+                above.insert(0, (cleared.get("hops") or [{}])[0])
+            answer["hops"] = [*above, *answer.get("hops", [])]
+        _verify(run, answer["hops"])  # the repaired route must hold exactly what the old one did
         run.usage.add(new_hops[first : first + count], prefill=position)
         run.usage.add(new_hops, decode=1)
         kept = {h.url for h in new_hops}
@@ -275,15 +301,10 @@ class RouteEngine:
         """Rebuild a new head (and ``count - 1`` hops after it) from the token ids, then resend the step."""
         plan, position = run.plan, len(tokens) - 1
         url = f"/v1/sessions/{plan.session_id}"
+        for headers, body in self._chunk_requests(run, tokens[:position]):
+            headers[H.REPLAY] = str(count)
+            self._post(plan.hops[0].url, f"{url}/prefill", body, headers, below=len(plan.hops))
         ids = np.asarray(tokens, dtype=np.int32)
-        for begin in range(0, position, self.prefill_chunk):
-            end = min(position, begin + self.prefill_chunk)
-            frame = encode_tensor(ids[begin:end].reshape(1, -1), "int32")
-            headers = {**self._base(plan), H.TOKEN_RANGE: f"{begin}-{end - 1}", H.SHAPE: format_shape(frame.shape)}
-            headers.update({H.DTYPE: "int32", H.REPLAY: str(count)})
-            if begin == 0:
-                headers.update({H.NEXT_HOPS: ",".join(h.url for h in plan.hops[1:]), H.SAMPLING: run.sampling})
-            self._post(plan.hops[0].url, f"{url}/prefill", frame.body, headers, below=len(plan.hops))
         frame = encode_tensor(ids[position:].reshape(1, 1), "int32")
         headers = {**self._base(plan), H.POSITION: str(position), H.SHAPE: "1,1", H.DTYPE: "int32", H.REWIND: "1"}
         return self._post(plan.hops[0].url, f"{url}/decode-step", frame.body, headers, below=len(plan.hops))
@@ -314,30 +335,45 @@ class RouteEngine:
         return {H.MODEL: self.info.model_id, H.ROUTE_ID: plan.route_id, "Content-Type": "application/octet-stream"}
 
     def _prefill(
-        self, plan: RoutePlan, prompt: Sequence[int], cancel: threading.Event, sampling: str
+        self, run: _Run, tokens: Sequence[int], cancel: threading.Event
     ) -> Generator[EngineStep, None, dict[str, Any] | None]:
-        tokens = np.asarray(prompt, dtype=np.int32)
-        total = len(tokens)
-        path = f"/v1/sessions/{plan.session_id}/prefill"
-        first = {H.NEXT_HOPS: ",".join(h.url for h in plan.hops[1:]), H.SAMPLING: sampling}
+        """Prefill ``tokens`` on ``run.plan`` in the chunks of ``run.ledger``; the last chunk's answer samples."""
+        path = f"/v1/sessions/{run.plan.session_id}/prefill"
         answer: dict[str, Any] | None = None
-        for begin in range(0, total, self.prefill_chunk):
+        total = len(tokens)
+        for headers, body in self._chunk_requests(run, tokens):
             if cancel.is_set():
                 return None
-            end = min(total, begin + self.prefill_chunk)
-            frame = encode_tensor(tokens[begin:end].reshape(1, -1), "int32")
-            send = {
+            end = int(headers[H.TOKEN_RANGE].split("-")[1]) + 1
+            if end == total:
+                headers[H.SAMPLE] = "1"
+            answer = self._post(run.plan.hops[0].url, path, body, headers, below=len(run.plan.hops))
+            yield PrefillProgress(done=end, total=total)
+        return answer
+
+    def _chunk_requests(self, run: _Run, tokens: Sequence[int]) -> Generator[tuple[dict[str, str], bytes], None, None]:
+        """Prefill requests for ``tokens`` in exactly the chunks the route computed them in first
+        (several chunks to a request, each its own compute call: ``X-Meshnet-Chunks``)."""
+        plan, ids = run.plan, np.asarray(tokens, dtype=np.int32)
+        sizes = run.ledger.sizes()
+        while sum(sizes) > len(tokens):
+            sizes.pop()
+        if sum(sizes) != len(tokens):
+            raise EngineError(f"{len(tokens)} positions do not end on a chunk of this generation ({sizes[-3:]}...)")
+        for begin, chunks in pack_chunks(sizes, self.prefill_chunk):
+            end = begin + sum(chunks)
+            frame = encode_tensor(ids[begin:end].reshape(1, -1), "int32")
+            headers = {
                 **self._base(plan),
-                **(first if begin == 0 else {}),
                 H.TOKEN_RANGE: f"{begin}-{end - 1}",
                 H.SHAPE: format_shape(frame.shape),
                 H.DTYPE: "int32",
             }
-            if end == total:
-                send[H.SAMPLE] = "1"
-            answer = self._post(plan.hops[0].url, path, frame.body, send, below=len(plan.hops))
-            yield PrefillProgress(done=end, total=total)
-        return answer
+            if len(chunks) > 1:
+                headers[H.CHUNKS] = format_chunks(chunks)
+            if begin == 0:
+                headers.update({H.NEXT_HOPS: ",".join(h.url for h in plan.hops[1:]), H.SAMPLING: run.sampling})
+            yield headers, frame.body
 
     def _post(
         self, hop_url: str, path: str, body: bytes, headers: dict[str, str], *, below: int, scale: int = 1
@@ -370,6 +406,26 @@ class RouteEngine:
         client = getattr(self._local, "client", None)
         if client is not None:
             client.close()
+
+
+def _verify(run: _Run, hops: Sequence[dict[str, Any]]) -> None:
+    """Raise ``RouteInconsistent`` unless every hop of ``run.plan`` holds the positions the gateway
+    sent, the head computed them from the gateway's token ids in the gateway's chunks, and every
+    hop computed from exactly what the hop before it sent (protocol.ledger)."""
+    want = run.ledger.describe()
+    plan = run.plan.hops
+    if [h.get("node") for h in hops] != [h.node for h in plan]:
+        raise RouteInconsistent(
+            f"the route answered for nodes {[h.get('node') for h in hops]}, the session is on {[h.node for h in plan]}"
+        )
+    for i, (hop, seen) in enumerate(zip(plan, hops, strict=True)):
+        where = f"node {hop.node} (layers {hop.layers})"
+        if seen.get("held") != want["held"]:
+            raise RouteInconsistent(f"{where} holds {seen.get('held')} positions; the route should hold {want['held']}")
+        sent = want["input_digest"] if i == 0 else hops[i - 1].get("output_digest")
+        if seen.get("input_digest") != sent:
+            source = "the gateway's token ids" if i == 0 else f"what node {plan[i - 1].node} sent it"
+            raise RouteInconsistent(f"{where} computed its {want['held']} positions from something else than {source}")
 
 
 def _hop_ms(answer: dict[str, Any]) -> tuple[float, ...]:

@@ -41,7 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.backends.shard import ShardBackend
+from meshnet.backends.shard import ShardBackend, ShardOutput
 from meshnet.errors import (
     Conflict,
     HopFailed,
@@ -66,7 +66,15 @@ from meshnet.node.advert import (
 )
 from meshnet.node.metrics import NodeMetrics
 from meshnet.protocol import headers as H
-from meshnet.protocol.wire import TensorFrame, decode_tensor, encode_tensor, format_shape, parse_range
+from meshnet.protocol.ledger import ChunkLedger, format_chunks, pack_chunks, parse_chunks
+from meshnet.protocol.wire import (
+    TensorFrame,
+    decode_tensor,
+    encode_tensor,
+    format_shape,
+    frame_values,
+    parse_range,
+)
 from meshnet.routes import hop_timeout_s
 from meshnet.sampling import Sampler, SamplingParams
 
@@ -92,11 +100,13 @@ class NodeConfig:
 
 @dataclass
 class _Route:
-    """What a node remembers about a session beyond its KV: the route binding and the tail's sampler."""
+    """What a node remembers about a session beyond its KV: the route binding, the tail's sampler,
+    the chunks it computed with their digests (``ledger``) and the seam log."""
 
     route_id: str
     next_hops: tuple[str, ...]
     sampler: Sampler | None
+    ledger: ChunkLedger
     busy: bool = False
     broken: str | None = None
     broken_hop: str | None = None
@@ -146,7 +156,8 @@ class _Node:
                 )
             if not route_id:
                 raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
-            route = _Route(route_id, self.next_hops(request), self._sampler(request))
+            sends = not self.info.layers.is_tail
+            route = _Route(route_id, self.next_hops(request), self._sampler(request), ChunkLedger(sends))
             if self.info.layers.is_tail or self.config.seam_log_bytes <= 0:
                 route.log = None
             self.shard.open_session(sid)
@@ -196,12 +207,59 @@ class _Node:
 
     # -- compute and forward -----------------------------------------------------------------
     async def run(
-        self, sid: SessionId, start: int, tokens: np.ndarray | None, hidden: np.ndarray | None
+        self, sid: SessionId, start: int, tokens: np.ndarray | None, hidden: np.ndarray | None, sizes: tuple[int, ...]
     ) -> tuple[np.ndarray | None, np.ndarray | None, float]:
         loop = asyncio.get_running_loop()
         began = time.perf_counter()
-        out = await loop.run_in_executor(None, lambda: self.shard.prefill(sid, start, tokens=tokens, hidden=hidden))
+        out = await loop.run_in_executor(None, lambda: self._compute(sid, start, tokens, hidden, sizes))
         return out.hidden, out.logits, 1000 * (time.perf_counter() - began)
+
+    def _compute(
+        self, sid: SessionId, start: int, tokens: np.ndarray | None, hidden: np.ndarray | None, sizes: tuple[int, ...]
+    ) -> ShardOutput:
+        """One compute call per chunk of ``sizes`` (protocol.ledger: a position's KV depends on its
+        chunk); a failure undoes the chunks before it too, so a refused request changes nothing."""
+        if len(sizes) == 1:
+            return self.shard.prefill(sid, start, tokens=tokens, hidden=hidden)
+        outs: list[ShardOutput] = []
+        at = 0
+        try:
+            for size in sizes:
+                part_tokens = None if tokens is None else tokens[at : at + size]
+                part_hidden = None if hidden is None else hidden[at : at + size]
+                outs.append(self.shard.prefill(sid, start + at, tokens=part_tokens, hidden=part_hidden))
+                at += size
+        except BaseException:
+            if at:
+                self.shard.rewind(sid, start)
+            raise
+        states = [o.hidden for o in outs if o.hidden is not None]
+        return ShardOutput(hidden=np.concatenate(states) if states else None, logits=outs[-1].logits)
+
+    def record(
+        self,
+        route: _Route,
+        sizes: tuple[int, ...],
+        tokens: np.ndarray | None,
+        hidden: np.ndarray | None,
+        frame: TensorFrame | None,
+    ) -> None:
+        """Add the computed chunks to the session's ledger: what each was computed from and what went onward."""
+        inputs = np.ascontiguousarray(tokens, dtype="<i4") if tokens is not None else np.ascontiguousarray(hidden)
+        sent = None if frame is None else frame_values(frame).reshape(inputs.shape[0], -1)
+        at = 0
+        for size in sizes:
+            out = b"" if sent is None else sent[at : at + size].tobytes()
+            route.ledger.record(size, inputs[at : at + size].tobytes(), out)
+            at += size
+
+    def describe(self, route: _Route, compute_ms: float = 0.0, positions: int | None = None) -> dict[str, Any]:
+        """This hop's entry in an answer's ``hops``: who computed what, and its ledger (protocol.ledger)."""
+        entry: dict[str, Any] = {"node": self.config.node_id, "layers": str(self.info.layers)}
+        if positions is not None:
+            entry["positions"] = positions
+        entry["compute_ms"] = round(compute_ms, 3)
+        return {**entry, **route.ledger.describe()}
 
     async def forward(
         self, sid: SessionId, route: _Route, path: str, frame: TensorFrame, headers: dict[str, str]
@@ -270,6 +328,7 @@ class _Node:
             return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, lambda: self.shard.rewind(sid, position))
+        route.ledger.rewind(position)
         if route.log:
             keep = position * (len(route.log) // before)
             self.log_bytes -= len(route.log) - keep
@@ -280,39 +339,47 @@ class _Node:
     ) -> dict[str, Any]:
         """Point the session at new next hops; with ``replay`` > 0, rebuild their KV from the seam log.
 
-        Positions ``0..p-1`` (all but the newest) are replayed as prefill chunks that the first
-        ``replay`` hops compute without answering a token; the newest position ``p`` is then resent
-        as a decode step through the whole chain (``X-Meshnet-Rewind`` lets a hop that already has
-        it drop it first), and its answer — the next token — is returned.
+        Every position but the newest is replayed in exactly the chunks it was first computed in
+        (``X-Meshnet-Chunks``: a position's KV depends on its chunk, protocol.ledger), packed into
+        prefill requests that the first ``replay`` hops compute without answering a token; the
+        newest position — the interrupted decode step — is then resent through the whole chain
+        (``X-Meshnet-Rewind`` lets a hop that already has it drop it first), and its answer — the
+        next token — is returned, with this hop's own ledger entry first.
         """
         if route.forward is not None:
             with contextlib.suppress(Exception):
                 await route.forward  # the failed forward: its outcome is why we are here
         route.next_hops, route.broken, route.broken_hop, route.forward = hops, None, None, None
         position = self.shard.store.get(sid).position
+        me = self.describe(route)
         if replay == 0:
-            return {"rerouted": sid, "position": position, "next_hops": list(hops)}
-        if route.log is None or not route.log_dtype:
+            return {"rerouted": sid, "position": position, "next_hops": list(hops), "hops": [me]}
+        sizes = route.ledger.sizes()
+        if route.log is None or not route.log_dtype or route.ledger.position != position or sizes[-1:] != [1]:
             raise Conflict(
-                f"session {sid} has no seam log on this node (over the log budget or never forwarded); "
-                "it needs a fresh prefill",
+                f"session {sid} cannot be replayed from this node (no complete seam log, or its newest "
+                "position is not a decode step); it needs a fresh prefill",
                 code="no_seam_log",
             )
         row = len(route.log) // position
         seam = self.info.seam.shape
         first = {H.NEXT_HOPS: ",".join(hops[1:]), **({H.SAMPLING: sampling} if sampling else {})}
         try:
-            for begin in range(0, position - 1, self.config.replay_chunk):
-                end = min(position - 1, begin + self.config.replay_chunk)
+            for begin, chunks in pack_chunks(sizes[:-1], self.config.replay_chunk):
+                end = begin + sum(chunks)
                 frame = TensorFrame((1, end - begin, *seam), route.log_dtype, bytes(route.log[begin * row : end * row]))
                 headers = {H.TOKEN_RANGE: f"{begin}-{end - 1}", H.REPLAY: str(replay), **(first if begin == 0 else {})}
+                if len(chunks) > 1:
+                    headers[H.CHUNKS] = format_chunks(chunks)
                 await self.forward(sid, route, "prefill", frame, headers)
             last = TensorFrame((1, 1, *seam), route.log_dtype, bytes(route.log[(position - 1) * row :]))
             headers = {H.POSITION: str(position - 1), H.REWIND: "1", **(first if position == 1 else {})}
-            return await self.forward(sid, route, "decode-step", last, headers)
+            answer = await self.forward(sid, route, "decode-step", last, headers)
         except MeshnetError as exc:
             self.break_session(route, exc)
             raise
+        answer["hops"] = [me, *answer.get("hops", [])]
+        return answer
 
     async def delete(self, sid: SessionId) -> None:
         """Free a session here, then on the next hop (the delete travels down the chain)."""
@@ -374,8 +441,9 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
         node.check_length(request)
         start, stop = parse_range(request.headers.get(H.TOKEN_RANGE))
         tokens, hidden = node.inputs(request, await request.body(), stop - start)
+        sizes = parse_chunks(request.headers.get(H.CHUNKS), stop - start)
         final = request.headers.get(H.SAMPLE) == "1"
-        return await _handle(node, sid, request, start=start, tokens=tokens, hidden=hidden, final=final)
+        return await _handle(node, sid, request, start=start, tokens=tokens, hidden=hidden, final=final, sizes=sizes)
 
     async def decode_step(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
@@ -385,7 +453,9 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
         if raw is None or not (raw.isascii() and raw.isdigit()):
             raise SeamMismatch(f"header {H.POSITION} must be the step's absolute position, got {raw!r}")
         tokens, hidden = node.inputs(request, await request.body(), 1)
-        return await _handle(node, sid, request, start=int(raw), tokens=tokens, hidden=hidden, final=True, decode=True)
+        return await _handle(
+            node, sid, request, start=int(raw), tokens=tokens, hidden=hidden, final=True, sizes=(1,), decode=True
+        )
 
     async def reroute(request: Request) -> Response:
         return await _reroute(node, request)
@@ -449,6 +519,7 @@ async def _handle(
     tokens: np.ndarray | None,
     hidden: np.ndarray | None,
     final: bool,
+    sizes: tuple[int, ...],
     decode: bool = False,
 ) -> Response:
     route = node.session_route(sid, request, start=start)
@@ -462,14 +533,13 @@ async def _handle(
             await node.rewind(sid, route, start)
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
         with node.traffic.measure(n, decode=decode):
-            out_hidden, logits, compute_ms = await node.run(sid, start, tokens, hidden)
+            out_hidden, logits, compute_ms = await node.run(sid, start, tokens, hidden, sizes)
         node.metrics.positions.inc(n)
-        me = {
-            "node": node.config.node_id,
-            "layers": str(node.info.layers),
-            "positions": n,
-            "compute_ms": round(compute_ms, 3),
-        }
+        frame = None
+        if out_hidden is not None:
+            frame = encode_tensor(out_hidden.reshape(1, *out_hidden.shape), node.config.wire_dtype)
+        node.record(route, sizes, tokens, hidden, frame)
+        me = node.describe(route, compute_ms, positions=n)
         if node.info.layers.is_tail:
             if replay:
                 return JSONResponse({"replayed": n, "hops": [me]})
@@ -478,8 +548,7 @@ async def _handle(
             assert logits is not None and route.sampler is not None
             token, logprob = route.sampler.sample(logits)
             return JSONResponse({"token": token, "logprob": logprob, "position": start + n, "hops": [me]})
-        assert out_hidden is not None
-        frame = encode_tensor(out_hidden.reshape(1, *out_hidden.shape), node.config.wire_dtype)
+        assert frame is not None
         node.log_frame(route, start, frame)
         if replay == 1:
             return JSONResponse({"replayed": n, "hops": [me]})  # the hops after this one already hold it
@@ -555,9 +624,10 @@ def _consume(task: asyncio.Task[Any]) -> None:
 
 def _prefill_headers(request: Request, route: _Route, start: int, stop: int, final: bool) -> dict[str, str]:
     headers = {H.TOKEN_RANGE: f"{start}-{stop - 1}", H.NEXT_HOPS: ",".join(route.next_hops[1:])}
-    sampling = request.headers.get(H.SAMPLING)
-    if sampling:
-        headers[H.SAMPLING] = sampling
+    for name in (H.SAMPLING, H.CHUNKS):
+        value = request.headers.get(name)
+        if value:
+            headers[name] = value
     if final:
         headers[H.SAMPLE] = "1"
     return headers

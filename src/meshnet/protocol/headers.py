@@ -7,6 +7,7 @@ uses ``GENERATION_ID`` on its OpenAI responses.
 from __future__ import annotations
 
 __all__ = [
+    "CHUNKS",
     "DTYPE",
     "GENERATION_ID",
     "MODEL",
@@ -35,3 +36,4 @@ SAMPLING = "X-Meshnet-Sampling"  # sampling parameters for the tail, JSON (first
 SAMPLE = "X-Meshnet-Sample"  # "1" on the last prefill chunk: the tail must answer with a token
 REPLAY = "X-Meshnet-Replay"  # route repair: rebuild KV on this many hops from here, answer no token
 REWIND = "X-Meshnet-Rewind"  # "1" on a repair's resent step: a hop already past it drops it first
+CHUNKS = "X-Meshnet-Chunks"  # prefill: how to split the body into compute calls ("128x2,37,1x3"); default one

@@ -22,6 +22,7 @@ __all__ = [
     "decode_tensor",
     "encode_tensor",
     "format_shape",
+    "frame_values",
     "parse_range",
     "parse_shape",
 ]
@@ -92,11 +93,23 @@ def decode_tensor(
     raw = np.frombuffer(body, dtype=storage).reshape(shape)
     if dtype == "int32":
         return raw.astype(np.int32)
-    # bfloat16 is the top half of a float32: widen by shifting the bits back into place.
-    values = (raw.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else raw.astype(np.float32)
+    values = _widen(raw, dtype)
     if not np.isfinite(values).all():
         raise SeamMismatch("activations contain NaN or Inf")
     return values
+
+
+def frame_values(frame: TensorFrame) -> npt.NDArray[np.float32] | npt.NDArray[np.int32]:
+    """What the receiver of ``frame`` will compute from (float32, or int32 token ids), unchecked."""
+    raw = np.frombuffer(frame.body, dtype=DTYPES[frame.dtype][1]).reshape(frame.shape)
+    return raw.astype(np.int32) if frame.dtype == "int32" else _widen(raw, frame.dtype)
+
+
+def _widen(raw: npt.NDArray[np.generic], dtype: str) -> npt.NDArray[np.float32]:
+    # bfloat16 is the top half of a float32: widen by shifting the bits back into place.
+    if dtype == "bfloat16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)
 
 
 def encode_tensor(values: npt.NDArray[np.generic], dtype: str) -> TensorFrame:

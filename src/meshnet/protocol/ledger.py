@@ -1,0 +1,160 @@
+"""How a session's positions were computed: chunk lists and the running digest of each hop's inputs.
+
+Why chunks matter: llama.cpp's CPU kernels do not give bit-identical results for a position
+computed in a chunk of 64 positions or more and the same position computed in a smaller chunk
+(measured on the bundled model: chunks of 1 to 63 agree to the bit, 64 and up take other kernels
+and differ in the low bits). The KV a hop keeps therefore depends on how its positions were
+chunked, and a route repair that rebuilt a hop from one big replay chunk gave it slightly
+different KV than the hop it replaced: greedy text diverged a few dozen tokens later, fluent and
+with no error. So every position is recomputed in exactly the chunk it was first computed in:
+``X-Meshnet-Chunks`` tells a hop how to split one request body into compute calls, and each
+hop records the chunk list it computed (its *ledger*).
+
+The digest makes any remaining inconsistency impossible to miss: each hop keeps, per session,
+a running digest over every chunk it computed — the chunk's start, size and input bytes (int32
+token ids at the head, the float32 activations it received elsewhere) — and a second one over
+what it sent onward. Answers carry them; the gateway computes the head's from its own token ids
+and checks every seam (what a hop sent equals what the next one computed from). A route that
+lost, doubled, misplaced or re-chunked a position fails the check, and the generation stops
+with the reason instead of streaming text from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from meshnet.errors import SeamMismatch
+
+__all__ = [
+    "DIGEST_BYTES",
+    "EMPTY_DIGEST",
+    "ChunkLedger",
+    "extend_digest",
+    "format_chunks",
+    "pack_chunks",
+    "parse_chunks",
+]
+
+DIGEST_BYTES = 16
+EMPTY_DIGEST = bytes(DIGEST_BYTES)  # the digest of a session with no positions
+_MAX_CHUNK_ENTRIES = 4096  # run-length entries in one X-Meshnet-Chunks header
+
+
+def extend_digest(previous: bytes, start: int, size: int, data: bytes) -> bytes:
+    """The running digest after one more chunk of ``size`` positions from ``start`` with input ``data``."""
+    h = hashlib.blake2b(previous, digest_size=DIGEST_BYTES)
+    h.update(struct.pack("<QQ", start, size))
+    h.update(data)
+    return h.digest()
+
+
+def format_chunks(sizes: Sequence[int]) -> str:
+    """``[128, 128, 37, 1, 1, 1]`` → ``"128x2,37,1x3"`` (run-length, ``SIZExCOUNT``)."""
+    parts: list[str] = []
+    for size, count in _runs(sizes):
+        parts.append(f"{size}x{count}" if count > 1 else str(size))
+    return ",".join(parts)
+
+
+def parse_chunks(text: str | None, n: int) -> tuple[int, ...]:
+    """``X-Meshnet-Chunks`` of a body of ``n`` positions; absent means one chunk of ``n``."""
+    if text is None or not text.strip():
+        return (n,)
+    sizes: list[int] = []
+    entries = text.split(",")
+    if len(entries) > _MAX_CHUNK_ENTRIES:
+        raise SeamMismatch(f"X-Meshnet-Chunks has {len(entries)} entries; at most {_MAX_CHUNK_ENTRIES}")
+    for entry in entries:
+        size, _, count = entry.strip().partition("x")
+        if not (size.isascii() and size.isdigit() and (not count or (count.isascii() and count.isdigit()))):
+            raise SeamMismatch(f"X-Meshnet-Chunks entry {entry!r} must be SIZE or SIZExCOUNT, e.g. '128x2,37,1x3'")
+        repeat = int(count) if count else 1
+        if int(size) < 1 or repeat < 1 or len(sizes) + repeat > n:
+            raise SeamMismatch(f"X-Meshnet-Chunks {text!r} does not split the body's {n} positions")
+        sizes += [int(size)] * repeat
+    if sum(sizes) != n:
+        raise SeamMismatch(f"X-Meshnet-Chunks {text!r} adds up to {sum(sizes)} positions, the body holds {n}")
+    return tuple(sizes)
+
+
+def pack_chunks(sizes: Sequence[int], per_request: int) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """Group consecutive chunks into requests of at most ``per_request`` positions (a bigger chunk
+    travels alone): yields ``(start, sizes)`` per request."""
+    start, total = 0, 0
+    group: list[int] = []
+    for size in sizes:
+        if group and total + size > per_request:
+            yield start, tuple(group)
+            start, group, total = start + total, [], 0
+        group.append(size)
+        total += size
+    if group:
+        yield start, tuple(group)
+
+
+def _runs(sizes: Sequence[int]) -> Iterator[tuple[int, int]]:
+    run: list[int] = []
+    for size in sizes:
+        if run and run[0] != size:
+            yield run[0], len(run)
+            run = []
+        run.append(size)
+    if run:
+        yield run[0], len(run)
+
+
+@dataclass
+class ChunkLedger:
+    """One session's record on one hop: the chunks it computed, in order, with running digests.
+
+    ``inputs[i]`` / ``outputs[i]`` are the digests after chunk ``i``; ``outputs`` is kept only by
+    a hop that ``sends`` onward (not the tail). Not thread-safe: its node mutates it on one event loop.
+    """
+
+    sends: bool
+    ends: list[int] = field(default_factory=list)
+    inputs: list[bytes] = field(default_factory=list)
+    outputs: list[bytes] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def sizes(self) -> list[int]:
+        return [end - begin for begin, end in zip([0, *self.ends], self.ends, strict=False)]
+
+    def record(self, size: int, data: bytes, sent: bytes = b"") -> None:
+        """One more chunk of ``size`` positions computed from ``data`` (and ``sent`` onward by a hop that sends)."""
+        start = self.position
+        self.inputs.append(extend_digest(self.inputs[-1] if self.inputs else EMPTY_DIGEST, start, size, data))
+        if self.sends:
+            self.outputs.append(extend_digest(self.outputs[-1] if self.outputs else EMPTY_DIGEST, start, size, sent))
+        self.ends.append(start + size)
+
+    def rewind(self, position: int) -> bool:
+        """Forget the chunks past ``position``; False when ``position`` falls inside a chunk (the
+        record can no longer describe the session, so it is cleared and every check will fail)."""
+        while self.ends and self.ends[-1] > position:
+            self.ends.pop()
+            self.inputs.pop()
+            if self.sends:
+                self.outputs.pop()
+        if self.position != position:
+            self.ends.clear()
+            self.inputs.clear()
+            self.outputs.clear()
+            return False
+        return True
+
+    def describe(self) -> dict[str, object]:
+        """What an answer says about this hop's session: the positions it holds and the two digests."""
+        fields: dict[str, object] = {
+            "held": self.position,
+            "input_digest": (self.inputs[-1] if self.inputs else EMPTY_DIGEST).hex(),
+        }
+        if self.sends:
+            fields["output_digest"] = (self.outputs[-1] if self.outputs else EMPTY_DIGEST).hex()
+        return fields
