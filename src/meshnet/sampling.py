@@ -1,7 +1,10 @@
 """Token sampling over a logits vector: one pure implementation for every backend.
 
-The single-node server and (later) the tail node of a route sample with this same code, so a
-seeded request gives the same tokens whichever way it is served.
+The single-node server and the tail node of a route sample with this same code, so a seeded
+request gives the same tokens whichever way it is served. A seeded draw depends only on the seed
+and the position of the token it picks (not on how many draws came before), so a route repair
+that moves sampling to a new tail — a new ``Sampler`` — continues with exactly the tokens the old
+tail would have drawn.
 """
 
 from __future__ import annotations
@@ -47,12 +50,13 @@ class Sampler:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
 
-    def sample(self, logits: Logits) -> tuple[int, float]:
-        """Return ``(token_id, logprob)``; the logprob is the model's, before temperature."""
-        token = self._choose(logits)
+    def sample(self, logits: Logits, position: int | None = None) -> tuple[int, float]:
+        """Return ``(token_id, logprob)`` for the token at ``position``; the logprob is the model's (before
+        temperature). A seeded draw at a known position is a function of the seed and the position alone."""
+        token = self._choose(logits, position)
         return token, _logprob(logits, token)
 
-    def _choose(self, logits: Logits) -> int:
+    def _choose(self, logits: Logits, position: int | None) -> int:
         p = self.params
         if p.greedy:
             return int(np.argmax(logits))
@@ -69,7 +73,8 @@ class Sampler:
             # Keep the smallest prefix whose mass reaches top_p (always at least one token).
             cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
             candidates, probs = candidates[:cut], probs[:cut] / probs[:cut].sum()
-        return int(candidates[self._rng.choice(probs.shape[0], p=probs)])
+        rng = self._rng if p.seed is None or position is None else np.random.default_rng([p.seed, position])
+        return int(candidates[rng.choice(probs.shape[0], p=probs)])
 
 
 def _logprob(logits: Logits, token: int) -> float:

@@ -251,3 +251,61 @@ def test_a_resent_step_with_rewind_replaces_the_one_a_hop_already_holds(middle: 
     health = httpx.get(f"{middle.url}/v1/health", timeout=10).json()
     assert health["kv_bytes_used"] == 8 * health["kv_bytes_per_token"]
     assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200
+
+
+def hops(response: httpx.Response) -> list[dict[str, object]]:
+    assert response.status_code == 200, response.text
+    return list(response.json()["hops"])
+
+
+def test_a_replay_recomputes_every_position_in_its_first_chunk_so_the_new_hop_is_bit_identical(
+    middle: Proc, tail: Proc
+) -> None:
+    """Regression: positions first computed one at a time (decode steps) were replayed in one chunk of
+    79; llama.cpp computes a chunk of 64 or more with other kernels, so the new tail's KV differed in
+    the low bits and greedy text diverged some tokens later. Now the replay carries the chunk list."""
+    steps = 70
+
+    def session(sid: str, reroute_to: Proc | None) -> list[float]:
+        first = post(middle, sid, activations(10, 1), start=0, tail_url=tail.url)
+        assert first.status_code == 200, first.text
+        for step in range(steps):
+            r = post(middle, sid, activations(1, 100 + step), position=10 + step)
+            assert r.status_code == 200, r.text
+        if reroute_to is not None:
+            moved = reroute(middle, sid, reroute_to.url, 1)
+            [me, new_tail] = hops(moved)
+            assert me["held"] == new_tail["held"] == 10 + steps
+            assert new_tail["input_digest"] == me["output_digest"]
+        logprobs = []
+        for step in range(steps, steps + 6):
+            r = post(middle, sid, activations(1, 100 + step), position=10 + step)
+            logprobs.append(r.json()["logprob"])
+            assert [h["held"] for h in hops(r)] == [11 + step, 11 + step]
+        assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200
+        return logprobs
+
+    control = session("ctl-chunks", None)
+    with meshnet_process(["node", "--layers", "20:30", "--threads", "1", "--ctx", "256"]) as spare:
+        assert session("replayed-chunks", spare) == control  # to the last bit, not only the argmax
+    httpx.delete(f"{tail.url}/v1/sessions/replayed-chunks", timeout=30)
+
+
+def test_a_chunk_list_splits_one_request_into_compute_calls(middle: Proc, tail: Proc) -> None:
+    """``X-Meshnet-Chunks`` on one request gives the same session as one request per chunk."""
+    values = activations(12, 7)
+    for pos, n in ((0, 4), (4, 4), (8, 4)):
+        r = post(middle, "ctl-split", values[:, pos : pos + n], start=pos, tail_url=tail.url if pos == 0 else None)
+        assert r.status_code == 200, r.text
+    want = [(h["held"], h["input_digest"]) for h in hops(r)]
+    bad = post(middle, "split", values, start=0, tail_url=tail.url, extra={"X-Meshnet-Chunks": "4x2"})
+    error(bad, 400, "adds up to 8 positions")
+    error(post(middle, "split", values, start=0, tail_url=tail.url, extra={"X-Meshnet-Chunks": "4,x"}), 400, "SIZE")
+    one = post(middle, "split", values, start=0, tail_url=tail.url, extra={"X-Meshnet-Chunks": "4x3"})
+    assert [(h["held"], h["input_digest"]) for h in hops(one)] == want
+    assert one.json()["token"] == r.json()["token"] and one.json()["logprob"] == r.json()["logprob"]
+    # One request of 12 positions is a different computation: the digests say so.
+    whole = post(middle, "whole", values, start=0, tail_url=tail.url)
+    assert [h["input_digest"] for h in hops(whole)] != [d for _, d in want]
+    for sid in ("ctl-split", "split", "whole"):
+        assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200

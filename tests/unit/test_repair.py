@@ -24,13 +24,14 @@ def node(node_id: str, layers: str, **fields: object) -> NodeRecord:
         "prefill_tps": 1000.0,
         "decode_tps": 100.0,
         "warm": True,
+        "numerics": "cpu-x; threads 1",
     }
     base.update(fields)
     return NodeRecord(node_id=node_id, **base)  # type: ignore[arg-type]
 
 
 def route(*hops: NodeRecord) -> list[PinnedHop]:
-    return [PinnedHop(h.node_id, h.layers) for h in hops]
+    return [PinnedHop(h.node_id, h.layers, h.numerics, h.wire_dtype) for h in hops]
 
 
 A, B, C = node("a", "0:10"), node("b", "10:20"), node("c", "20:30")
@@ -93,3 +94,32 @@ def test_hop_timeouts_nest_so_the_innermost_caller_gives_up_first():
     mid, head, gateway = hop_timeout_s(4.0, 1), hop_timeout_s(4.0, 2), hop_timeout_s(4.0, 4)
     assert mid == 4.0 and head == 4.0 + NESTED_TIMEOUT_MARGIN_S and gateway > head > mid
     assert hop_timeout_s(4.0, 0) == 4.0
+
+
+def test_only_a_node_with_the_same_numerics_may_replace_a_hop():
+    """Another thread count or processor computes other low bits: the text would change after the repair."""
+    other = node("b2", "10:20", numerics="cpu-x; threads 2")
+    unknown = node("b3", "10:20", numerics=None)
+    with pytest.raises(Overloaded, match="bit-identically"):
+        plan_repair(route(A, B, C), "b", [A, C, other, unknown], MODEL)
+    same = node("b4", "10:20")
+    assert plan_repair(route(A, B, C), "b", [A, C, other, unknown, same], MODEL).nodes == (same,)
+
+
+def test_exact_float32_seams_may_merge_but_lossy_ones_stay_where_they_were():
+    lossy_b = node("b", "10:20", wire_dtype="bfloat16")
+    spare = node("s", "10:30")
+    # B sent bfloat16 into C: a spare computing 10:30 in one piece would skip that rounding.
+    with pytest.raises(Overloaded):
+        plan_repair(route(A, lossy_b, C), "c", [A, lossy_b, spare], MODEL)
+    assert plan_repair(route(A, B, C), "c", [A, B, spare], MODEL).nodes == (spare,)
+    # Replacing B alone: the replacement must send what B sent, in B's dtype.
+    exact_b2 = node("b2", "10:20")
+    lossy_b2 = node("b3", "10:20", wire_dtype="bfloat16")
+    assert plan_repair(route(A, lossy_b, C), "b", [A, C, exact_b2, lossy_b2], MODEL).nodes == (lossy_b2,)
+    # ...and where the route had an exact seam, a lossy sender would add a rounding.
+    assert plan_repair(route(A, B, C), "b", [A, C, exact_b2, lossy_b2], MODEL).nodes == (exact_b2,)
+    # A new seam inside a replaced run must be exact too.
+    lossy_s1, s2 = node("s1", "10:15", wire_dtype="float16"), node("s2", "15:20")
+    with pytest.raises(Overloaded):
+        plan_repair(route(A, B, C), "b", [A, C, lossy_s1, s2], MODEL)

@@ -167,3 +167,16 @@ def test_params_are_frozen():
     p = SamplingParams()
     with pytest.raises(AttributeError):
         p.temperature = 0.5  # type: ignore[misc]
+
+
+def test_a_seeded_draw_depends_on_the_seed_and_position_only():
+    """A new sampler (a repaired route's new tail) draws what the old one would have at that position."""
+    logits = np.log(np.full(50, 1 / 50, dtype=np.float32))
+    params = SamplingParams(temperature=1.0, seed=7)
+    old = Sampler(params)
+    drawn = [old.sample(logits, position=p)[0] for p in range(100, 140)]
+    new = Sampler(params)
+    assert [new.sample(logits, position=p)[0] for p in range(120, 140)] == drawn[20:]
+    assert len(set(drawn)) > 10  # still random across positions
+    other = Sampler(SamplingParams(temperature=1.0, seed=8))
+    assert [other.sample(logits, position=p)[0] for p in range(100, 140)] != drawn

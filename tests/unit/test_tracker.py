@@ -291,6 +291,8 @@ UNADVERTISED = {
     "manifest": None,
     "files": [],
     "bt_peer": None,
+    "numerics": None,
+    "wire_dtype": "float32",
 }
 
 
@@ -372,9 +374,8 @@ def test_open_session_returns_a_route_covering_every_layer(client: TestClient, c
     assert session["model"] == MODEL
     assert session["created"] == clock[0]
     assert session["hops"] == [
-        {"node_id": "a", "url": "http://a.local:7000", "layers": "0:4"},
-        {"node_id": "b", "url": "http://b.local:7000", "layers": "4:8"},
-        {"node_id": "c", "url": "http://c.local:7000", "layers": "8:12"},
+        {"node_id": n, "url": f"http://{n}.local:7000", "layers": layers, "numerics": None, "wire_dtype": "float32"}
+        for n, layers in (("a", "0:4"), ("b", "4:8"), ("c", "8:12"))
     ]
     other = client.post("/v1/sessions", json={"model": MODEL}).json()
     assert (other["session_id"], other["route_id"]) != (session["session_id"], session["route_id"])

@@ -51,7 +51,7 @@ def client(db_url: str) -> Iterator[TestClient]:
 def register(client: TestClient, node_id: str, layers: str, **fields: Any) -> None:
     body = {"node_id": node_id, "url": f"http://{node_id}.local:7000", "model": MODEL, "layers": layers,
             "total_layers": 30, "backend": "fake", "kv_bytes_free": 1 << 30, "prefill_tps": 1000.0,
-            "decode_tps": 100.0, **fields}  # fmt: skip
+            "decode_tps": 100.0, "numerics": "fake 1; threads 1", **fields}  # fmt: skip
     assert client.post("/v1/nodes", json=body).status_code in (200, 201)
 
 
@@ -151,6 +151,24 @@ def test_repair_replaces_the_failed_hop_and_repins_the_session(client: TestClien
     register(client, "b", "10:20")
     b = next(n for n in client.get("/v1/nodes").json()["nodes"] if n["node_id"] == "b")
     assert b["reliability"] < 1.0
+
+
+def test_repair_and_a_fresh_route_like_a_session_take_only_numerically_equivalent_nodes(client: TestClient):
+    swarm(client)
+    register(client, "b2", "10:20", numerics="fake 1; threads 2")  # other low bits
+    register(client, "s", "10:30", wire_dtype="bfloat16")  # a tail never sends: the dtype does not matter
+    session = open_session(client, exclude=["b2", "s"])
+    assert [h["node_id"] for h in session["hops"]] == ["a", "b", "c"]
+    assert all(h["numerics"] == "fake 1; threads 1" for h in session["hops"])
+    sid = session["session_id"]
+    fixed = client.post(f"/v1/sessions/{sid}/repair", json={"failed_node": "b", "position": 9}).json()
+    assert [h["node_id"] for h in fixed["hops"]] == ["a", "s"]  # b2 would compute other bits
+    register(client, "b", "10:20")  # back after its failure
+    like = open_session(client, like_session=sid, exclude=["s"])
+    assert [h["node_id"] for h in like["hops"]] == ["a", "b", "c"]
+    response = client.post("/v1/sessions", json={"model": MODEL, "like_session": sid, "exclude": ["b", "s"]})
+    assert response.status_code == 503 and "bit-identically" in response.text
+    assert client.post("/v1/sessions", json={"model": MODEL, "like_session": "ses-none"}).status_code == 404
 
 
 def test_repair_without_a_replacement_says_which_layers_are_missing(client: TestClient):

@@ -117,7 +117,7 @@ class ChainSession:
         sampler = sampler or Sampler(SamplingParams(temperature=0.0))
         out: list[int] = []
         for i in range(n_new):
-            token, _ = sampler.sample(logits)
+            token, _ = sampler.sample(logits, position=self.position)
             out.append(token)
             if i + 1 < n_new:  # the last token is returned, not fed back
                 logits = self.step(token)

@@ -107,7 +107,7 @@ class FakeEngine:
                 target = self.reply[step] if step < len(self.reply) else EOS
                 logits = np.full(VOCAB, -30.0, dtype=np.float32)
                 logits[target] = 30.0
-                token, logprob = sampler.sample(logits)
+                token, logprob = sampler.sample(logits, position=position)
                 time.sleep(self.step_delay_s)
                 yield TokenStep(token=token, logprob=logprob)
                 step += 1

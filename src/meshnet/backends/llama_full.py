@@ -112,7 +112,7 @@ class LlamaFullEngine:
         while not cancel.is_set():
             if llm.n_tokens >= self.n_ctx:
                 return  # the caller sees the context end as finish_reason "length"
-            token, logprob = sampler.sample(self._last_logits())
+            token, logprob = sampler.sample(self._last_logits(), position=llm.n_tokens)
             yield TokenStep(token=token, logprob=logprob)
             self._eval([token])
 

@@ -20,6 +20,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,10 @@ class LlamaShard(ShardBase[int]):
                 per_layer_bytes_per_token=tuple(per_layer),
                 formula="per layer: (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes (f16 K and V)",
             ),
+            numerics=(
+                f"llama.cpp {getattr(self._ll, '__version__', '?')} cpu {platform.machine()} {_cpu_model()}; "
+                f"threads {cfg.n_threads or os.cpu_count() or 1}; n_batch {cfg.n_batch}; flash-attn; kv f16"
+            ),
         )
 
     @classmethod
@@ -336,6 +341,18 @@ class LlamaShard(ShardBase[int]):
             ll.llama_free(self._ctx)
             ll.llama_model_free(self._model)
             self._ctx = None
+
+
+@functools.cache
+def _cpu_model() -> str:
+    """The processor's model name: llama.cpp picks its kernels (and so the low bits) by it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 @functools.cache

@@ -90,6 +90,11 @@ class ShardInfo:
     max_positions: int
     weight_bytes: int
     kv: KVFormat
+    # What decides the low bits of this shard's results: library and version, processor, threads,
+    # batch size. Two shards with the same layers and the same ``numerics`` compute identical KV and
+    # activations; route repair replaces a hop only with one whose numerics equal its own
+    # (tracker.repair), so a repaired route computes what the old one would have.
+    numerics: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,6 +92,7 @@ class TorchShard(ShardBase[TorchSession]):
             max_positions=config.max_position_embeddings,
             weight_bytes=modules.weight_bytes(),
             kv=kv,
+            numerics=f"torch {torch.__version__} cpu; threads {torch.get_num_threads()}; {dtype_name(dtype)}",
         )
         self._init_store(
             StoreLimits(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -37,6 +38,7 @@ __all__ = [
 ]
 
 HEARTBEAT_S = 0.5
+_log = logging.getLogger("meshnet.gateway")
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,9 +275,26 @@ class GenerationService:
 
     def _on_route_change(self, tel: GenerationTelemetry, change: RouteChange) -> None:
         """A hop failed and the route engine recovered: say so, with the reason and the new route."""
+        failed = next((h for h in tel.route if h.node == change.failed_node), None)
         tel.route, tel.session_id, tel.route_id = change.plan.hops, change.plan.session_id, change.plan.route_id
         tel.retries += 1
         self.metrics.route_retries.labels(kind=change.kind).inc()
+        self.metrics.route_recovery_seconds.labels(kind=change.kind).observe(change.seconds)
+        self.metrics.route_replayed_positions.labels(kind=change.kind).inc(change.replayed)
+        _log.warning(
+            "route %s (attempt %d): generation %s session %s: node %s%s failed (%s); route now %s; "
+            "%d positions replayed in %.3fs",
+            change.kind,
+            change.attempt,
+            tel.generation_id,
+            tel.session_id,
+            change.failed_node,
+            f" (layers {failed.layers})" if failed is not None else "",
+            change.reason,
+            " -> ".join(f"{h.node}[{h.layers}]" for h in change.plan.hops),
+            change.replayed,
+            change.seconds,
+        )
         tel.emit(
             EventType.ROUTE_RETRY,
             kind=change.kind,
@@ -344,6 +363,9 @@ class GenerationService:
             return
         tel.error = error.message
         tel.finish_reason = reason or "error"
+        if error.code == "route_inconsistent":
+            self.metrics.route_inconsistencies.inc()
+            _log.error("generation %s stopped: its route is inconsistent: %s", tel.generation_id, error.message)
         tel.phase = Phase.FAILED
         tel.emit(EventType.ROUTE_HEALTH, status="failed", reason=error.message, hops=[])
         tel.emit(EventType.GENERATION_FAILED, reason=error.message, code=error.code or error.error_type)

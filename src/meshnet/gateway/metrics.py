@@ -29,6 +29,24 @@ class GatewayMetrics:
             ["kind"],
             registry=r,
         )
+        self.route_recovery_seconds = Histogram(
+            "meshnet_route_recovery_seconds",
+            "Time from a hop failure to the recovered route's next answer, by kind",
+            ["kind"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.route_replayed_positions = Counter(
+            "meshnet_route_replayed_positions",
+            "Positions recomputed on replacement hops by route repairs and reroutes",
+            ["kind"],
+            registry=r,
+        )
+        self.route_inconsistencies = Counter(
+            "meshnet_route_inconsistencies",
+            "Generations stopped because the hops of their route disagreed on what they computed",
+            registry=r,
+        )
         self.active = Gauge("meshnet_generations_active", "Generations running now", registry=r)
         self.queue_depth = Gauge("meshnet_queue_depth", "Generations waiting for the engine", registry=r)
         self.decode_tokens_per_second = Gauge(

@@ -82,6 +82,7 @@ class _Run:
     ledger: ChunkLedger
     retries: int = 0
     failed_nodes: set[str] = dataclasses.field(default_factory=set)
+    streamed: bool = False  # a token went out: any new route must compute exactly what this one did
 
     def add(self, tokens: Sequence[int]) -> None:
         """``tokens`` become the route's next chunk (a prompt chunk, or one decode step)."""
@@ -137,10 +138,20 @@ class RouteEngine:
         except httpx.HTTPError as exc:
             raise Overloaded(f"the tracker at {self.tracker_url} is unreachable: {exc}", retry_after_s=5) from None
 
-    def plan(self, *, exclude: Sequence[str] = (), prompt_tokens: int = 0, max_tokens: int = 0) -> RoutePlan:
+    def plan(
+        self,
+        *,
+        exclude: Sequence[str] = (),
+        prompt_tokens: int = 0,
+        max_tokens: int = 0,
+        like_session: SessionId | None = None,
+    ) -> RoutePlan:
+        """Pin a fresh route; ``like_session``: only one that computes bit-identically to that session's."""
         body: dict[str, Any] = {"model": self.info.model_id, "total_layers": self.info.n_layers}
         if exclude:
             body["exclude"] = list(exclude)
+        if like_session is not None:
+            body["like_session"] = like_session
         if prompt_tokens:
             body["prefill_tokens"] = prompt_tokens
         if max_tokens:
@@ -178,6 +189,7 @@ class RouteEngine:
             answer = yield from self._prefill_with_retries(run, tokens, cancel)
             while answer is not None and not cancel.is_set():
                 token = int(answer["token"])
+                run.streamed = True
                 yield TokenStep(token, float(answer["logprob"]), _hop_ms(answer))
                 if len(tokens) + 1 > self.n_ctx:
                     break
@@ -312,7 +324,8 @@ class RouteEngine:
     def _fresh_route(self, run: _Run, tokens: list[int]) -> None:
         """Abandon the current route (work on it is not billed) for a new one without the failed nodes."""
         self._close(run.plan)
-        run.plan = self.plan(exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens))
+        like = run.plan.session_id if run.streamed else None
+        run.plan = self.plan(exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens), like_session=like)
         run.usage = Usage()
 
     def _failed_hop(self, run: _Run, error: HopFailed) -> Hop:

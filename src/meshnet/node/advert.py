@@ -294,6 +294,7 @@ def advert_fields(shard: ShardBackend, traffic: Traffic, prober: LatencyProber) 
         **traffic.fields(),
         "kv_bytes_per_token": shard.info.kv.bytes_per_token,
         "weight_bytes": shard.info.weight_bytes,
+        "numerics": shard.info.numerics or None,
         "latency_ms": dict(prober.latency_ms),
     }
 

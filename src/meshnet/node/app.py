@@ -546,7 +546,7 @@ async def _handle(
             if not final:
                 return JSONResponse({"accepted": n, "hops": [me]}, status_code=202)
             assert logits is not None and route.sampler is not None
-            token, logprob = route.sampler.sample(logits)
+            token, logprob = route.sampler.sample(logits, position=start + n)
             return JSONResponse({"token": token, "logprob": logprob, "position": start + n, "hops": [me]})
         assert frame is not None
         node.log_frame(route, start, frame)
@@ -659,6 +659,7 @@ async def _heartbeat(node: _Node, tracker_url: str) -> None:
                 "backend": info.backend,
                 "kv_bytes_free": node.shard.store.free_bytes(),
                 "heartbeat_s": node.config.heartbeat_s,
+                "wire_dtype": node.config.wire_dtype,
                 "hardware": host_hardware(threads),
                 **advert_fields(node.shard, node.traffic, prober),
                 **extra,

@@ -67,6 +67,8 @@ class Registration(BaseModel):
     manifest: str | None = Field(None, max_length=512)
     files: list[str] = Field(default_factory=list, max_length=100_000)
     bt_peer: str | None = Field(None, pattern=r"^\S+:\d{1,5}$", max_length=300)  # where it seeds them
+    numerics: str | None = Field(None, max_length=512)  # what decides its low bits (ShardInfo.numerics)
+    wire_dtype: str = Field("float32", pattern=r"^(float32|bfloat16|float16)$")  # the activations it sends
 
 
 class _Tracker:
@@ -151,6 +153,8 @@ def _node_json(node: NodeRecord) -> dict[str, Any]:
         "manifest": node.manifest,
         "files": list(node.files),
         "bt_peer": node.bt_peer,
+        "numerics": node.numerics,
+        "wire_dtype": node.wire_dtype,
     }
 
 
@@ -183,6 +187,8 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
             manifest=reg.manifest,
             files=tuple(reg.files),
             bt_peer=reg.bt_peer,
+            numerics=reg.numerics,
+            wire_dtype=reg.wire_dtype,
         )
         # A node that expired and came back registers afresh (201), like one never seen.
         fresh = reg.node_id not in {n.node_id for n in tracker.live_nodes()}

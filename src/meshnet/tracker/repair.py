@@ -11,6 +11,13 @@ and keeps the embedding lookup where it was.
 Example, route A[0:10) → B[10:20) → C[20:30), C fails, spare S[10:30) is live and no other node
 serves 20:30: the run {C} has no cover, the run {B, C} is covered by S → B and C are replaced by S,
 A replays its log into S.
+
+A repair must not change the text, so only *numerically equivalent* replacements qualify
+(``equivalent_nodes``): every layer must be computed by a node with the same ``numerics`` as the
+hop that computed it before (library, processor, threads: they decide the low bits of the KV and
+of the activations), and a seam that rounded the activations (a bfloat16 or float16 wire) must stay
+where it was, in the same dtype — only exact float32 seams may move or merge. Without an
+equivalent node the repair is refused with the reason, never made inexact.
 """
 
 from __future__ import annotations
@@ -22,13 +29,18 @@ from meshnet.errors import Overloaded
 from meshnet.layers import LayerRange
 from meshnet.tracker.routing import NodeRecord, RouteRequest, select_routes
 
-__all__ = ["PinnedHop", "Repair", "plan_repair"]
+__all__ = ["EXACT_WIRE", "PinnedHop", "Repair", "equivalent_nodes", "plan_repair"]
+
+
+EXACT_WIRE = "float32"
 
 
 @dataclass(frozen=True, slots=True)
 class PinnedHop:
     node_id: str
     layers: LayerRange
+    numerics: str | None = None
+    wire_dtype: str = EXACT_WIRE
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +77,15 @@ def plan_repair(
         # The surviving hops keep their place; nothing on the route may serve twice.
         skip = {*exclude, failed, *(hop.node_id for hop in route)}
         span = (route[i].layers.start, route[j - 1].layers.stop)
+        fits = equivalent_nodes(route[i:j], live)
+        if not fits:
+            first_error = first_error or Overloaded(
+                f"no live node computes layers {span[0]}:{span[1]} bit-identically to the failed route "
+                "(same library, processor, threads and lossy seams)"
+            )
+            continue
         try:
-            choice = select_routes(live, model, total, request=request or RouteRequest(), exclude=skip, span=span, k=1)[
+            choice = select_routes(fits, model, total, request=request or RouteRequest(), exclude=skip, span=span, k=1)[
                 0
             ]
         except Overloaded as exc:
@@ -78,3 +97,28 @@ def plan_repair(
         f"no live node can take over layers {route[index].layers} from failed node {failed}: {why}",
         retry_after_s=5,
     )
+
+
+def equivalent_nodes(run: Sequence[PinnedHop], live: Sequence[NodeRecord]) -> list[NodeRecord]:
+    """The live nodes that could stand in for part of ``run`` (consecutive pinned hops) without
+    changing a single bit of what the route computes: each layer they hold was computed by a hop
+    with their ``numerics``, no lossy seam of ``run`` falls inside their range, and the seam they
+    send on is the one the route had there (its lossy dtype, or exact float32 where there was none).
+    A node or hop that does not say its numerics never qualifies."""
+    if not run:
+        return []
+    total = run[0].layers.total
+    lossy = {h.layers.stop: h.wire_dtype for h in run if h.wire_dtype != EXACT_WIRE and not h.layers.is_tail}
+    fits = []
+    for node in live:
+        start, stop = node.layers.start, node.layers.stop
+        covered = [h for h in run if h.layers.start < stop and start < h.layers.stop]
+        if not covered or node.numerics is None or any(h.numerics != node.numerics for h in covered):
+            continue
+        if any(start < cut < stop for cut in lossy):
+            continue  # it would drop a rounding the route did
+        if stop < total and node.wire_dtype != lossy.get(stop, EXACT_WIRE):
+            continue
+        if node.layers.total == total:
+            fits.append(node)
+    return fits

@@ -114,6 +114,8 @@ class NodeRecord:
     manifest: str | None = None
     files: tuple[str, ...] = ()
     bt_peer: str | None = None  # HOST:PORT where it seeds ``files`` over BitTorrent
+    numerics: str | None = None  # what decides the low bits of its results (None: unknown)
+    wire_dtype: str = "float32"  # the dtype of the activations it sends onward
 
 
 @dataclass(frozen=True, slots=True)

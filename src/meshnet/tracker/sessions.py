@@ -24,12 +24,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.errors import Conflict, InvalidRequest, NotFound
+from meshnet.errors import Conflict, InvalidRequest, NotFound, Overloaded
 from meshnet.ids import new_route_id, new_session_id
 from meshnet.layers import LayerRange
 from meshnet.tracker.billing import FORMULA
 from meshnet.tracker.db import BillingRow, TrackerDB
-from meshnet.tracker.repair import PinnedHop, plan_repair
+from meshnet.tracker.repair import PinnedHop, equivalent_nodes, plan_repair
 from meshnet.tracker.routing import NodeRecord, RouteRequest, select_routes
 
 __all__ = ["NodeRegistry", "SessionsApi", "parse_body"]
@@ -52,6 +52,9 @@ class SessionRequest(BaseModel):
     prefill_tokens: int | None = Field(None, ge=0)  # the expected request, for route selection
     max_tokens: int | None = Field(None, ge=0)
     exclude: list[str] = Field(default_factory=list, max_length=1000)
+    # A fresh route that must compute exactly what this (earlier) session's route did: the gateway
+    # re-prefills a generation that already streamed text, which must go on unchanged.
+    like_session: str | None = Field(None, min_length=1, max_length=64)
 
 
 class RepairRequest(BaseModel):
@@ -94,8 +97,26 @@ def parse_body(schema: type[SchemaT], raw: bytes) -> SchemaT:
         raise InvalidRequest(f"invalid '{where}': {first['msg']}", param=where) from None
 
 
-def hops_json(chain: Sequence[NodeRecord]) -> list[dict[str, str]]:
-    return [{"node_id": n.node_id, "url": n.url, "layers": str(n.layers)} for n in chain]
+def hops_json(chain: Sequence[NodeRecord]) -> list[dict[str, Any]]:
+    """A pinned route's hops; ``numerics`` and ``wire_dtype`` let a repair stay exact after the node died."""
+    return [
+        {
+            "node_id": n.node_id,
+            "url": n.url,
+            "layers": str(n.layers),
+            "numerics": n.numerics,
+            "wire_dtype": n.wire_dtype,
+        }
+        for n in chain
+    ]
+
+
+def pinned_hops(session: dict[str, Any]) -> list[PinnedHop]:
+    total = _total_layers(session)
+    return [
+        PinnedHop(h["node_id"], LayerRange.parse(h["layers"], total), h.get("numerics"), h.get("wire_dtype", "float32"))
+        for h in session["hops"]
+    ]
 
 
 def _total_layers(session: dict[str, Any]) -> int:
@@ -125,7 +146,18 @@ class SessionsApi:
             decode_tokens=defaults.decode_tokens if req.max_tokens is None else req.max_tokens,
         )
         live = self.registry.live_nodes()
-        choices = select_routes(live, req.model, req.total_layers, request=expected, exclude=req.exclude)
+        if req.like_session is not None:
+            like = equivalent_nodes(pinned_hops(self.load(req.like_session)), live)
+            why = (
+                f"only nodes that compute bit-identically to session {req.like_session}'s route qualify (same "
+                f"library, processor, threads and lossy seams): {len(like)} of {len(live)} live nodes do"
+            )
+            try:
+                choices = select_routes(like, req.model, req.total_layers, request=expected, exclude=req.exclude)
+            except Overloaded as exc:
+                raise Overloaded(f"{exc.message}; {why}", retry_after_s=5) from None
+        else:
+            choices = select_routes(live, req.model, req.total_layers, request=expected, exclude=req.exclude)
         session = {
             "session_id": new_session_id(),
             "route_id": new_route_id(),
@@ -160,8 +192,7 @@ class SessionsApi:
             raise Conflict(f"session {sid} is {session['status']}; open a new one")
         self.registry.record_failure(req.failed_node, req.reason or "failed during decode")
         self.registry.suspend(req.failed_node)
-        total = _total_layers(session)
-        pinned = [PinnedHop(h["node_id"], LayerRange.parse(h["layers"], total)) for h in session["hops"]]
+        pinned = pinned_hops(session)
         if req.failed_node not in {h.node_id for h in pinned}:
             raise InvalidRequest(f"node {req.failed_node} is not on session {sid}'s route", param="failed_node")
         fix = plan_repair(
