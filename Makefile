@@ -11,7 +11,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 ARGS ?=
 
-.PHONY: up serve test bench lint install clean
+.PHONY: up serve test bench chaos lint install clean
 
 up: $(STAMP)
 	$(BIN)/meshnet up $(ARGS)
@@ -24,6 +24,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py $(ARGS)
+
+# Hundreds of generations under random kill -9 / SIGSTOP of random hops (tests/chaos.py); a section of
+# benchmarks/RESULTS.md. Run it alone on the machine.
+chaos: $(STAMP)
+	$(BIN)/python benchmarks/run.py --only chaos $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -119,3 +119,7 @@ def test_ctrl_c_stops_every_process_of_the_swarm(tmp_path: Path) -> None:
         assert "swarm stopped" in proc.output()
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
+    logs = {path.name: path.read_text() for path in tmp_path.glob("*.log")}
+    assert len(logs) == 4 and all("listening on" in text for text in logs.values())
+    noisy = {name: text[-1500:] for name, text in logs.items() if "Traceback" in text}
+    assert not noisy, noisy  # a clean stop, not a KeyboardInterrupt traceback in every child's log

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshnet.errors import SeamMismatch
+from meshnet.errors import RouteInconsistent, SeamMismatch
+from meshnet.layers import LayerRange
 from meshnet.protocol.ledger import (
     EMPTY_DIGEST,
     ChunkLedger,
@@ -12,7 +13,9 @@ from meshnet.protocol.ledger import (
     format_chunks,
     pack_chunks,
     parse_chunks,
+    verify_hops,
 )
+from meshnet.routes import Hop
 
 
 def test_chunk_lists_are_run_length_encoded_and_round_trip() -> None:
@@ -98,3 +101,49 @@ def test_the_same_positions_in_other_chunks_give_another_digest() -> None:
     two.record(1, b"a")
     two.record(1, b"b")
     assert one.position == two.position and one.describe() != two.describe()
+
+
+ROUTE = (Hop("a", "http://a", LayerRange(0, 10, 30)), Hop("b", "http://b", LayerRange(10, 30, 30)))
+
+
+def consistent_answer() -> tuple[ChunkLedger, list[dict[str, object]]]:
+    """A gateway ledger of two chunks of token ids, and the answer of a route that computed them faithfully."""
+    gateway, head, tail = ChunkLedger(sends=False), ChunkLedger(sends=True), ChunkLedger(sends=False)
+    for tokens, activations in ((b"t0t1", b"h0h1"), (b"t2", b"h2")):
+        size = len(tokens) // 2
+        gateway.record(size, tokens)
+        head.record(size, tokens, activations)
+        tail.record(size, activations)
+    return gateway, [{"node": "a", **head.describe()}, {"node": "b", **tail.describe()}]
+
+
+def test_a_faithful_route_passes_the_check() -> None:
+    gateway, hops = consistent_answer()
+    verify_hops(gateway, ROUTE, hops)
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (lambda hops: hops[1].update(held=2), "holds 2 positions; the route should hold 3"),
+        (lambda hops: hops[0].update(input_digest=EMPTY_DIGEST.hex()), "the gateway's token ids"),
+        (lambda hops: hops[0].update(output_digest=EMPTY_DIGEST.hex()), "what node a sent it"),
+        (lambda hops: hops[1].pop("input_digest"), "what node a sent it"),
+        (lambda hops: hops.pop(), "the session is on ['a', 'b']"),
+        (lambda hops: hops.reverse(), "answered for nodes ['b', 'a']"),
+    ],
+)
+def test_any_disagreement_between_hops_stops_the_generation(damage: object, needle: str) -> None:
+    gateway, hops = consistent_answer()
+    damage(hops)  # type: ignore[operator]
+    with pytest.raises(RouteInconsistent, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        verify_hops(gateway, ROUTE, hops)
+
+
+def test_a_route_that_chunked_the_prompt_differently_is_caught() -> None:
+    gateway, hops = consistent_answer()
+    rechunked = ChunkLedger(sends=True)
+    rechunked.record(3, b"t0t1t2", b"h0h1h2")
+    hops[0] = {"node": "a", **rechunked.describe()}
+    with pytest.raises(RouteInconsistent, match="token ids"):
+        verify_hops(gateway, ROUTE, hops)

@@ -57,6 +57,8 @@ def serve_app(app: Any, sock: socket.socket) -> None:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the Ctrl-C it already handled by shutting down gracefully: a clean stop
     finally:
         sock.close()
 

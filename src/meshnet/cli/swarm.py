@@ -16,7 +16,7 @@ from meshnet.layers import LayerRange
 
 __all__ = ["add_swarm_commands", "default_cache_dir", "run_gateway", "run_node", "run_tracker"]
 
-WIRE_DTYPES = ("bfloat16", "float16", "float32")
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def default_cache_dir() -> Path:
@@ -38,7 +38,13 @@ def add_swarm_commands(sub: Any) -> None:
     node.add_argument("--threads", type=int, help="compute threads (default: all cores)")
     node.add_argument("--ctx", type=int, default=2048, help="context per session in tokens (default 2048)")
     node.add_argument("--max-sessions", type=int, default=4, help="sessions held at once (default 4)")
-    node.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="bfloat16", help="activations sent onward")
+    node.add_argument(
+        "--wire-dtype",
+        choices=WIRE_DTYPES,
+        default="float32",
+        help="activations sent onward (default float32: exact; a lossy dtype makes the text depend on where "
+        "routes are cut, and route repair keeps such seams in place)",
+    )
     node.add_argument("--node-id", help="stable id (default: derived from host, port and layers)")
     node.add_argument("--cache-dir", type=Path, default=None, help="where shard files are cut to")
     node.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session's KV is freed")

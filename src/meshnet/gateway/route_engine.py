@@ -11,12 +11,18 @@ Failures (docs/tracker.md, "Failure handling"): every hop answer that names a fa
 
 - during prefill: the failed node is reported, a fresh route without it is pinned, and prefill
   starts again from scratch (``RouteChange`` kind ``reroute``);
-- during decode: **route repair** — the tracker picks replacement hops for the failed segment, the
-  node upstream of it replays its seam log (the activations it already sent) into them, the
-  interrupted step is resent, and generation continues with the same session and the same tokens
-  (kind ``repair``). When the head itself failed, the gateway is the upstream and replays the
-  token ids. A repair that cannot work (no seam log, a backend that cannot rewind) falls back to
-  a fresh route prefilled with everything so far.
+- during decode: **route repair** — the tracker picks numerically equivalent replacement hops for
+  the failed segment, the node upstream of it replays its seam log (the activations it already
+  sent) into them in the chunks they were first computed in, the interrupted step is resent, and
+  generation continues with the same session and the same tokens (kind ``repair``). When the head
+  itself failed, the gateway is the upstream and replays the token ids. A repair that cannot work
+  (no seam log, a backend that cannot rewind) falls back to a fresh route like the old one,
+  prefilled with everything so far in its original chunks.
+
+Every answer is checked before its token goes out (``protocol.ledger.verify_hops``): each hop must
+hold the positions the gateway sent and have computed them from what the hop before it sent —
+from the gateway's own token ids, in the gateway's chunks, at the head. A route that disagrees
+ends the generation with ``RouteInconsistent`` instead of streaming text from it.
 
 Every HTTP call is bounded in time, so a dead hop ends in a retry or a stated failure, never a hang.
 
@@ -45,14 +51,13 @@ from meshnet.errors import (
     InvalidRequest,
     MeshnetError,
     Overloaded,
-    RouteInconsistent,
 )
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
 from meshnet.protocol import headers as H
-from meshnet.protocol.ledger import ChunkLedger, format_chunks, pack_chunks
+from meshnet.protocol.ledger import ChunkLedger, format_chunks, pack_chunks, verify_hops
 from meshnet.protocol.wire import encode_tensor, format_shape
 from meshnet.routes import Hop, RoutePlan, hop_timeout_s
 from meshnet.sampling import Sampler
@@ -422,23 +427,7 @@ class RouteEngine:
 
 
 def _verify(run: _Run, hops: Sequence[dict[str, Any]]) -> None:
-    """Raise ``RouteInconsistent`` unless every hop of ``run.plan`` holds the positions the gateway
-    sent, the head computed them from the gateway's token ids in the gateway's chunks, and every
-    hop computed from exactly what the hop before it sent (protocol.ledger)."""
-    want = run.ledger.describe()
-    plan = run.plan.hops
-    if [h.get("node") for h in hops] != [h.node for h in plan]:
-        raise RouteInconsistent(
-            f"the route answered for nodes {[h.get('node') for h in hops]}, the session is on {[h.node for h in plan]}"
-        )
-    for i, (hop, seen) in enumerate(zip(plan, hops, strict=True)):
-        where = f"node {hop.node} (layers {hop.layers})"
-        if seen.get("held") != want["held"]:
-            raise RouteInconsistent(f"{where} holds {seen.get('held')} positions; the route should hold {want['held']}")
-        sent = want["input_digest"] if i == 0 else hops[i - 1].get("output_digest")
-        if seen.get("input_digest") != sent:
-            source = "the gateway's token ids" if i == 0 else f"what node {plan[i - 1].node} sent it"
-            raise RouteInconsistent(f"{where} computed its {want['held']} positions from something else than {source}")
+    verify_hops(run.ledger, run.plan.hops, hops)
 
 
 def _hop_ms(answer: dict[str, Any]) -> tuple[float, ...]:

@@ -85,7 +85,7 @@ __all__ = ["NodeConfig", "create_node_app"]
 class NodeConfig:
     node_id: str
     url: str
-    wire_dtype: str = "bfloat16"  # what this node sends to the next hop
+    wire_dtype: str = "float32"  # what this node sends to the next hop (float32: exact)
     max_body_bytes: int = 256 * 2**20
     hop_timeout_s: float = 120.0
     sweep_interval_s: float = 5.0

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from meshnet.errors import SeamMismatch
+from meshnet.errors import RouteInconsistent, SeamMismatch
+from meshnet.routes import Hop
 
 __all__ = [
     "DIGEST_BYTES",
@@ -36,6 +38,7 @@ __all__ = [
     "format_chunks",
     "pack_chunks",
     "parse_chunks",
+    "verify_hops",
 ]
 
 DIGEST_BYTES = 16
@@ -158,3 +161,23 @@ class ChunkLedger:
         if self.sends:
             fields["output_digest"] = (self.outputs[-1] if self.outputs else EMPTY_DIGEST).hex()
         return fields
+
+
+def verify_hops(expected: ChunkLedger, route: Sequence[Hop], hops: Sequence[Mapping[str, Any]]) -> None:
+    """Raise ``RouteInconsistent`` unless the ``hops`` entries of an answer show every hop of
+    ``route`` holding the positions of ``expected`` (the gateway's own ledger of the token ids it
+    sent), the head having computed them from those token ids in those chunks, and every other hop
+    from exactly what the hop before it sent."""
+    want = expected.describe()
+    if [h.get("node") for h in hops] != [h.node for h in route]:
+        raise RouteInconsistent(
+            f"the route answered for nodes {[h.get('node') for h in hops]}; the session is on {[h.node for h in route]}"
+        )
+    for i, (hop, seen) in enumerate(zip(route, hops, strict=True)):
+        where = f"node {hop.node} (layers {hop.layers})"
+        if seen.get("held") != want["held"]:
+            raise RouteInconsistent(f"{where} holds {seen.get('held')} positions; the route should hold {want['held']}")
+        sent = want["input_digest"] if i == 0 else hops[i - 1].get("output_digest")
+        if seen.get("input_digest") != sent:
+            source = "the gateway's token ids in its chunks" if i == 0 else f"what node {route[i - 1].node} sent it"
+            raise RouteInconsistent(f"{where} computed its {want['held']} positions from other inputs than {source}")
