@@ -134,6 +134,14 @@ class Swarm:
         for name in list(self._node_stacks):
             self._stop_node(name)
         self._stack.close()
+        for name, proc in (("tracker", self.tracker), ("gateway", self.gateway)):
+            if proc is not None:
+                self._keep_log(name, proc)
+
+    def _keep_log(self, name: str, proc: Proc) -> None:
+        """Append a process's output to ``workdir/NAME.log`` (a restarted node's lives go one after another)."""
+        with (self.workdir / f"{name}.log").open("a") as log:
+            log.write(proc.output())
 
     # -- nodes -------------------------------------------------------------------------------
     def _start(self, name: str) -> None:
@@ -156,6 +164,8 @@ class Swarm:
                 proc.popen.send_signal(signal.SIGCONT)  # a stopped process cannot handle SIGINT
         if stack is not None:
             stack.close()
+        if proc is not None:
+            self._keep_log(name, proc)
 
     def signal(self, name: str, sig: signal.Signals) -> bool:
         with self._lock:
@@ -177,12 +187,17 @@ class Swarm:
             self._restarts.append(thread)
 
     def wait_registered(self, names: set[str], timeout_s: float) -> None:
+        """Until every node of ``names`` is registered at its current URL (a killed node's old
+        registration stays live until its TTL runs out; its restart re-registers at a new port)."""
         assert self.tracker is not None
         deadline = time.monotonic() + timeout_s
         while True:
             with contextlib.suppress(httpx.HTTPError):
                 nodes = httpx.get(f"{self.tracker.url}/v1/nodes", timeout=5).json()["nodes"]
-                if names <= {n["node_id"] for n in nodes}:
+                registered = {(n["node_id"], n["url"]) for n in nodes}
+                with self._lock:
+                    current = {(name, self.nodes[name].url) for name in names if name in self.nodes}
+                if len(current) == len(names) and current <= registered:
                     return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nodes {sorted(names)} did not all register within {timeout_s:.0f}s")

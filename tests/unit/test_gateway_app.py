@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -430,7 +431,8 @@ def test_events_subscriber_can_wait_for_a_proposed_id(engine: FakeEngine):
         assert types == full
 
 
-def test_a_route_repair_is_a_retry_event_and_the_text_is_unchanged():
+def test_a_route_repair_is_a_retry_event_and_the_text_is_unchanged(caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.WARNING, logger="meshnet.gateway")
     with TestClient(create_app(FakeEngine(reply=REPLY))) as plain:
         expected = _completion(plain, max_tokens=12).json()["choices"][0]["text"]
     with TestClient(create_app(FakeEngine(reply=REPLY, repair_at=5))) as client:
@@ -447,7 +449,15 @@ def test_a_route_repair_is_a_retry_event_and_the_text_is_unchanged():
         snapshot = client.get(f"/v1/generations/{gid}").json()
         assert snapshot["retries"] == 1 and snapshot["route"][0]["node"] == "spare"
         assert snapshot["session_id"] == retry["session_id"]
-        assert 'meshnet_route_retries_total{kind="repair"} 1.0' in client.get("/metrics").text
+        metrics = client.get("/metrics").text
+        assert 'meshnet_route_retries_total{kind="repair"} 1.0' in metrics
+        assert 'meshnet_route_recovery_seconds_count{kind="repair"} 1.0' in metrics
+        assert f'meshnet_route_replayed_positions_total{{kind="repair"}} {float(retry["replayed_positions"])}' in metrics
+    # The operator's log: one line per recovery, naming what failed, what replaced it and what it cost.
+    [line] = [r.getMessage() for r in caplog.records if r.name == "meshnet.gateway"]
+    assert line.startswith(f"route repair (attempt 1): generation {gid} session {retry['session_id']}: node local")
+    assert "node local failed: simulated" in line and "route now spare[" in line
+    assert f"{retry['replayed_positions']} positions replayed in" in line
 
 
 # -- errors ----------------------------------------------------------------------------------------
