@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
+from meshnet.models.families import KNOWN_ARCHITECTURES
 
 __all__ = [
     "KNOWN_ARCHITECTURES",
@@ -53,12 +54,6 @@ SCHEMA = "meshnet.manifest/1"
 MANIFEST_NAME = "manifest.json"
 ROLE_SHARD = "shard"
 ROLE_EMBEDDINGS = "embeddings"
-# Architectures whose GGUF the shard cutter splits correctly: dense decoder blocks named blk.N.*,
-# a token_embd / output_norm / output outside them. Others need a reviewed recipe first.
-KNOWN_ARCHITECTURES = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma", "gemma2", "gemma3",
-    "phi3", "granite", "olmo2", "deepseek2", "glm4", "glm4moe", "smollm3", "exaone",
-)  # fmt: skip
 KV_KINDS = ("gqa", "mla")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

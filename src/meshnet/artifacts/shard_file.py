@@ -38,6 +38,7 @@ __all__ = [
     "ShardFiles",
     "embeddings_path",
     "merge_shards",
+    "read_architecture",
     "read_shard_range",
     "write_shard",
 ]
@@ -60,6 +61,17 @@ class ShardFiles:
     vocab_cut: bool
     tensor_bytes: int  # bytes of tensor data in ``path``
     tensors: int
+
+
+def read_architecture(path: Path) -> str:
+    """A GGUF's ``general.architecture``; ``InvalidRequest`` for a file that is not a GGUF."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        return str(_field_value(reader.fields["general.architecture"]))
+    except (OSError, ValueError, KeyError) as exc:
+        raise InvalidRequest(f"cannot read the architecture of {path}: {exc}", param="gguf") from None
 
 
 def embeddings_path(shard_path: Path) -> Path:

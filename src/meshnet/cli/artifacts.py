@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from meshnet.cli.serve import add_allow_uncertified
 from meshnet.errors import MeshnetError
 
 __all__ = [
@@ -42,6 +43,7 @@ def add_artifact_commands(sub: Any) -> None:
     group.add_argument("--layers-per-file", type=int, default=10, help="layers per shard file (default 10)")
     group.add_argument("--ranges", help="explicit ranges, e.g. 0:10,10:20,20:30")
     pub.add_argument("--web-seed", action="append", default=[], help="BEP 19 web seed URL serving --out (repeatable)")
+    add_allow_uncertified(pub)
     pub.add_argument("--source-repo", help="upstream repository, e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
     pub.add_argument("--revision", help="upstream revision (commit) the GGUF was made from")
     pub.add_argument("--license", help="license id (default: the GGUF's general.license)")
@@ -74,9 +76,11 @@ def add_fetch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_publish(args: argparse.Namespace) -> int:
     from meshnet.artifacts.publish import PublishOptions, publish
-    from meshnet.cli.serve import resolve_gguf
+    from meshnet.cli.serve import check_certified, resolve_gguf
 
     source = resolve_gguf(args.gguf, "publish")
+    if not check_certified(source, "publish", allow=args.allow_uncertified):
+        return 2
     piece = args.piece_kib * 1024
     if args.piece_kib < 16 or piece & (piece - 1):
         print("meshnet publish: --piece-kib must be a power of 2, at least 16", file=sys.stderr)
@@ -216,6 +220,7 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
     from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
     from meshnet.cli.swarm import default_cache_dir
     from meshnet.errors import InvalidRequest
+    from meshnet.models.families import require_certified
 
     if args.backend != "llama":
         raise InvalidRequest("--manifest files load with the llama.cpp backend (--backend llama)", param="backend")
@@ -223,6 +228,9 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
     swarm = start_fetch(args, dest, args.layers, label="node fetching")
     try:
         manifest = swarm.manifest
+        warning = require_certified(manifest.architecture, allow_uncertified=args.allow_uncertified)
+        if warning:
+            print(f"meshnet node: warning: {warning}", file=sys.stderr, flush=True)
         layers = manifest.parse_layers(args.layers)
         path, embeddings = assemble(manifest, dest, layers, args.cache_dir or default_cache_dir())
         threads = args.threads or os.cpu_count() or 1

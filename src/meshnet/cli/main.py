@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshnet import __version__
 from meshnet.cli.artifacts import add_artifact_commands
+from meshnet.cli.serve import add_allow_uncertified
 from meshnet.cli.swarm import add_swarm_commands
 
 __all__ = ["main"]
@@ -38,6 +39,7 @@ def _build_parser() -> argparse.ArgumentParser:
     make.add_argument("--layers", required=True, help="half-open block range START:STOP, e.g. 10:20")
     make.add_argument("--out", type=Path, required=True, help="shard file to write (.gguf)")
     make.add_argument("--keep-vocab", action="store_true", help="keep the full vocabulary on a non-tail shard (slower)")
+    add_allow_uncertified(make)
 
     add_swarm_commands(sub)
     add_artifact_commands(sub)
@@ -69,6 +71,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="activations between nodes (default float32: exact, and loopback bandwidth is free)",
     )
     up.add_argument("--workdir", help="where logs and the tracker database go (default: a temp dir)")
+    add_allow_uncertified(up)
 
     chat = sub.add_parser("chat", help="chat with a Meshnet server from the terminal")
     chat.add_argument("prompt", nargs="?", help="one prompt; without it, an interactive session starts")

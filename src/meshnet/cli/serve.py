@@ -45,6 +45,30 @@ def resolve_gguf(path: Path | None, command: str) -> Path:
         raise SystemExit(f"meshnet {command}: {exc}") from None
 
 
+def add_allow_uncertified(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-uncertified",
+        action="store_true",
+        help="run an architecture whose layer-split route is not certified (docs/models.md): text may be wrong",
+    )
+
+
+def check_certified(gguf: Path, command: str, *, allow: bool, backend: str = "llama") -> bool:
+    """False (the reason printed) when ``gguf``'s architecture has no certified layer-split route
+    on ``backend`` and ``allow`` (``--allow-uncertified``) is not set; a warning when it is."""
+    from meshnet.artifacts.shard_file import read_architecture
+    from meshnet.models.families import require_certified
+
+    try:
+        warning = require_certified(read_architecture(gguf), backend=backend, allow_uncertified=allow)
+    except MeshnetError as exc:
+        print(f"meshnet {command}: {exc.message}", file=sys.stderr)
+        return False
+    if warning:
+        print(f"meshnet {command}: warning: {warning}", file=sys.stderr, flush=True)
+    return True
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per hop request is noise, and slow

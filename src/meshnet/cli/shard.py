@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from meshnet.cli.serve import resolve_gguf
+from meshnet.cli.serve import check_certified, resolve_gguf
 from meshnet.errors import MeshnetError
 
 __all__ = ["run_plan", "run_shard_make"]
@@ -16,6 +16,8 @@ def run_shard_make(args: argparse.Namespace) -> int:
     from meshnet.artifacts.shard_file import write_shard
 
     source = resolve_gguf(args.gguf, "shard make")
+    if not check_certified(source, "shard make", allow=args.allow_uncertified):
+        return 2
     if args.out.suffix != ".gguf":
         print(f"meshnet shard make: --out must end in .gguf, got {args.out}", file=sys.stderr)
         return 2

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from meshnet.cli.artifacts import add_fetch_arguments, fetch_node_shard
-from meshnet.cli.serve import bind_socket, resolve_gguf, serve_app, setup_logging
+from meshnet.cli.serve import (
+    add_allow_uncertified,
+    bind_socket,
+    check_certified,
+    resolve_gguf,
+    serve_app,
+    setup_logging,
+)
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
 
@@ -46,6 +53,7 @@ def add_swarm_commands(sub: Any) -> None:
         "routes are cut, and route repair keeps such seams in place)",
     )
     node.add_argument("--node-id", help="stable id (default: derived from host, port and layers)")
+    add_allow_uncertified(node)
     node.add_argument("--cache-dir", type=Path, default=None, help="where shard files are cut to")
     node.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session's KV is freed")
     node.add_argument("--max-body-mb", type=float, default=256.0, help="largest request body accepted (MiB)")
@@ -89,6 +97,9 @@ def run_node(args: argparse.Namespace) -> int:
     from meshnet.artifacts.fetch import FetchError
 
     gguf = None if args.manifest else resolve_gguf(args.gguf, "node")
+    backend = "torch" if args.backend == "torch" else "llama"
+    if gguf is not None and not check_certified(gguf, "node", allow=args.allow_uncertified, backend=backend):
+        return 2
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"

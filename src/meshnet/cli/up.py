@@ -113,10 +113,12 @@ def _wait_nodes(tracker: str, want: int, children: list[_Child], deadline: float
 def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange]] | None:
     """The GGUF and the nodes' layer ranges, or None (the reason printed) when they cannot be had."""
     from meshnet.backends.llama_vocab import LlamaVocab
-    from meshnet.cli.serve import resolve_gguf
+    from meshnet.cli.serve import check_certified, resolve_gguf
     from meshnet.errors import MeshnetError
 
     gguf = resolve_gguf(args.gguf, "up")
+    if not check_certified(gguf, "up", allow=args.allow_uncertified, backend=args.backend):
+        return None
     try:
         vocab = LlamaVocab(gguf)
         total = vocab.info.n_layers
@@ -160,6 +162,7 @@ def run_up(args: argparse.Namespace) -> int:
                 "node", "--gguf", str(gguf), "--layers", str(layers), "--port", "0", "--tracker", tracker_url,
                 "--backend", args.backend, "--threads", str(threads), "--wire-dtype", args.wire_dtype,
                 "--node-id", f"node-{i}", "--ctx", str(args.ctx),
+                *(["--allow-uncertified"] if args.allow_uncertified else []),
             ]  # fmt: skip
             role = " spare" if i >= args.nodes - args.spares else ""
             children.append(_Child(f"node-{i} ({layers}{role})", node_args, workdir / f"node-{i}.log"))

@@ -39,6 +39,7 @@ from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest,
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, TelemetryHub
 from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response
 from meshnet.ids import GenerationId, new_generation_id, parse_generation_id
+from meshnet.models.families import certification
 from meshnet.protocol.headers import GENERATION_ID
 from meshnet.routes import RoutePlan
 from meshnet.tracker.billing import FORMULA
@@ -261,6 +262,9 @@ def _open_telemetry(state: GatewayState, gid: GenerationId, plan: RoutePlan, pro
         route_id=tel.route_id,
         nodes=[hop.as_json() for hop in tel.route],
     )
+    # A model split over several hops must be of a certified family (models.families); one node holds it whole.
+    certified, why = certification(info.architecture) if len(tel.route) > 1 else (True, "")
+    warning = {} if certified else {"warning": f"architecture {info.architecture!r} is not certified: {why}"}
     tel.emit(
         EventType.MODEL_SELECTED,
         model=info.model_id,
@@ -268,6 +272,8 @@ def _open_telemetry(state: GatewayState, gid: GenerationId, plan: RoutePlan, pro
         architecture=info.architecture,
         layers=info.n_layers,
         context_cap=state.engine.n_ctx,
+        certified=certified,
+        **warning,
     )
     return tel
 

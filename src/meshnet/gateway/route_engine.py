@@ -44,14 +44,7 @@ import httpx
 import numpy as np
 
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep
-from meshnet.errors import (
-    BadGateway,
-    EngineError,
-    HopFailed,
-    InvalidRequest,
-    MeshnetError,
-    Overloaded,
-)
+from meshnet.errors import BadGateway, EngineError, HopFailed, InvalidRequest, MeshnetError, Overloaded
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
@@ -224,7 +217,7 @@ class RouteEngine:
                 yield RouteChange("reroute", exc.message, failed.node, run.plan, run.retries, 0, _since(began))
                 continue
             if answer is not None:
-                _verify(run, answer["hops"])
+                verify_hops(run.ledger, run.plan.hops, answer["hops"])
                 run.usage.add(run.plan.hops, prefill=len(tokens))
             return answer
 
@@ -242,7 +235,7 @@ class RouteEngine:
             answer = self._post(head, path, frame.body, headers, below=len(run.plan.hops))
         except HopFailed as exc:
             return (yield from self._recover(run, tokens, exc, cancel))
-        _verify(run, answer["hops"])
+        verify_hops(run.ledger, run.plan.hops, answer["hops"])
         run.usage.add(run.plan.hops, decode=1)
         return answer
 
@@ -295,7 +288,7 @@ class RouteEngine:
                 cleared = self._post(new_hops[i].url, path, b"", headers, below=len(new_hops) - i)
                 above.insert(0, (cleared.get("hops") or [{}])[0])
             answer["hops"] = [*above, *answer.get("hops", [])]
-        _verify(run, answer["hops"])  # the repaired route must hold exactly what the old one did
+        verify_hops(run.ledger, run.plan.hops, answer["hops"])  # the repaired route holds what the old one did
         run.usage.add(new_hops[first : first + count], prefill=position)
         run.usage.add(new_hops, decode=1)
         kept = {h.url for h in new_hops}
@@ -318,7 +311,7 @@ class RouteEngine:
         """Rebuild a new head (and ``count - 1`` hops after it) from the token ids, then resend the step."""
         plan, position = run.plan, len(tokens) - 1
         url = f"/v1/sessions/{plan.session_id}"
-        for headers, body in self._chunk_requests(run, tokens[:position]):
+        for _, headers, body in self._chunk_requests(run, tokens[:position]):
             headers[H.REPLAY] = str(count)
             self._post(plan.hops[0].url, f"{url}/prefill", body, headers, below=len(plan.hops))
         ids = np.asarray(tokens, dtype=np.int32)
@@ -359,25 +352,26 @@ class RouteEngine:
         path = f"/v1/sessions/{run.plan.session_id}/prefill"
         answer: dict[str, Any] | None = None
         total = len(tokens)
-        for headers, body in self._chunk_requests(run, tokens):
+        for end, headers, body in self._chunk_requests(run, tokens):
             if cancel.is_set():
                 return None
-            end = int(headers[H.TOKEN_RANGE].split("-")[1]) + 1
             if end == total:
                 headers[H.SAMPLE] = "1"
             answer = self._post(run.plan.hops[0].url, path, body, headers, below=len(run.plan.hops))
             yield PrefillProgress(done=end, total=total)
         return answer
 
-    def _chunk_requests(self, run: _Run, tokens: Sequence[int]) -> Generator[tuple[dict[str, str], bytes], None, None]:
-        """Prefill requests for ``tokens`` in exactly the chunks the route computed them in first
-        (several chunks to a request, each its own compute call: ``X-Meshnet-Chunks``)."""
+    def _chunk_requests(
+        self, run: _Run, tokens: Sequence[int]
+    ) -> Generator[tuple[int, dict[str, str], bytes], None, None]:
+        """``(end, headers, body)`` of the prefill requests for ``tokens``, in exactly the chunks the
+        route computed them in first (several chunks to a request, each its own compute call:
+        ``X-Meshnet-Chunks``)."""
         plan, ids = run.plan, np.asarray(tokens, dtype=np.int32)
-        sizes = run.ledger.sizes()
-        while sum(sizes) > len(tokens):
-            sizes.pop()
-        if sum(sizes) != len(tokens):
-            raise EngineError(f"{len(tokens)} positions do not end on a chunk of this generation ({sizes[-3:]}...)")
+        ends = run.ledger.ends
+        if len(tokens) not in ends:
+            raise EngineError(f"{len(tokens)} positions do not end on a chunk of this generation")
+        sizes = run.ledger.sizes()[: ends.index(len(tokens)) + 1]
         for begin, chunks in pack_chunks(sizes, self.prefill_chunk):
             end = begin + sum(chunks)
             frame = encode_tensor(ids[begin:end].reshape(1, -1), "int32")
@@ -391,7 +385,7 @@ class RouteEngine:
                 headers[H.CHUNKS] = format_chunks(chunks)
             if begin == 0:
                 headers.update({H.NEXT_HOPS: ",".join(h.url for h in plan.hops[1:]), H.SAMPLING: run.sampling})
-            yield headers, frame.body
+            yield end, headers, frame.body
 
     def _post(
         self, hop_url: str, path: str, body: bytes, headers: dict[str, str], *, below: int, scale: int = 1
@@ -424,10 +418,6 @@ class RouteEngine:
         client = getattr(self._local, "client", None)
         if client is not None:
             client.close()
-
-
-def _verify(run: _Run, hops: Sequence[dict[str, Any]]) -> None:
-    verify_hops(run.ledger, run.plan.hops, hops)
 
 
 def _hop_ms(answer: dict[str, Any]) -> tuple[float, ...]:

@@ -1,0 +1,1 @@
+"""Model families: which architectures a layer-split route serves correctly (``families``)."""

@@ -1,0 +1,134 @@
+"""Whole GGUF in one llama.cpp context vs the same GGUF cut into a llama.cpp route: greedy tokens and
+logits, at several cut points and prefill chunk sizes, with two sessions interleaved.
+
+A family is certified when every comparison is token-identical and bit-identical (the route's seams
+carry float32 activations, so nothing but a seam bug can change a bit). The whole GGUF is also held
+against transformers' own forward on the same weights, which tells a converter or kernel difference
+apart from a split bug.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from meshnet.backends.chain import ChainSession
+from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
+from meshnet.backends.shard import F32, ShardBackend
+
+STEPS = 20
+PROMPT_LEN = 37
+CONFIG = LlamaShardConfig(n_ctx=1024, max_sessions=2, n_threads=1)
+
+Seam = Callable[[F32], F32]  # what crosses a seam; identity for a faithful route
+
+
+@dataclass(frozen=True)
+class Parity:
+    cuts: tuple[int, ...]
+    chunk: int
+    tokens_equal: bool
+    bits_equal: bool
+    max_abs_diff: float
+
+
+def prompt_for(n_vocab: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, n_vocab, PROMPT_LEN)]
+
+
+class _SeamShard:
+    """A shard whose inbound hidden state first passes through ``seam`` (to prove the harness sees it)."""
+
+    def __init__(self, shard: ShardBackend, seam: Seam) -> None:
+        self._shard, self._seam = shard, seam
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._shard, name)
+
+    def prefill(self, sid: object, start: int, *, tokens: object = None, hidden: F32 | None = None) -> object:
+        return self._shard.prefill(sid, start, tokens=tokens, hidden=None if hidden is None else self._seam(hidden))  # type: ignore[arg-type]
+
+
+Run = tuple[list[int], list[F32]]  # greedy tokens, and the logits each was picked from
+
+
+def greedy(shards: Sequence[ShardBackend], prompts: Sequence[list[int]], chunk: int) -> list[Run]:
+    """Greedy runs of ``prompts`` on one route, their sessions stepped in turn (interleaved)."""
+    sessions = [ChainSession(shards) for _ in prompts]
+    logits = [s.prefill(p, chunk) for s, p in zip(sessions, prompts, strict=True)]
+    runs: list[Run] = [([], []) for _ in prompts]
+    for _ in range(STEPS):
+        for i, session in enumerate(sessions):
+            token = int(np.argmax(logits[i]))
+            runs[i][0].append(token)
+            runs[i][1].append(logits[i].copy())
+            logits[i] = session.step(token)
+    for session in sessions:
+        session.close()
+    return runs
+
+
+def route(gguf: Path, cuts: Sequence[int], total: int, cache: Path, seam: Seam | None = None) -> list[ShardBackend]:
+    bounds = [0, *cuts, total]
+    shards: list[ShardBackend] = [
+        LlamaShard.from_model(gguf, f"{a}:{b}", cache_dir=cache, config=CONFIG) for a, b in itertools.pairwise(bounds)
+    ]
+    if seam is not None:
+        shards = [shards[0], *(_SeamShard(s, seam) for s in shards[1:])]  # type: ignore[misc]
+    return shards
+
+
+def compare(
+    gguf: Path, cut_sets: Sequence[Sequence[int]], chunks: Sequence[int], cache: Path, seam: Seam | None = None
+) -> list[Parity]:
+    whole = LlamaShard(gguf, config=CONFIG)
+    try:
+        total = whole.info.layers.total
+        prompts = [prompt_for(whole.info.n_vocab, 0), prompt_for(whole.info.n_vocab, 1)]
+        reference = {chunk: greedy([whole], prompts, chunk) for chunk in chunks}
+    finally:
+        whole.close()
+    results = []
+    for cuts in cut_sets:
+        shards = route(gguf, cuts, total, cache, seam)
+        try:
+            for chunk in chunks:
+                got = greedy(shards, prompts, chunk)
+                want = reference[chunk]
+                pairs = [
+                    (a, b) for (_, la), (_, lb) in zip(got, want, strict=True) for a, b in zip(la, lb, strict=True)
+                ]
+                results.append(
+                    Parity(
+                        tuple(cuts),
+                        chunk,
+                        all(g[0] == w[0] for g, w in zip(got, want, strict=True)),
+                        all(np.array_equal(a, b) for a, b in pairs),
+                        max(float(np.max(np.abs(a - b))) for a, b in pairs),
+                    )
+                )
+        finally:
+            for shard in shards:
+                shard.close()
+    return results
+
+
+def transformers_gap(gguf: Path, hf_dir: Path) -> float:
+    """Max |logit difference| / max |logit| between the whole GGUF and transformers on the prompt's last position."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    whole = LlamaShard(gguf, config=CONFIG)
+    try:
+        prompt = prompt_for(whole.info.n_vocab)
+        ours = greedy([whole], [prompt], 64)[0][1][0]
+    finally:
+        whole.close()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model(torch.tensor([prompt])).logits[0, -1].numpy()
+    return float(np.max(np.abs(ours - theirs)) / max(1e-9, float(np.max(np.abs(theirs)))))
