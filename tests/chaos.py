@@ -258,14 +258,17 @@ def _run_in_thread(fn: Any, timeout_s: float) -> tuple[bool, Any, BaseException 
 
 
 def _faults(
-    rng: random.Random, swarm: Swarm, gid: str, span_s: float, killed: set[str], stopped: set[str]
+    rng: random.Random, swarm: Swarm, gid: str, span_s: float, over: threading.Event, hit: tuple[set[str], set[str]]
 ) -> list[str]:
     """One fault at a random moment of the generation's undisturbed span, sometimes a second one soon
-    after it (often while the first one's repair or replay is running)."""
+    after it (often while the first one's repair or replay is running); none once the generation is
+    ``over``. ``hit``: the (killed, stopped) node names, filled in."""
+    killed, stopped = hit
     done: list[str] = []
     delay = rng.uniform(0.0, span_s)
     for n in range(2 if rng.random() < 0.3 else 1):
-        time.sleep(delay)
+        if over.wait(delay):
+            break  # the generation ended first: a fault now would hit nothing
         route = swarm.route(gid)
         candidates = route if route and rng.random() < 0.85 else list(LAYOUT)
         victim = rng.choice(candidates)
@@ -273,9 +276,9 @@ def _faults(
             continue
         sig = signal.SIGSTOP if rng.random() < 0.15 else signal.SIGKILL
         if swarm.signal(victim, sig):
+            what = "stop" if sig == signal.SIGSTOP else "kill"
             (stopped if sig == signal.SIGSTOP else killed).add(victim)
-            done.append(f"{'stop' if sig == signal.SIGSTOP else 'kill'} {victim} at +{delay:.2f}s" if n == 0 else
-                        f"then {'stop' if sig == signal.SIGSTOP else 'kill'} {victim} +{delay:.2f}s")  # fmt: skip
+            done.append(f"{what} {victim} at +{delay:.2f}s" if n == 0 else f"then {what} {victim} +{delay:.2f}s")
         delay = rng.uniform(0.05, 1.0)
     return done
 
@@ -310,10 +313,12 @@ def _one(swarm: Swarm, index: int, which: int, gid: str, expected: str, span_s: 
     stopped: set[str] = set()
     faults: list[str] = []
     rng = random.Random(seed)
+    over = threading.Event()
     began = time.monotonic()
-    injector = threading.Thread(target=lambda: faults.extend(_faults(rng, swarm, gid, span_s, killed, stopped)))
+    injector = threading.Thread(target=lambda: faults.extend(_faults(rng, swarm, gid, span_s, over, (killed, stopped))))
     injector.start()
     finished, text, error = _run_in_thread(lambda: swarm.generate(PROMPTS[which], gid), GENERATION_DEADLINE_S)
+    over.set()
     injector.join(10)
     outcome = Outcome(index, which, faults, "identical", seconds=time.monotonic() - began)
     if not finished:
