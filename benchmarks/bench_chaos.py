@@ -7,10 +7,12 @@ reason. Numbers: how many generations and faults, how each ended, how routes rec
 
 from __future__ import annotations
 
+import collections
 import random
+import re
 import statistics
 
-from tests.chaos import chaos_swarm, run_chaos
+from tests.chaos import Report, chaos_swarm, run_chaos
 
 from benchmarks.common import Section
 
@@ -41,7 +43,18 @@ def run() -> Section:
         "Faults: one per generation at a random moment of its undisturbed span (30%: a second one 0.05-1 s "
         "later, often while the first repair replays); 85% a hop of the generation's route, else any node; "
         "15% SIGSTOP (resumed after the generation, stale requests and all), else kill -9 (restarted).",
-        "Reasons for the stated failures: "
-        + ("; ".join(sorted({o.detail[:100] for o in report.outcomes if o.result == "failed"})) or "none"),
+        "Stated failures by reason: "
+        + (", ".join(f"{n} x {why}" for why, n in _reasons(report).most_common()) or "none"),
     ]
     return section
+
+
+def _reasons(report: Report) -> collections.Counter[str]:
+    """The stated failures grouped by their last clause (what finally stopped the generation)."""
+    reasons: collections.Counter[str] = collections.Counter()
+    for outcome in report.outcomes:
+        if outcome.result == "failed":
+            last = outcome.detail.rsplit("; ", 1)[-1]
+            last = re.sub(r"http://[\w.:]+", "URL", re.sub(r"ses-[0-9a-f]+", "SESSION", last))
+            reasons[re.sub(r" from failed node \S+.*", "", last)[:90]] += 1
+    return reasons
