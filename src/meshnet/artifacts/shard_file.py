@@ -67,6 +67,8 @@ def read_architecture(path: Path) -> str:
     """A GGUF's ``general.architecture``; ``InvalidRequest`` for a file that is not a GGUF."""
     import gguf
 
+    if not path.is_file():
+        raise InvalidRequest(f"GGUF file not found: {path}", param="gguf")
     try:
         reader = gguf.GGUFReader(str(path))
         return str(_field_value(reader.fields["general.architecture"]))
