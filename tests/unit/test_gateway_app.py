@@ -452,7 +452,8 @@ def test_a_route_repair_is_a_retry_event_and_the_text_is_unchanged(caplog: pytes
         metrics = client.get("/metrics").text
         assert 'meshnet_route_retries_total{kind="repair"} 1.0' in metrics
         assert 'meshnet_route_recovery_seconds_count{kind="repair"} 1.0' in metrics
-        assert f'meshnet_route_replayed_positions_total{{kind="repair"}} {float(retry["replayed_positions"])}' in metrics
+        replayed = float(retry["replayed_positions"])
+        assert f'meshnet_route_replayed_positions_total{{kind="repair"}} {replayed}' in metrics
     # The operator's log: one line per recovery, naming what failed, what replaced it and what it cost.
     [line] = [r.getMessage() for r in caplog.records if r.name == "meshnet.gateway"]
     assert line.startswith(f"route repair (attempt 1): generation {gid} session {retry['session_id']}: node local")
