@@ -14,6 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from meshnet.backends.fake import FakeEngine
+from meshnet.errors import RouteInconsistent
 from meshnet.gateway import create_app
 from meshnet.protocol.headers import GENERATION_ID
 
@@ -459,6 +460,27 @@ def test_a_route_repair_is_a_retry_event_and_the_text_is_unchanged(caplog: pytes
     assert line.startswith(f"route repair (attempt 1): generation {gid} session {retry['session_id']}: node local")
     assert "node local failed: simulated" in line and "route now spare[" in line
     assert f"{retry['replayed_positions']} positions replayed in" in line
+
+
+class _InconsistentRoute(FakeEngine):
+    """A route whose hops disagree after two tokens (what ``verify_hops`` raises in the route engine)."""
+
+    def generate(self, prompt, sampler, cancel, plan=None):  # type: ignore[no-untyped-def]
+        steps = super().generate(prompt, sampler, cancel, plan)
+        for step in steps:
+            yield step
+            if getattr(step, "token", None) is not None and step.token == ord(REPLY[1]):
+                raise RouteInconsistent("node mid (layers 10:20) holds 40 positions; the route should hold 41")
+
+
+def test_an_inconsistent_route_stops_the_generation_with_the_reason(caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.ERROR, logger="meshnet.gateway")
+    with TestClient(create_app(_InconsistentRoute(reply=REPLY))) as client:
+        resp = _completion(client, max_tokens=12)
+        err = _error(resp, 502, code="route_inconsistent")
+        assert "holds 40 positions" in err["message"]
+        assert "meshnet_route_inconsistencies_total 1.0" in client.get("/metrics").text
+    assert any("its route is inconsistent" in r.getMessage() for r in caplog.records)
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -97,8 +97,7 @@ def run_node(args: argparse.Namespace) -> int:
     from meshnet.artifacts.fetch import FetchError
 
     gguf = None if args.manifest else resolve_gguf(args.gguf, "node")
-    backend = "torch" if args.backend == "torch" else "llama"
-    if gguf is not None and not check_certified(gguf, "node", allow=args.allow_uncertified, backend=backend):
+    if gguf is not None and not check_certified(gguf, "node", allow=args.allow_uncertified, backend=args.backend):
         return 2
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from meshnet.backends.base import PrefillProgress, RouteChange, TextEngine
-from meshnet.errors import EngineError, MeshnetError, Overloaded
+from meshnet.errors import EngineError, MeshnetError, Overloaded, RouteInconsistent
 from meshnet.gateway.metrics import GatewayMetrics
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, Phase, TelemetryHub
 from meshnet.routes import RoutePlan
@@ -363,7 +363,7 @@ class GenerationService:
             return
         tel.error = error.message
         tel.finish_reason = reason or "error"
-        if error.code == "route_inconsistent":
+        if isinstance(error, RouteInconsistent):
             self.metrics.route_inconsistencies.inc()
             _log.error("generation %s stopped: its route is inconsistent: %s", tel.generation_id, error.message)
         tel.phase = Phase.FAILED
