@@ -9,6 +9,7 @@ certifies; a deliberately broken seam must fail; an uncertified GGUF is refused 
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshnet.errors import InvalidRequest
 from meshnet.models.families import FAMILIES
 from tests.certify.convert import TinyModel, gguf_for
 from tests.certify.parity import compare, transformers_gap
@@ -23,7 +25,10 @@ from tests.certify.parity import compare, transformers_gap
 pytestmark = pytest.mark.real
 
 CUTS = [(3,), (1, 4), (2, 5)]  # of 6 blocks: 2 shards, and 3 shards of uneven sizes
+CUTS_FOR = {"smollm3": [(4,), (4, 8), (8,)]}  # of 12 blocks, ranges starting at multiples of 4
 CHUNKS = (64, 7, 13)
+# A sliding window shorter than the prompt, so a pattern shifted at a cut would change the text.
+GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16, "tie_word_embeddings": True}
 TINY = {
     "llama": TinyModel("llama", "llama", {"head_dim": 16}),
     "qwen2": TinyModel("qwen2", "qwen2"),
@@ -40,7 +45,80 @@ TINY = {
         "granite",
         {"head_dim": 16, "embedding_multiplier": 12.0, "residual_multiplier": 0.5, "logits_scaling": 4.0},
     ),
+    "gemma": TinyModel("gemma", "gemma", {"head_dim": 16, "tie_word_embeddings": True}, tokenizer="spm"),
+    "gemma2": TinyModel("gemma2", "gemma2", GEMMA, tokenizer="spm"),
+    "gemma3": TinyModel("gemma3", "gemma3_text", GEMMA),
+    "phi3": TinyModel("phi3", "phi3", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}, tokenizer="spm"),
+    # Two dense layers before the MoE ones: a cut inside them must keep the count relative.
+    "deepseek2": TinyModel(
+        "deepseek2",
+        "deepseek_v2",
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 2,
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    "qwen2moe": TinyModel(
+        "qwen2moe",
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
+    "glm4": TinyModel("glm4", "glm4", {"head_dim": 16, "pad_token_id": 0}),
+    "smollm3": TinyModel("smollm3", "smollm3", {"head_dim": 16, "pad_token_id": 0}, layers=12),
+    "mistral3": TinyModel(
+        "mistral3",
+        "ministral3",
+        {
+            "head_dim": 16,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.1,
+            },
+        },
+    ),
+    # One multi-token-prediction layer declared after the trunk: routes run the trunk only.
+    "glm4moe": TinyModel(
+        "glm4moe",
+        "glm4_moe",
+        {
+            "head_dim": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "num_nextn_predict_layers": 1,
+        },
+    ),
 }
+# A family the table does not list: refused by every command.
+UNCERTIFIED = TinyModel("stablelm", "stablelm", {"pad_token_id": 0})
 CERTIFIED = sorted(arch for arch, family in FAMILIES.items() if family.llama_route)
 
 
@@ -56,8 +134,9 @@ def test_the_table_claims_no_family_that_no_test_certifies() -> None:
 @pytest.mark.parametrize("arch", CERTIFIED)
 def test_a_certified_family_splits_bit_identically(arch: str, shard_cache: Path) -> None:
     gguf, hf_dir = gguf_for(TINY[arch])
-    results = compare(gguf, CUTS, CHUNKS, shard_cache)
-    assert len(results) == len(CUTS) * len(CHUNKS)
+    cuts = CUTS_FOR.get(arch, CUTS)
+    results = compare(gguf, cuts, CHUNKS, shard_cache)
+    assert len(results) == len(cuts) * len(CHUNKS)
     broken = [r for r in results if not (r.tokens_equal and r.bits_equal)]
     assert not broken, broken
     # The whole GGUF against transformers on the same weights: a converter or kernel difference
@@ -78,12 +157,31 @@ def test_a_broken_seam_fails_certification(shard_cache: Path) -> None:
     assert all(r.max_abs_diff > 0 for r in results)
 
 
-def test_granite_is_not_exact_yet(shard_cache: Path) -> None:
-    """A tripwire: when granite's split route becomes exact, certify it in models.families."""
-    assert not FAMILIES["granite"].llama_route
-    gguf, _ = gguf_for(TINY["granite"])
-    results = compare(gguf, [(3,)], (64,), shard_cache)
-    assert not all(r.bits_equal for r in results), "granite now splits exactly: certify it"
+# Each family's seam handling switched off: the split route must then differ from the whole model
+# (or refuse to load) — the fix is what makes it exact, and the harness sees its absence.
+WITHOUT_FIX = {
+    "granite": {"rescaled_input": None},
+    "gemma": {"rescaled_input": None},
+    "gemma2": {"swa_period": None},
+    "gemma3": {"head_scale": None},
+    "deepseek2": {"leading_layer_keys": ()},
+    "smollm3": {"cut_multiple": 1},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(WITHOUT_FIX))
+def test_a_family_without_its_seam_fix_fails_certification(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert FAMILIES[arch].llama_route
+    gguf, _ = gguf_for(TINY[arch])
+    monkeypatch.setitem(FAMILIES, arch, dataclasses.replace(FAMILIES[arch], **WITHOUT_FIX[arch]))
+    try:
+        results = compare(gguf, [(1, 5) if arch == "smollm3" else (1, 4)], (7,), tmp_path)
+    except InvalidRequest as exc:  # llama.cpp could not even load the shard: refused, not wrong
+        assert "could not load" in str(exc)
+        return
+    assert not all(r.bits_equal for r in results), results
 
 
 def meshnet(*args: str) -> subprocess.CompletedProcess[str]:
@@ -93,7 +191,7 @@ def meshnet(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_an_uncertified_architecture_is_refused_unless_allowed(tmp_path: Path) -> None:
-    gguf, _ = gguf_for(TINY["granite"])
+    gguf, _ = gguf_for(UNCERTIFIED)
     for args in (
         ["shard", "make", "--gguf", str(gguf), "--layers", "0:3", "--out", str(tmp_path / "s.gguf")],
         ["publish", str(gguf), "--out", str(tmp_path / "pub")],
@@ -102,11 +200,11 @@ def test_an_uncertified_architecture_is_refused_unless_allowed(tmp_path: Path) -
     ):
         done = meshnet(*args)
         assert done.returncode == 2, (args, done.stdout, done.stderr)
-        assert "architecture 'granite' is not certified" in done.stderr and "docs/models.md" in done.stderr
+        assert "architecture 'stablelm' is not certified" in done.stderr and "docs/models.md" in done.stderr
         assert "Traceback" not in done.stderr
     assert not (tmp_path / "s.gguf").exists() and not (tmp_path / "pub").exists()
     allowed = meshnet("shard", "make", "--gguf", str(gguf), "--layers", "0:3", "--out", str(tmp_path / "s.gguf"),
                       "--allow-uncertified")  # fmt: skip
     assert allowed.returncode == 0, allowed.stderr
-    assert "warning: architecture 'granite' is not certified" in allowed.stderr
+    assert "warning: architecture 'stablelm' is not certified" in allowed.stderr
     assert (tmp_path / "s.gguf").is_file()

@@ -27,13 +27,23 @@ from typing import Any
 LLAMA_CPP_PYTHON = "0.3.36"
 _VENDOR = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
 _TAKE = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-HARNESS_VERSION = 1  # bump to rebuild every cached model
+HARNESS_VERSION = 2  # bump to rebuild every cached model
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Lighthouse keepers watch the sea at night. "
     "Rivers carve canyons over many years. Bread needs flour, water, salt and time. "
     "Numbers: 0 1 2 3 4 5 6 7 8 9. Punctuation: , . ; : ! ? ( ) [ ] { } - + = / * & % $ # @. "
 ) * 20
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# The GLM converters look their special tokens up by name.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "[gMASK]",
+    "<sop>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+)
 
 
 def cache_root() -> Path:
@@ -103,6 +113,7 @@ class TinyModel:
     model_type: str
     config: dict[str, Any] = field(default_factory=dict)
     layers: int = 6
+    tokenizer: str = "bpe"  # or "spm": a SentencePiece model (tokenizer.model), which some converters require
 
     def key(self) -> str:
         blob = json.dumps({"v": HARNESS_VERSION, **asdict(self)}, sort_keys=True).encode()
@@ -126,12 +137,12 @@ def gguf_for(model: TinyModel) -> tuple[Path, Path]:
 
 
 def save_tiny_model(model: TinyModel, out: Path) -> None:
-    """A random model (weights ~ N(0, 0.08), seed 0) with a ~400-token byte-level BPE tokenizer."""
+    """A random model (weights ~ N(0, 0.08), seed 0) with a ~400-token tokenizer trained here."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out.mkdir(parents=True)
-    n_vocab = _save_tokenizer(out)
+    n_vocab = _save_sentencepiece(out) if model.tokenizer == "spm" else _save_tokenizer(out)
     config: dict[str, Any] = {
         "vocab_size": n_vocab,
         "hidden_size": 64,
@@ -168,3 +179,30 @@ def _save_tokenizer(out: Path, vocab: int = 400) -> int:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0], bos_token=SPECIAL_TOKENS[0])
     fast.save_pretrained(out)
     return len(tok.get_vocab())
+
+
+def _save_sentencepiece(out: Path, vocab: int = 512) -> int:
+    """A SentencePiece BPE model (``tokenizer.model``) trained on the corpus; ids 0-2 are unk, bos, eos,
+    then the 256 byte pieces llama.cpp's SentencePiece vocabulary requires (``<0x0A>``...)."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.split(". ")),
+        model_writer=model,
+        vocab_size=vocab,
+        model_type="bpe",
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        byte_fallback=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        user_defined_symbols=["<|endoftext|>"],  # llama.cpp's phi3 vocabulary looks it up by name
+        minloglevel=2,
+    )
+    (out / "tokenizer.model").write_bytes(model.getvalue())
+    return int(spm.SentencePieceProcessor(model_proto=model.getvalue()).vocab_size())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshnet.artifacts.shard_file import trunk_layers
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
 
@@ -169,7 +170,7 @@ def shape_from_fields(path: Path, fields: Any, cache_dtype: str = "f16", seam_dt
         return default
 
     arch = str(fields["general.architecture"].contents())
-    layers, hidden = get(f"{arch}.block_count"), get(f"{arch}.embedding_length")
+    layers, hidden = get(f"{arch}.block_count") and trunk_layers(fields, arch), get(f"{arch}.embedding_length")
     heads = get(f"{arch}.attention.head_count")
     kv_heads = get(f"{arch}.attention.head_count_kv", heads)
     head_dim = get(f"{arch}.attention.key_length", hidden // heads)

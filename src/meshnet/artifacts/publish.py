@@ -33,7 +33,7 @@ from meshnet.artifacts.manifest import (
     parse_manifest,
 )
 from meshnet.artifacts.plan import shape_from_fields
-from meshnet.artifacts.shard_file import write_shard
+from meshnet.artifacts.shard_file import trunk_layers, write_shard
 from meshnet.artifacts.torrent import DEFAULT_PIECE_LENGTH, create_torrent, magnet_of, read_torrent
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
@@ -109,7 +109,7 @@ def publish(source: Path, out: Path, options: PublishOptions | None = None) -> M
     if int(meta("split.count", 1)) > 1:
         raise InvalidRequest(f"{source.name} is one part of a split GGUF: merge it first (llama-gguf-split --merge)")
     arch = str(meta("general.architecture"))
-    total = int(meta(f"{arch}.block_count"))
+    total = trunk_layers(meta, arch)
     ranges = split_ranges(total, ranges=opts.ranges, layers_per_file=opts.layers_per_file)
     model_id = opts.model_id or source.name.removesuffix(".gguf")
     name = re.sub(r"[^A-Za-z0-9._-]", "-", model_id).lstrip(".-") or "model"

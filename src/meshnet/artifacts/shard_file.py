@@ -4,7 +4,13 @@ The recipe (DESIGN.md, verified on llama-cpp-python 0.3.36):
 
 - copy every metadata key, set ``{arch}.block_count`` to the range's length and slice per-layer
   arrays (``{arch}.*`` arrays with one entry per block) to the range;
-- keep ``blk.{i}.*`` for ``i`` in the range, renamed ``blk.{i - start}.*``;
+- keep ``blk.{i}.*`` for ``i`` in the range, renamed ``blk.{i - start}.*``; a model's multi-token
+  prediction blocks (``{arch}.nextn_predict_layers``, stored after the trunk) are not part of any
+  route: shards drop them and say ``nextn_predict_layers = 0``;
+- apply the family's seam handling (``meshnet.models.families``): write a sliding-window pattern
+  that llama.cpp would derive from the layer index out per layer before slicing it, make counts of
+  leading layers relative to the range, refuse models whose hyperparameters llama.cpp picks by
+  layer count;
 - keep the non-block tensors the loader requires (``token_embd``, ``output_norm``) and the ones
   every block needs (``rope_freqs`` — Llama 3.x silently loses its rope factors without it);
 - a non-tail shard never needs logits: its vocabulary is cut to one dummy token
@@ -32,6 +38,7 @@ import numpy as np
 
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
+from meshnet.models.families import Family, family
 
 __all__ = [
     "SHARD_START_KEY",
@@ -40,6 +47,7 @@ __all__ = [
     "merge_shards",
     "read_architecture",
     "read_shard_range",
+    "trunk_layers",
     "write_shard",
 ]
 
@@ -76,6 +84,15 @@ def read_architecture(path: Path) -> str:
         raise InvalidRequest(f"cannot read the architecture of {path}: {exc}", param="gguf") from None
 
 
+def trunk_layers(fields: Any, arch: str) -> int:
+    """Layers a route runs: ``{arch}.block_count`` less the multi-token-prediction blocks stored after
+    the trunk (``{arch}.nextn_predict_layers``). ``fields``: a GGUF reader's fields, or a function
+    from a metadata key to its value (None when absent)."""
+    get = fields if callable(fields) else (lambda key: _field_value(fields[key]) if key in fields else None)
+    total = int(get(f"{arch}.block_count") or 0)
+    return total - int(get(f"{arch}.nextn_predict_layers") or 0)
+
+
 def embeddings_path(shard_path: Path) -> Path:
     return shard_path.with_name(shard_path.name.removesuffix(".gguf") + ".embd.gguf")
 
@@ -105,7 +122,7 @@ def write_shard(
     if reader is None:
         reader = gguf.GGUFReader(str(source))
     arch = str(_field_value(reader.fields["general.architecture"]))
-    total = int(_field_value(reader.fields[f"{arch}.block_count"]))
+    total = trunk_layers(reader.fields, arch)
     if isinstance(layers, str):
         try:
             layers = LayerRange.parse(layers, total)
@@ -115,6 +132,20 @@ def write_shard(
         raise InvalidRequest(f"the layer range assumes {layers.total} layers but {source.name} has {total}")
     if SHARD_START_KEY in reader.fields:
         raise InvalidRequest(f"{source} is already a shard; cut shards from the full model GGUF")
+    seams = family(arch)
+    if layers.start % seams.cut_multiple:
+        raise InvalidRequest(
+            f"{arch} picks a per-layer behaviour by the layer index modulo {seams.cut_multiple}, so a range "
+            f"must start at a multiple of {seams.cut_multiple} (not {layers.start})",
+            param="layers",
+        )
+    unsplittable = seams.unsplittable_layer_counts.get(total)
+    if unsplittable and len(layers) != total:
+        raise InvalidRequest(
+            f"a {total}-layer {arch} model cannot be split: {unsplittable}, so a shard with fewer layers "
+            f"would compute another model. Serve it whole on one node (--layers 0:{total})",
+            param="layers",
+        )
     cut = (not layers.is_tail) if cut_vocab is None else cut_vocab
     if cut and layers.is_tail:
         raise InvalidRequest("the tail shard computes logits and must keep its vocabulary")
@@ -148,7 +179,7 @@ def _shard_tensors(reader: Any, layers: LayerRange, cut: bool) -> Iterator[tuple
         data = tensor.data
         block = _block_index(name)
         if block is not None:
-            if layers.start <= block < layers.stop:
+            if layers.start <= block < layers.stop:  # never a prediction block: stop <= trunk
                 rest = name.split(".", 2)[2]
                 yield f"blk.{block - layers.start}.{rest}", data, tensor.tensor_type
             continue
@@ -164,6 +195,16 @@ def _shard_tensors(reader: Any, layers: LayerRange, cut: bool) -> Iterator[tuple
 def _copy_metadata(reader: Any, writer: Any, *, arch: str, layers: LayerRange, total: int, cut: bool) -> None:
     import gguf
 
+    seams = family(arch)
+    relative = {f"{arch}.{key}" for key in seams.leading_layer_keys}
+    swa_key, window_key = f"{arch}.attention.sliding_window_pattern", f"{arch}.attention.sliding_window"
+    swa = _swa_pattern(reader.fields, swa_key, seams, total)
+    window: int | None = None  # a new sliding window, for a range without sliding-window layers
+    if swa is not None:
+        swa = swa[layers.start : layers.stop]
+        if not any(swa):
+            window, swa = _no_sliding_layer(reader.fields, arch, seams, len(swa))
+    blocks = int(_field_value(reader.fields[f"{arch}.block_count"]))  # trunk + prediction blocks
     for field in reader.fields.values():
         name: str = field.name
         if name.startswith("GGUF.") or name == "general.architecture":
@@ -173,15 +214,27 @@ def _copy_metadata(reader: Any, writer: Any, *, arch: str, layers: LayerRange, t
         value = _field_value(field)
         val_type = field.types[0]
         sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
+        if name == swa_key and swa is not None:
+            continue  # written per layer below
+        if name == window_key and window is not None:
+            value = window
         if name == f"{arch}.block_count":
             value = len(layers)
+        elif name == f"{arch}.nextn_predict_layers":
+            value = 0
+        elif name in relative:
+            value = max(0, min(len(layers), int(value) - layers.start))
         elif name == f"{arch}.vocab_size" and cut:
             value = 1
         elif name == "tokenizer.ggml.model" and cut:
             value = "no_vocab"
-        elif name.startswith(f"{arch}.") and isinstance(value, list) and len(value) == total:
+        elif name.startswith(f"{arch}.") and isinstance(value, list) and len(value) in (total, blocks):
             value = value[layers.start : layers.stop]  # a per-layer array (e.g. head counts per block)
         writer.add_key_value(name, value, val_type, sub_type=sub_type)
+    if swa is not None:
+        writer.add_array(swa_key, swa)
+    if window is not None and window_key not in reader.fields:
+        writer.add_uint32(window_key, window)
     if cut and f"{arch}.vocab_size" not in reader.fields:
         writer.add_uint32(f"{arch}.vocab_size", 1)
     if cut and "tokenizer.ggml.model" not in reader.fields:
@@ -190,6 +243,42 @@ def _copy_metadata(reader: Any, writer: Any, *, arch: str, layers: LayerRange, t
     writer.add_uint32(SHARD_STOP_KEY, layers.stop)
     writer.add_uint32(SHARD_TOTAL_KEY, layers.total)
     writer.add_bool(SHARD_VOCAB_CUT_KEY, cut)
+
+
+def _swa_pattern(fields: Any, key: str, seams: Family, total: int) -> list[bool] | None:
+    """The whole model's sliding-window layers, as llama.cpp derives them (``set_swa_pattern``),
+    for a family whose pattern depends on the layer index; None when there is nothing to rewrite."""
+    if seams.swa_period is None:
+        return None
+    stored = _field_value(fields[key]) if key in fields else None
+    if isinstance(stored, list):
+        return [bool(v) for v in stored][:total]
+    period = seams.swa_period if stored is None else int(stored)
+    if seams.swa_dense_first:
+        return [period == 0 or il % period != 0 for il in range(total)]
+    return [period == 0 or il % period < period - 1 for il in range(total)]
+
+
+# A window no sequence reaches: a sliding-window layer with it masks nothing.
+UNBOUNDED_WINDOW = 1 << 30
+
+
+def _no_sliding_layer(fields: Any, arch: str, seams: Family, n: int) -> tuple[int, list[bool]]:
+    """``(sliding window, pattern)`` for a range none of whose layers slides. Some families' graphs
+    then turn sliding windows off (window 0); others insist on at least one sliding layer, so every
+    layer is declared sliding with a window that masks nothing — exact only where sliding layers
+    differ from full ones by the mask alone (the same rope base)."""
+    if seams.swa_empty == "disable":
+        return 0, [False] * n
+    base, swa_base = (fields.get(f"{arch}.rope.{k}") for k in ("freq_base", "freq_base_swa"))
+    if swa_base is not None and (base is None or _field_value(swa_base) != _field_value(base)):
+        raise InvalidRequest(
+            f"this {arch} model gives sliding-window layers their own rope base, so a range holding only "
+            "full-attention layers cannot be loaded by llama.cpp; choose a range that includes a sliding-window "
+            "layer",
+            param="layers",
+        )
+    return UNBOUNDED_WINDOW, [True] * n
 
 
 def _write_embeddings(reader: Any, arch: str, path: Path) -> None:
@@ -261,6 +350,8 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
                 tensors.append((f"blk.{block + offset}.{rest}", tensor.data, tensor.tensor_type))
     tensors += [(t.name, t.data, t.tensor_type) for t in last.tensors if _block_index(t.name) is None]
 
+    relative = {f"{arch}.{key}" for key in family(arch).leading_layer_keys}
+
     def metadata(writer: Any) -> None:
         for field in last.fields.values():
             name: str = field.name
@@ -273,6 +364,8 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
                 value = len(layers)
             elif name in (SHARD_START_KEY, SHARD_STOP_KEY):
                 value = layers.start if name == SHARD_START_KEY else layers.stop
+            elif name in relative:
+                value = _leading(name, readers, ranges)
             elif name.startswith(f"{arch}.") and isinstance(value, list) and _per_layer(name, readers, ranges):
                 value = [v for reader in readers for v in _field_value(reader.fields[name])]
             writer.add_key_value(name, value, val_type, sub_type=sub_type)
@@ -286,6 +379,18 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
         tensor_bytes=sum(int(d.nbytes) for _, d, _ in tensors),
         tensors=len(tensors),
     )
+
+
+def _leading(name: str, readers: list[Any], ranges: list[LayerRange]) -> int:
+    """A count of leading layers, each part's relative to its own start, for the merged range."""
+    count = 0
+    for reader, part in zip(readers, ranges, strict=True):
+        field = reader.fields.get(name)
+        here = int(_field_value(field)) if field is not None else 0
+        count += here
+        if here < len(part):
+            break
+    return count
 
 
 def _per_layer(name: str, readers: list[Any], ranges: list[LayerRange]) -> bool:

@@ -33,6 +33,7 @@ from meshnet.backends.shard import F32, I32, KVFormat, SeamSpec, ShardBase, Shar
 from meshnet.errors import EngineError, InvalidRequest, StoreFull
 from meshnet.ids import SessionId
 from meshnet.layers import LayerRange
+from meshnet.models.families import family
 from meshnet.session.store import StoreLimits
 
 __all__ = ["SNAPSHOT_CELL_META_BYTES", "HeadEmbeddings", "LlamaShard", "LlamaShardConfig"]
@@ -125,9 +126,24 @@ class LlamaShard(ShardBase[int]):
         self._token_input = layers.is_head and self._embed is None
         self._out = np.empty((cfg.n_batch, self._n_embd), dtype=np.float32)
         self._captured = 0
+        seams = family(self._meta("general.architecture"))
+        # The family's seam handling (models.families): past the head, the graph's own input scale
+        # is undone by overwriting its product with the inbound hidden state; a head that looks its
+        # embeddings up itself applies a scale llama.cpp gives token inputs only.
+        self._token_seam = seams.token_seam and not self._token_input
+        past_head = layers.start > 0
+        rescaled = seams.rescaled_input if past_head else None
+        rescaled = rescaled or ("embd" if self._token_seam else None)  # at the head: before any scale
+        self._overwrite = rescaled.encode() + b"\0" if rescaled else None
+        self._pending: np.ndarray[Any, Any] | None = None  # the rows of the running chunk
+        self._overwritten = 0
+        self._head_scale: np.float32 | None = None
+        if seams.head_scale == "sqrt_n_embd" and self._embed is not None:
+            self._head_scale = np.sqrt(np.float32(self._n_embd))  # sqrtf(n_embd), as llama.cpp computes it
         self._ctx = self._create_context(cfg, n_layer - 1)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
-        self._batch = llama_cpp.llama_batch_init(cfg.n_batch, 0 if self._token_input else self._n_embd, 1)
+        by_token = self._token_input or self._token_seam
+        self._batch = llama_cpp.llama_batch_init(cfg.n_batch, 0 if by_token else self._n_embd, 1)
         self._free_seqs = list(range(cfg.max_sessions - 1, -1, -1))
         self.info = self._describe(model_id or shard_path.name.removesuffix(".gguf"), layers, cfg)
         self._init_store(
@@ -168,8 +184,11 @@ class LlamaShard(ShardBase[int]):
         cparams.embeddings = False
         # Explicit, and the same as the single-node engine: greedy parity needs identical kernels.
         cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        if not self._tail:
-            self._callback = ll.ggml_backend_sched_eval_callback(self._make_capture(last_layer))
+        # Sliding-window layers keep every cell: a rewind (repair, rollback) needs the window
+        # before the new end, which a pruned window cache may already have dropped.
+        cparams.swa_full = True
+        if not self._tail or self._overwrite is not None:
+            self._callback = ll.ggml_backend_sched_eval_callback(self._make_callback(last_layer))
             cparams.cb_eval = self._callback
             cparams.cb_eval_user_data = None
         with suppress_stdout_stderr(disable=False):
@@ -224,14 +243,22 @@ class LlamaShard(ShardBase[int]):
         if hidden is None and self._embed is not None:
             assert tokens is not None
             hidden = self._embed(tokens)
+            if self._head_scale is not None:
+                hidden *= self._head_scale
         n = tokens.shape[0] if tokens is not None else hidden.shape[0]  # type: ignore[union-attr]
         outputs: list[F32] = []
         logits: F32 | None = None
         for begin in range(0, n, self._n_batch):
             end = min(n, begin + self._n_batch)
             self._fill(state, start + begin, tokens=tokens, hidden=hidden, rows=(begin, end))
-            self._captured = 0
+            self._captured = self._overwritten = 0
             rc = int(self._ll.llama_decode(self._ctx, self._batch))
+            self._pending = None
+            if self._overwrite is not None and rc == 0 and self._overwritten != 1:
+                raise EngineError(
+                    f"the family's seam fix found no graph tensor {self._overwrite[:-1].decode()!r} "
+                    "(another llama.cpp version?); refusing to compute a wrong seam"
+                )
             if rc == 1:
                 raise StoreFull("llama.cpp found no KV slot for this chunk; retry later", retry_after_s=5)
             if rc != 0:
@@ -258,7 +285,11 @@ class LlamaShard(ShardBase[int]):
         else:
             assert hidden is not None
             block = np.ascontiguousarray(hidden[begin:end], dtype=np.float32)
-            ctypes.memmove(batch.embd, block.ctypes.data, block.nbytes)
+            self._pending = block
+            if self._token_seam:  # any valid id: the callback overwrites the looked-up rows
+                np.ctypeslib.as_array(batch.token, shape=(n,))[:] = 0
+            else:
+                ctypes.memmove(batch.embd, block.ctypes.data, block.nbytes)
         np.ctypeslib.as_array(batch.pos, shape=(n,))[:] = np.arange(pos0, pos0 + n, dtype=np.int32)
         np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
         for i in range(n):
@@ -270,24 +301,36 @@ class LlamaShard(ShardBase[int]):
         else:
             flags[:] = 1  # every row is an output, or llama.cpp drops rows in the last layer
 
-    def _make_capture(self, last_layer: int) -> Any:
-        target = f"l_out-{last_layer}".encode() + b"\0"
-        size = len(target)
-        get = _tensor_get(self._ll)
-        out = self._out
+    def _make_callback(self, last_layer: int) -> Any:
+        """The eval callback: copies ``l_out-{last}`` out (non-tail shards) and overwrites the
+        family's rescaled input with the inbound rows (non-head shards of such a family)."""
+        target = f"l_out-{last_layer}".encode() + b"\0" if not self._tail else None
+        overwrite = self._overwrite
+        get, put = _tensor_get(self._ll), _tensor_set(self._ll)
+        out, n_embd = self._out, self._n_embd
 
-        def capture(tensor: int, ask: bool, _: Any) -> bool:
-            if ctypes.string_at(tensor + _NAME_OFFSET, size) != target:
+        def callback(tensor: int, ask: bool, _: Any) -> bool:
+            name = ctypes.string_at(tensor + _NAME_OFFSET, 64)
+            ours = target is not None and name.startswith(target)
+            rescaled = overwrite is not None and name.startswith(overwrite)
+            if not (ours or rescaled):
                 return not ask  # not ours: do not ask for it (and never abort a running graph)
             if ask:
                 return True
             ne0 = ctypes.c_int64.from_address(tensor + _NE_OFFSET).value
             ne1 = ctypes.c_int64.from_address(tensor + _NE_OFFSET + 8).value
+            if rescaled:
+                rows = self._pending
+                if rows is None or ne0 != n_embd or ne1 != rows.shape[0]:
+                    return False  # abort the graph: llama_decode fails, nothing wrong is computed
+                put(tensor, rows.ctypes.data, 0, rows.nbytes)
+                self._overwritten += 1
+                return True
             get(tensor, out.ctypes.data, 0, ne0 * ne1 * 4)
             self._captured = int(ne1)
             return True
 
-        return capture
+        return callback
 
     # -- session state -----------------------------------------------------------------------
     def _new_state(self, sid: SessionId) -> int:
@@ -355,11 +398,20 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-@functools.cache
-def _tensor_get(llama_cpp: Any) -> Any:
-    """``ggml_backend_tensor_get`` from the libggml-base that llama-cpp-python ships."""
+def _ggml_base_fn(llama_cpp: Any, name: str) -> Any:
+    """``name`` (a ``(tensor, data, offset, size)`` function) from the libggml-base llama-cpp-python ships."""
     lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    fn = lib.ggml_backend_tensor_get
+    fn = getattr(lib, name)
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     fn.restype = None
     return fn
+
+
+@functools.cache
+def _tensor_get(llama_cpp: Any) -> Any:
+    return _ggml_base_fn(llama_cpp, "ggml_backend_tensor_get")
+
+
+@functools.cache
+def _tensor_set(llama_cpp: Any) -> Any:
+    return _ggml_base_fn(llama_cpp, "ggml_backend_tensor_set")

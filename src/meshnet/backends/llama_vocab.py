@@ -10,6 +10,7 @@ import ctypes
 from pathlib import Path
 from typing import Any
 
+from meshnet.artifacts.shard_file import trunk_layers
 from meshnet.backends.base import ModelInfo
 from meshnet.errors import InvalidRequest
 
@@ -78,7 +79,7 @@ class LlamaVocab:
             model_id=model_id or gguf.name.removesuffix(".gguf"),
             architecture=arch,
             quantization=quantization_name(int(file_type) if file_type.isdigit() else None),
-            n_layers=int(self.meta(f"{arch}.block_count") or 0),
+            n_layers=trunk_layers(lambda key: self.meta(key) or None, arch),
             n_ctx_train=int(context),
             n_vocab=int(llama_cpp.llama_vocab_n_tokens(self._vocab)),
             hidden_size=int(self.meta(f"{arch}.embedding_length") or 0),

@@ -17,7 +17,8 @@ Where a family needs handling at a seam, it goes into its ``Family`` record here
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from meshnet.errors import InvalidRequest
 
@@ -27,6 +28,7 @@ __all__ = [
     "Family",
     "UncertifiedArchitecture",
     "certification",
+    "family",
     "require_certified",
 ]
 
@@ -36,16 +38,48 @@ class Family:
     """One GGUF architecture (``general.architecture``) and what is known about splitting it.
 
     ``llama_route`` / ``torch_route``: certified on that backend's layer-split route. ``why`` says
-    what the certification found, or what stands in its way.
+    what the certification found, or what stands in its way. The other fields are the family's seam
+    handling, applied by the shard writer (``artifacts.shard_file``) and the llama.cpp shard:
+
+    - ``rescaled_input``: the graph multiplies every shard's input — token embeddings and inbound
+      hidden states alike — and names the product thus; a non-head shard overwrites that tensor
+      with the inbound hidden state, so the scale applies once, at the head.
+    - ``token_seam``: the graph refuses embeddings as input (llama.cpp aborts); a non-head shard is
+      given placeholder token ids and overwrites the looked-up rows (``rescaled_input``, or the
+      graph's ``embd``) with the inbound hidden state.
+    - ``head_scale``: the graph scales token embeddings but not embeddings fed in as vectors; the
+      head (which looks embeddings up itself) multiplies them by this factor (``"sqrt_n_embd"``).
+    - ``swa_period`` / ``swa_dense_first``: the sliding-window layer pattern llama.cpp derives from
+      the layer index inside the file; the shard writer writes it out per layer, then slices it.
+      ``swa_empty``: what a range without sliding-window layers gets — ``"disable"`` (window 0
+      turns sliding off) or ``"unbounded"`` (the graph insists on sliding layers: all slide, with a
+      window that masks nothing).
+    - ``leading_layer_keys``: metadata counting the model's first N layers (dense before MoE);
+      made relative to the range.
+    - ``cut_multiple``: llama.cpp picks a per-layer behaviour by the layer index modulo this (e.g.
+      which layers skip rope); ranges must start at a multiple of it.
+    - ``unsplittable_layer_counts``: whole-model layer counts for which llama.cpp picks a
+      hyperparameter by the file's layer count; a shard of such a model would compute another
+      model, so cutting one is refused.
     """
 
     arch: str
     llama_route: bool
     torch_route: bool
     why: str
+    rescaled_input: str | None = None
+    token_seam: bool = False
+    head_scale: str | None = None
+    swa_period: int | None = None
+    swa_dense_first: bool = False
+    swa_empty: str = "disable"
+    leading_layer_keys: tuple[str, ...] = ()
+    cut_multiple: int = 1
+    unsplittable_layer_counts: Mapping[int, str] = field(default_factory=dict)
 
 
 _CERTIFIED = "token- and bit-identical to the whole GGUF at every cut (tests/backends/test_certification.py)"
+_DENSE_LEAD = ("leading_dense_block_count",)
 
 FAMILIES: dict[str, Family] = {
     f.arch: f
@@ -57,22 +91,78 @@ FAMILIES: dict[str, Family] = {
         Family("olmo2", True, False, _CERTIFIED),
         Family(
             "granite",
+            True,
             False,
-            False,
-            "the split route's logits differ from the whole GGUF's in the low bits (max |Δ| 1.9e-4 on the tiny "
-            "model with residual and logit multipliers): not yet explained",
+            _CERTIFIED + "; every shard's input is multiplied by the embedding scale, undone past the head",
+            rescaled_input="embd",
         ),
-        Family("gemma", False, False, "llama.cpp scales the input by sqrt(n_embd) inside every shard's graph"),
-        Family("gemma2", False, False, "llama.cpp scales the input by sqrt(n_embd) inside every shard's graph"),
-        Family("gemma3", False, False, "input scaled by sqrt(n_embd) in every shard; sliding-window pattern by layer"),
-        Family("phi3", False, False, "not certified yet (the tiny model's conversion is not set up)"),
-        Family("qwen2moe", False, False, "not certified yet"),
-        Family("mistral3", False, False, "not certified yet"),
-        Family("deepseek2", False, False, "not certified yet (MLA KV)"),
-        Family("glm4", False, False, "not certified yet"),
-        Family("glm4moe", False, False, "not certified yet"),
-        Family("smollm3", False, False, "not certified yet (no-rope layers picked by layer index)"),
-        Family("exaone", False, False, "not certified yet"),
+        Family(
+            "gemma",
+            True,
+            False,
+            _CERTIFIED + "; every shard's input is scaled by sqrt(n_embd), undone past the head",
+            rescaled_input="inp_scaled",
+        ),
+        Family(
+            "gemma2",
+            True,
+            False,
+            _CERTIFIED + "; input scale undone past the head; sliding-window pattern written per layer",
+            rescaled_input="inp_scaled",
+            swa_period=2,
+            swa_empty="unbounded",
+            unsplittable_layer_counts={46: "llama.cpp picks the 27B's attention scale by the layer count (46)"},
+        ),
+        Family(
+            "gemma3",
+            True,
+            False,
+            _CERTIFIED + "; the head scales embeddings by sqrt(n_embd); sliding-window pattern written per layer",
+            head_scale="sqrt_n_embd",
+            swa_period=6,
+            unsplittable_layer_counts={62: "llama.cpp picks the 27B's attention scale by the layer count (62)"},
+        ),
+        Family("phi3", True, False, _CERTIFIED),
+        Family("qwen2moe", True, False, _CERTIFIED),
+        Family("mistral3", True, False, _CERTIFIED + " (Ministral 3: yarn rope with attention temperature)"),
+        Family(
+            "deepseek2",
+            True,
+            False,
+            _CERTIFIED + "; MLA; the count of leading dense layers is made relative to each range",
+            leading_layer_keys=_DENSE_LEAD,
+        ),
+        Family(
+            "glm4",
+            True,
+            False,
+            _CERTIFIED + "; past the head the hidden state replaces placeholder token rows (llama.cpp refuses "
+            "embeddings input for this family)",
+            token_seam=True,
+        ),
+        Family(
+            "glm4moe",
+            True,
+            False,
+            _CERTIFIED + "; past the head the hidden state replaces placeholder token rows (llama.cpp refuses "
+            "embeddings input for this family); multi-token-prediction blocks are not routed",
+            token_seam=True,
+            leading_layer_keys=_DENSE_LEAD,
+        ),
+        Family(
+            "smollm3",
+            True,
+            False,
+            _CERTIFIED + "; every 4th layer skips rope, picked by the index inside the file: ranges start at a "
+            "multiple of 4",
+            cut_multiple=4,
+        ),
+        Family(
+            "exaone",
+            False,
+            False,
+            "refused: transformers has no EXAONE 3 model class to build the tiny certification model from",
+        ),
     )
 }
 # The architectures a manifest may name: the table above, never a hand-kept list elsewhere.
@@ -85,10 +175,8 @@ class UncertifiedArchitecture(InvalidRequest):
 
 def certification(arch: str, backend: str = "llama") -> tuple[bool, str]:
     """``(certified, why)`` for ``arch`` on ``backend`` ("llama" or "torch")."""
-    family = FAMILIES.get(arch)
-    if family is None:
-        return False, f"architecture {arch!r} has never been checked"
-    return (family.llama_route if backend == "llama" else family.torch_route), family.why
+    record = family(arch)
+    return (record.llama_route if backend == "llama" else record.torch_route), record.why
 
 
 def require_certified(arch: str, *, backend: str = "llama", allow_uncertified: bool = False) -> str | None:
@@ -105,3 +193,9 @@ def require_certified(arch: str, *, backend: str = "llama", allow_uncertified: b
     if not allow_uncertified:
         raise UncertifiedArchitecture(message, param="architecture")
     return message.removesuffix("; pass --allow-uncertified to run it anyway") + " (running it: --allow-uncertified)"
+
+
+def family(arch: str) -> Family:
+    """The family record of ``arch``; an unknown architecture gets one with no seam handling (it is
+    refused unless the operator allows uncertified architectures)."""
+    return FAMILIES.get(arch) or Family(arch, False, False, f"architecture {arch!r} has never been checked")
