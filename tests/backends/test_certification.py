@@ -17,18 +17,41 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshnet.errors import InvalidRequest
+from meshnet.artifacts.shard_file import write_shard
+from meshnet.backends.chain import ChainSession
+from meshnet.backends.llama_shard import SNAPSHOT_CELL_META_BYTES, LlamaShard
+from meshnet.errors import EngineError, InvalidRequest
+from meshnet.ids import new_session_id
 from meshnet.models.families import FAMILIES
 from tests.certify.convert import TinyModel, gguf_for
-from tests.certify.parity import compare, transformers_gap
+from tests.certify.parity import CONFIG, compare, prompt_for, rewind_replays_exactly, route, transformers_gap
 
 pytestmark = pytest.mark.real
 
 CUTS = [(3,), (1, 4), (2, 5)]  # of 6 blocks: 2 shards, and 3 shards of uneven sizes
-CUTS_FOR = {"smollm3": [(4,), (4, 8), (8,)]}  # of 12 blocks, ranges starting at multiples of 4
+CUTS_FOR = {
+    "smollm3": [(4,), (4, 8), (8,)],  # of 12 blocks, ranges starting at multiples of 4
+    # of 9 hybrid blocks: every range holds both kinds; cuts on and off the pattern
+    "qwen3next": [(4,), (3, 7), (5,)],
+    "qwen35moe": [(4,), (3, 7), (5,)],
+}
 CHUNKS = (64, 7, 13)
 # A sliding window shorter than the prompt, so a pattern shifted at a cut would change the text.
 GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16, "tie_word_embeddings": True}
+HYBRID = {
+    "head_dim": 16,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention"] * 3,
+    "pad_token_id": 0,
+}
 TINY = {
     "llama": TinyModel("llama", "llama", {"head_dim": 16}),
     "qwen2": TinyModel("qwen2", "qwen2"),
@@ -100,6 +123,24 @@ TINY = {
             },
         },
     ),
+    # Hybrid linear/full attention, (linear, linear, full) x 3; MTP blocks left out by the converter.
+    "qwen3next": TinyModel("qwen3next", "qwen3_next", HYBRID, layers=9, convert_args=("--no-mtp",)),
+    "qwen35moe": TinyModel(
+        "qwen35moe",
+        "qwen3_5_moe_text",
+        {
+            **HYBRID,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 0],
+                "mrope_interleaved": True,
+            },
+        },
+        layers=9,
+        convert_args=("--no-mtp",),
+    ),
     # One multi-token-prediction layer declared after the trunk: routes run the trunk only.
     "glm4moe": TinyModel(
         "glm4moe",
@@ -139,6 +180,9 @@ def test_a_certified_family_splits_bit_identically(arch: str, shard_cache: Path)
     assert len(results) == len(cuts) * len(CHUNKS)
     broken = [r for r in results if not (r.tokens_equal and r.bits_equal)]
     assert not broken, broken
+    # Route repair rewinds a hop by a step and resends it: the same bits again (a recurrent state
+    # is restored from its checkpoint, not truncated).
+    assert rewind_replays_exactly(gguf, cuts[-1], shard_cache)
     # The whole GGUF against transformers on the same weights: a converter or kernel difference
     # would show here, not be mistaken for (or hidden by) a split bug.
     assert transformers_gap(gguf, hf_dir) < 1e-2
@@ -208,3 +252,56 @@ def test_an_uncertified_architecture_is_refused_unless_allowed(tmp_path: Path) -
     assert allowed.returncode == 0, allowed.stderr
     assert "warning: architecture 'stablelm' is not certified" in allowed.stderr
     assert (tmp_path / "s.gguf").is_file()
+
+
+def test_a_hybrid_range_of_one_layer_kind_is_refused(tmp_path: Path) -> None:
+    """llama.cpp aborts the process on a hybrid range whose memory for one kind would be empty: the
+    shard writer refuses it first, saying what to change."""
+    gguf, _ = gguf_for(TINY["qwen3next"])
+    for layers, kind in (("0:2", "recurrent"), ("8:9", "full-attention")):
+        with pytest.raises(InvalidRequest, match=f"are all {kind}.*both kinds"):
+            write_shard(gguf, layers, tmp_path / "s.gguf")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_recurrent_state_rewinds_one_chunk_and_refuses_more(tmp_path: Path) -> None:
+    gguf, _ = gguf_for(TINY["qwen3next"])
+    shards = route(gguf, (4,), 9, tmp_path)
+    try:
+        session = ChainSession(shards)
+        logits = session.prefill(prompt_for(shards[-1].info.n_vocab), 7)
+        for _ in range(3):
+            logits = session.step(int(np.argmax(logits)))
+        with pytest.raises(EngineError, match=r"recurrent state.*last chunk"):
+            shards[0].rewind(session.sid, session.position - 2)
+        # Nothing lost: the session goes on from where it was.
+        assert shards[0].store.get(session.sid).position == session.position
+        nxt = session.step(int(np.argmax(logits)))
+        assert np.isfinite(nxt).all()
+        session.close()
+    finally:
+        for shard in shards:
+            shard.close()
+
+
+@pytest.mark.parametrize(("arch", "kind"), [("llama", "kv"), ("deepseek2", "mla"), ("qwen3next", "hybrid")])
+def test_the_kv_format_is_what_llama_cpp_stores(arch: str, kind: str) -> None:
+    """Per-token and fixed bytes by layer type, held against llama.cpp's own serialized session."""
+    gguf, _ = gguf_for(TINY[arch])
+    shard = LlamaShard(gguf, config=CONFIG)
+    try:
+        kv = shard.info.kv
+        assert kv.kind == kind
+        sid = new_session_id()
+        shard.open_session(sid)
+        tokens = np.array(prompt_for(shard.info.n_vocab)[:10], dtype=np.int32)
+        shard.prefill(sid, 0, tokens=tokens[:2])
+        two = shard.kv_state_bytes(sid)
+        shard.prefill(sid, 2, tokens=tokens[2:])
+        ten = shard.kv_state_bytes(sid)
+        assert (ten - two) / 8 == kv.bytes_per_token + SNAPSHOT_CELL_META_BYTES
+        if kind == "hybrid":  # the recurrent states: live, plus the checkpoint a rewind restores
+            assert 0 < kv.fixed_bytes / 2 <= two - 2 * (kv.bytes_per_token + SNAPSHOT_CELL_META_BYTES)
+            assert 0 in kv.per_layer_bytes_per_token
+    finally:
+        shard.close()

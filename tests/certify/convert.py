@@ -83,16 +83,16 @@ sys.path.insert(1, conv + "/gguf-py")
 import conversion.base as base
 # A tiny tokenizer trained here has a BPE pre-tokenizer hash llama.cpp does not list: call it "default".
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "f32"]
+sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "f32", *sys.argv[4:]]
 runpy.run_path(conv + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def convert(hf_dir: Path, out: Path) -> Path:
+def convert(hf_dir: Path, out: Path, args: tuple[str, ...] = ()) -> Path:
     """Convert a saved HF model to a float32 GGUF with llama.cpp's converter; written atomically."""
     partial = out.with_suffix(".partial.gguf")
     done = subprocess.run(
-        [sys.executable, "-c", _BOOT, str(converter_dir()), str(hf_dir), str(partial)],
+        [sys.executable, "-c", _BOOT, str(converter_dir()), str(hf_dir), str(partial), *args],
         check=False,
         capture_output=True,
         text=True,
@@ -114,6 +114,7 @@ class TinyModel:
     config: dict[str, Any] = field(default_factory=dict)
     layers: int = 6
     tokenizer: str = "bpe"  # or "spm": a SentencePiece model (tokenizer.model), which some converters require
+    convert_args: tuple[str, ...] = ()  # extra converter flags (e.g. --no-mtp)
 
     def key(self) -> str:
         blob = json.dumps({"v": HARNESS_VERSION, **asdict(self)}, sort_keys=True).encode()
@@ -130,7 +131,7 @@ def gguf_for(model: TinyModel) -> tuple[Path, Path]:
     with tempfile.TemporaryDirectory(dir=base.parent) as tmp:
         staging = Path(tmp) / model.arch
         save_tiny_model(model, staging)
-        convert(staging, gguf)
+        convert(staging, gguf, model.convert_args)
         shutil.rmtree(hf_dir, ignore_errors=True)
         staging.rename(hf_dir)
     return gguf, hf_dir

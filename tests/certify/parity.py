@@ -132,3 +132,30 @@ def transformers_gap(gguf: Path, hf_dir: Path) -> float:
     with torch.no_grad():
         theirs = model(torch.tensor([prompt])).logits[0, -1].numpy()
     return float(np.max(np.abs(ours - theirs)) / max(1e-9, float(np.max(np.abs(theirs)))))
+
+
+def rewind_replays_exactly(gguf: Path, cuts: Sequence[int], cache: Path) -> bool:
+    """On a route: decode, rewind every shard one step (what route repair does to a hop that already
+    holds the resent step), decode the same token again: the logits must be bit-identical."""
+    whole = LlamaShard(gguf, config=CONFIG)
+    try:
+        total, n_vocab = whole.info.layers.total, whole.info.n_vocab
+    finally:
+        whole.close()
+    shards = route(gguf, cuts, total, cache)
+    try:
+        session = ChainSession(shards)
+        logits = session.prefill(prompt_for(n_vocab), 7)
+        for _ in range(3):
+            logits = session.step(int(np.argmax(logits)))
+        token = int(np.argmax(logits))
+        first = session.step(token)
+        session.position -= 1
+        for shard in shards:
+            shard.rewind(session.sid, session.position)
+        again = session.step(token)
+        session.close()
+        return bool(np.array_equal(first, again))
+    finally:
+        for shard in shards:
+            shard.close()

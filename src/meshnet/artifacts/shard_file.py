@@ -47,6 +47,7 @@ __all__ = [
     "merge_shards",
     "read_architecture",
     "read_shard_range",
+    "recurrent_layers",
     "trunk_layers",
     "write_shard",
 ]
@@ -91,6 +92,24 @@ def trunk_layers(fields: Any, arch: str) -> int:
     get = fields if callable(fields) else (lambda key: _field_value(fields[key]) if key in fields else None)
     total = int(get(f"{arch}.block_count") or 0)
     return total - int(get(f"{arch}.nextn_predict_layers") or 0)
+
+
+def _recurrent_flags(fields: Any, arch: str, n_layer: int) -> list[bool]:
+    """Which layers keep a recurrent state instead of KV: ``{arch}.attention.recurrent_layers``, else
+    every layer but each ``full_attention_interval``-th (4 unless stated), as llama.cpp derives it."""
+    key = f"{arch}.attention.recurrent_layers"
+    if key in fields:
+        return [bool(v) for v in _field_value(fields[key])][:n_layer]
+    interval_key = f"{arch}.full_attention_interval"
+    interval = int(_field_value(fields[interval_key])) if interval_key in fields else 4
+    return [(i + 1) % interval != 0 for i in range(n_layer)]
+
+
+def recurrent_layers(path: Path, arch: str, n_layer: int) -> list[bool]:
+    """The recurrent-layer flags of a GGUF (a full model or a shard file) of a hybrid family."""
+    import gguf
+
+    return _recurrent_flags(gguf.GGUFReader(str(path)).fields, arch, n_layer)
 
 
 def embeddings_path(shard_path: Path) -> Path:
@@ -139,6 +158,16 @@ def write_shard(
             f"must start at a multiple of {seams.cut_multiple} (not {layers.start})",
             param="layers",
         )
+    if seams.recurrent and len(layers) != total:
+        kinds = set(_recurrent_flags(reader.fields, arch, total)[layers.start : layers.stop])
+        if len(kinds) != 2:
+            have = "recurrent (linear-attention)" if True in kinds else "full-attention"
+            raise InvalidRequest(
+                f"layers {layers} of this {arch} model are all {have} layers; llama.cpp needs a range of a hybrid "
+                "model to hold layers of both kinds (its memory for the missing kind would be empty). Move the cut "
+                "so the range includes both",
+                param="layers",
+            )
     unsplittable = seams.unsplittable_layer_counts.get(total)
     if unsplittable and len(layers) != total:
         raise InvalidRequest(

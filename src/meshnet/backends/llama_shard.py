@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from meshnet.artifacts.shard_file import embeddings_path, read_shard_range, write_shard
+from meshnet.artifacts.shard_file import embeddings_path, read_shard_range, recurrent_layers, write_shard
 from meshnet.backends.llama_vocab import model_meta
 from meshnet.backends.shard import F32, I32, KVFormat, SeamSpec, ShardBase, ShardInfo, ShardOutput
 from meshnet.errors import EngineError, InvalidRequest, StoreFull
@@ -44,6 +44,7 @@ __all__ = ["SNAPSHOT_CELL_META_BYTES", "HeadEmbeddings", "LlamaShard", "LlamaSha
 _NE_OFFSET = 16
 _NAME_OFFSET = 256
 _KV_CACHE_BYTES = 2  # llama.cpp's default K/V cache type is f16
+_STATE_BYTES = 4  # recurrent (conv and linear-attention) states are f32
 # A sequence snapshot stores, per cell, its position, a seq-id count and one seq id (int32 each).
 SNAPSHOT_CELL_META_BYTES = 12
 
@@ -103,6 +104,7 @@ class LlamaShard(ShardBase[int]):
         import llama_cpp
 
         self._ll = llama_cpp
+        self._path = shard_path
         cfg = config or LlamaShardConfig()
         found = read_shard_range(shard_path)
         layers, self._vocab_cut = found if found is not None else (None, False)
@@ -133,10 +135,12 @@ class LlamaShard(ShardBase[int]):
         self._token_seam = seams.token_seam and not self._token_input
         past_head = layers.start > 0
         rescaled = seams.rescaled_input if past_head else None
-        rescaled = rescaled or ("embd" if self._token_seam else None)  # at the head: before any scale
+        rescaled = rescaled or (seams.input_name if self._token_seam else None)  # at the head: before any scale
         self._overwrite = rescaled.encode() + b"\0" if rescaled else None
         self._pending: np.ndarray[Any, Any] | None = None  # the rows of the running chunk
         self._overwritten = 0
+        self._recurrent = seams.recurrent
+        self._checkpoints: dict[int, tuple[int, bytes]] = {}  # seq -> (position, recurrent state there)
         self._head_scale: np.float32 | None = None
         if seams.head_scale == "sqrt_n_embd" and self._embed is not None:
             self._head_scale = np.sqrt(np.float32(self._n_embd))  # sqrtf(n_embd), as llama.cpp computes it
@@ -199,7 +203,7 @@ class LlamaShard(ShardBase[int]):
         return ctx
 
     def _describe(self, model_id: str, layers: LayerRange, cfg: LlamaShardConfig) -> ShardInfo:
-        per_layer = self._kv_bytes_per_layer(len(layers))
+        kv = self._kv_format(len(layers))
         weight_bytes = int(self._ll.llama_model_size(self._model))
         if self._embed is not None:
             weight_bytes += self._embed.nbytes
@@ -212,14 +216,7 @@ class LlamaShard(ShardBase[int]):
             n_vocab=self._embed.n_vocab if self._embed is not None else self._n_vocab,
             max_positions=cfg.positions_per_session,
             weight_bytes=weight_bytes,
-            kv=KVFormat(
-                kind="kv",
-                dtype="f16",
-                bytes_per_token=sum(per_layer),
-                fixed_bytes=0,
-                per_layer_bytes_per_token=tuple(per_layer),
-                formula="per layer: (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes (f16 K and V)",
-            ),
+            kv=kv,
             numerics=(
                 f"llama.cpp {getattr(self._ll, '__version__', '?')} cpu {platform.machine()} {_cpu_model()}; "
                 f"threads {cfg.n_threads or os.cpu_count() or 1}; n_batch {cfg.n_batch}; flash-attn; kv f16"
@@ -240,6 +237,10 @@ class LlamaShard(ShardBase[int]):
 
     # -- compute -----------------------------------------------------------------------------
     def _forward(self, state: int, start: int, tokens: I32 | None, hidden: F32 | None) -> ShardOutput:
+        if self._recurrent:
+            # A recurrence cannot be truncated: keep its state as it was before this chunk, so a
+            # rewind to ``start`` (a failed chunk, a repair resending a step) can restore it.
+            self._checkpoints[state] = (start, self._partial_state(state))
         if hidden is None and self._embed is not None:
             assert tokens is not None
             hidden = self._embed(tokens)
@@ -340,10 +341,33 @@ class LlamaShard(ShardBase[int]):
 
     def _free_state(self, state: int) -> None:
         self._ll.llama_memory_seq_rm(self._mem, state, -1, -1)
+        self._checkpoints.pop(state, None)
         self._free_seqs.append(state)
 
     def _truncate_state(self, state: int, position: int) -> None:
-        self._ll.llama_memory_seq_rm(self._mem, state, position, -1)
+        ll = self._ll
+        if self._recurrent and position > 0:
+            saved = self._checkpoints.get(state)
+            if saved is None or saved[0] != position:
+                there = "none" if saved is None else f"position {saved[0]}"
+                raise EngineError(
+                    f"this shard's layers keep a recurrent state, which can be rewound only to the start of the "
+                    f"session's last chunk ({there}), not to position {position}; start a new session"
+                )
+            buf = (ctypes.c_uint8 * len(saved[1])).from_buffer_copy(saved[1])
+            flags = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+            if int(ll.llama_state_seq_set_data_ext(self._ctx, buf, len(saved[1]), state, flags)) == 0:
+                raise EngineError("llama.cpp rejected the recurrent-state checkpoint")
+        if not ll.llama_memory_seq_rm(self._mem, state, position, -1):
+            raise EngineError(f"llama.cpp could not drop positions >= {position} of sequence {state}")
+
+    def _partial_state(self, state: int) -> bytes:
+        """The recurrent (and sliding-window) part of a sequence's state."""
+        ll, flags = self._ll, self._ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(ll.llama_state_seq_get_size_ext(self._ctx, state, flags))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(ll.llama_state_seq_get_data_ext(self._ctx, buf, size, state, flags))
+        return bytes(buf)[:written]
 
     def _dump_state(self, state: int, position: int) -> bytes:
         size = int(self._ll.llama_state_seq_get_size(self._ctx, state))
@@ -368,13 +392,53 @@ class LlamaShard(ShardBase[int]):
     def _meta(self, key: str) -> str:
         return model_meta(self._ll, self._model, key)
 
-    def _kv_bytes_per_layer(self, n_layer: int) -> list[int]:
+    def _int_meta(self, key: str, default: int = 0) -> int:
+        value = self._meta(key)
+        return int(value) if value.lstrip("-").isdigit() else default
+
+    def _kv_format(self, n_layer: int) -> KVFormat:
+        """What a session costs here, by layer type, as llama.cpp stores it (f16 K/V cells; f32
+        recurrent states): GQA layers hold K and V per token; MLA layers one compressed latent plus
+        the rope key (V is a view of it); linear-attention layers a fixed-size state per session."""
         arch = self._meta("general.architecture")
-        n_head = int(self._meta(f"{arch}.attention.head_count") or 0)
-        n_head_kv = int(self._meta(f"{arch}.attention.head_count_kv") or n_head)
-        head_k = int(self._meta(f"{arch}.attention.key_length") or (self._n_embd // max(n_head, 1)))
-        head_v = int(self._meta(f"{arch}.attention.value_length") or head_k)
-        return [(n_head_kv * head_k + n_head_kv * head_v) * _KV_CACHE_BYTES] * n_layer
+        n_head = self._int_meta(f"{arch}.attention.head_count")
+        n_head_kv = self._int_meta(f"{arch}.attention.head_count_kv", n_head)
+        head_k = self._int_meta(f"{arch}.attention.key_length", self._n_embd // max(n_head, 1))
+        head_v = self._int_meta(f"{arch}.attention.value_length", head_k)
+        lora = self._int_meta(f"{arch}.attention.kv_lora_rank")
+        if lora:
+            per_token = (lora + self._int_meta(f"{arch}.rope.dimension_count")) * _KV_CACHE_BYTES
+            kind, formula = "mla", "per layer: (kv_lora_rank + rope dims) * 2 bytes (f16 latent; V is a view of it)"
+        else:
+            per_token = (n_head_kv * head_k + n_head_kv * head_v) * _KV_CACHE_BYTES
+            kind, formula = "kv", "per layer: (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes (f16 K and V)"
+        recurrent = self._recurrent_layers(arch, n_layer)
+        per_layer = [0 if r else per_token for r in recurrent]
+        fixed = 0
+        if any(recurrent):
+            d_conv = self._int_meta(f"{arch}.ssm.conv_kernel")
+            d_inner = self._int_meta(f"{arch}.ssm.inner_size")
+            d_state = self._int_meta(f"{arch}.ssm.state_size")
+            groups = self._int_meta(f"{arch}.ssm.group_count")
+            state = ((d_conv - 1) * (d_inner + 2 * groups * d_state) + d_state * d_inner) * _STATE_BYTES
+            fixed = state * sum(recurrent)
+            kind = "hybrid"
+            formula += (
+                "; recurrent layers: ((conv_kernel - 1) * (inner + 2 * groups * state) + state * inner) * 4 bytes "
+                "per session (f32), kept twice (live, and the checkpoint a rewind restores)"
+            )
+            fixed *= 2
+        return KVFormat(
+            kind=kind,
+            dtype="f16",
+            bytes_per_token=sum(per_layer),
+            fixed_bytes=fixed,
+            per_layer_bytes_per_token=tuple(per_layer),
+            formula=formula,
+        )
+
+    def _recurrent_layers(self, arch: str, n_layer: int) -> list[bool]:
+        return recurrent_layers(self._path, arch, n_layer) if family(arch).recurrent else [False] * n_layer
 
     def close(self) -> None:
         super().close()

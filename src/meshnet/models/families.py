@@ -44,9 +44,14 @@ class Family:
     - ``rescaled_input``: the graph multiplies every shard's input — token embeddings and inbound
       hidden states alike — and names the product thus; a non-head shard overwrites that tensor
       with the inbound hidden state, so the scale applies once, at the head.
-    - ``token_seam``: the graph refuses embeddings as input (llama.cpp aborts); a non-head shard is
-      given placeholder token ids and overwrites the looked-up rows (``rescaled_input``, or the
-      graph's ``embd``) with the inbound hidden state.
+    - ``token_seam``: the graph refuses embeddings as input (llama.cpp aborts), or treats them as
+      media (multimodal rope positions); a shard is given placeholder token ids and overwrites the
+      looked-up rows (``input_name``; past the head ``rescaled_input`` if the family has one) with
+      its input.
+    - ``input_name``: the graph's name for the looked-up embedding rows.
+    - ``recurrent``: a hybrid family — some layers keep a fixed-size recurrent state per session
+      instead of KV. Every range must hold layers of both kinds; a rewind restores the state
+      saved before the last chunk (truncating positions cannot undo a recurrence).
     - ``head_scale``: the graph scales token embeddings but not embeddings fed in as vectors; the
       head (which looks embeddings up itself) multiplies them by this factor (``"sqrt_n_embd"``).
     - ``swa_period`` / ``swa_dense_first``: the sliding-window layer pattern llama.cpp derives from
@@ -69,6 +74,8 @@ class Family:
     why: str
     rescaled_input: str | None = None
     token_seam: bool = False
+    input_name: str = "embd"
+    recurrent: bool = False
     head_scale: str | None = None
     swa_period: int | None = None
     swa_dense_first: bool = False
@@ -124,6 +131,24 @@ FAMILIES: dict[str, Family] = {
         ),
         Family("phi3", True, False, _CERTIFIED),
         Family("qwen2moe", True, False, _CERTIFIED),
+        Family(
+            "qwen3next",
+            True,
+            False,
+            _CERTIFIED + "; hybrid: each range holds linear- and full-attention layers; a rewind restores the "
+            "recurrent state saved before the last chunk",
+            recurrent=True,
+        ),
+        Family(
+            "qwen35moe",
+            True,
+            False,
+            _CERTIFIED + "; hybrid as qwen3next; placeholder token rows replaced by the hidden state (llama.cpp "
+            "gives embeddings input multimodal rope positions)",
+            token_seam=True,
+            input_name="model.input_embed",
+            recurrent=True,
+        ),
         Family("mistral3", True, False, _CERTIFIED + " (Ministral 3: yarn rope with attention temperature)"),
         Family(
             "deepseek2",
