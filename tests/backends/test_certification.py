@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshnet.artifacts.shard_file import write_shard
+from meshnet.artifacts.shard_file import range_starts, write_shard
 from meshnet.backends.chain import ChainSession
 from meshnet.backends.llama_shard import SNAPSHOT_CELL_META_BYTES, LlamaShard
 from meshnet.errors import EngineError, InvalidRequest
@@ -34,7 +34,11 @@ CUTS_FOR = {
     # of 9 hybrid blocks: every range holds both kinds; cuts on and off the pattern
     "qwen3next": [(4,), (3, 7), (5,)],
     "qwen35moe": [(4,), (3, 7), (5,)],
+    "glm-dsa": [(2,), (1, 4), (2, 4)],  # ranges start where a layer computes its own top-k
 }
+# transformers against the whole GGUF where the route's model differs: glm-dsa's sparse top-k picks
+# differently between the two near ties, so its converter is checked on the dense (top-64) variant.
+GAP_MODEL = {"glm-dsa": lambda m: dataclasses.replace(m, config={**m.config, "index_topk": 64})}
 CHUNKS = (64, 7, 13)
 # A sliding window shorter than the prompt, so a pattern shifted at a cut would change the text.
 GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16, "tie_word_embeddings": True}
@@ -141,6 +145,36 @@ TINY = {
         layers=9,
         convert_args=("--no-mtp",),
     ),
+    # GLM-5.x: MLA + DSA lightning indexer with a top-8 selection (sparse within the prompt); layers
+    # 3 and 5 reuse the previous layer's selection, so ranges may not start there.
+    "glm-dsa": TinyModel(
+        "glm-dsa",
+        "glm_moe_dsa",
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "head_dim": 8,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "index_topk": 8,
+            "index_head_dim": 64,  # llama.cpp's Hadamard rotation of indexer keys needs a multiple of 64
+            "index_n_heads": 2,
+            "num_nextn_predict_layers": 0,
+            "mlp_layer_types": ["dense", "dense", "sparse", "sparse", "sparse", "sparse"],
+            "layer_types": ["indexed_attention"] * 6,
+            "indexer_types": ["full", "full", "full", "shared", "full", "shared"],
+            "pad_token_id": 0,
+        },
+    ),
     # One multi-token-prediction layer declared after the trunk: routes run the trunk only.
     "glm4moe": TinyModel(
         "glm4moe",
@@ -185,6 +219,8 @@ def test_a_certified_family_splits_bit_identically(arch: str, shard_cache: Path)
     assert rewind_replays_exactly(gguf, cuts[-1], shard_cache)
     # The whole GGUF against transformers on the same weights: a converter or kernel difference
     # would show here, not be mistaken for (or hidden by) a split bug.
+    if arch in GAP_MODEL:
+        gguf, hf_dir = gguf_for(GAP_MODEL[arch](TINY[arch]))
     assert transformers_gap(gguf, hf_dir) < 1e-2
 
 
@@ -305,3 +341,13 @@ def test_the_kv_format_is_what_llama_cpp_stores(arch: str, kind: str) -> None:
             assert 0 in kv.per_layer_bytes_per_token
     finally:
         shard.close()
+
+
+def test_a_glm_dsa_range_may_not_open_on_a_layer_that_reuses_a_selection(tmp_path: Path) -> None:
+    gguf, _ = gguf_for(TINY["glm-dsa"])
+    with pytest.raises(InvalidRequest, match=r"layer 3 .* cannot open a range.*may start at layers \[0, 1, 2, 4\]"):
+        write_shard(gguf, "3:6", tmp_path / "s.gguf")
+    assert range_starts(gguf) == [0, 1, 2, 4]
+    assert range_starts(gguf_for(TINY["qwen3next"])[0]) == [0, 3, 6]
+    assert range_starts(gguf_for(TINY["smollm3"])[0]) == [0, 4, 8]
+    assert range_starts(gguf_for(TINY["llama"])[0]) == list(range(6))

@@ -115,6 +115,9 @@ class TinyModel:
     layers: int = 6
     tokenizer: str = "bpe"  # or "spm": a SentencePiece model (tokenizer.model), which some converters require
     convert_args: tuple[str, ...] = ()  # extra converter flags (e.g. --no-mtp)
+    # keys added to the saved config.json: some converters read a checkpoint's own (legacy) keys
+    # that transformers folds into others and does not write back
+    raw_config: dict[str, Any] = field(default_factory=dict)
 
     def key(self) -> str:
         blob = json.dumps({"v": HARNESS_VERSION, **asdict(self)}, sort_keys=True).encode()
@@ -161,6 +164,9 @@ def save_tiny_model(model: TinyModel, out: Path) -> None:
         for param in hf.parameters():
             param.normal_(0.0, 0.08)
     hf.save_pretrained(out)
+    if model.raw_config:
+        saved = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**saved, **model.raw_config}, indent=2))
     if not any(out.glob("*.safetensors")):
         shutil.rmtree(out)
         raise RuntimeError(f"transformers saved no weights for {model.model_type}")

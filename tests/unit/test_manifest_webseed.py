@@ -51,6 +51,9 @@ def test_paths_outside_the_folder_are_not_served(server: str) -> None:
 def test_publish_ranges() -> None:
     assert [str(r) for r in split_ranges(30, layers_per_file=10)] == ["0:10", "10:20", "20:30"]
     assert [str(r) for r in split_ranges(7, layers_per_file=3)] == ["0:3", "3:6", "6:7"]
+    # A family that lets ranges start only at some layers: each file ends at the next allowed start.
+    assert [str(r) for r in split_ranges(12, layers_per_file=3, starts=[0, 4, 8])] == ["0:4", "4:8", "8:12"]
+    assert [str(r) for r in split_ranges(6, layers_per_file=2, starts=[0, 1, 2, 4])] == ["0:2", "2:4", "4:6"]
     assert [str(r) for r in split_ranges(30, ranges="0:5,5:30")] == ["0:5", "5:30"]
     for bad, words in (("0:5,6:30", "gap"), ("0:5,4:30", "overlap"), ("0:5,5:20", "end at layer 30")):
         with pytest.raises(InvalidRequest, match=words):

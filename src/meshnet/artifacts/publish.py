@@ -19,6 +19,7 @@ import collections
 import hashlib
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from meshnet.artifacts.manifest import (
     parse_manifest,
 )
 from meshnet.artifacts.plan import shape_from_fields
-from meshnet.artifacts.shard_file import trunk_layers, write_shard
+from meshnet.artifacts.shard_file import range_starts, trunk_layers, write_shard
 from meshnet.artifacts.torrent import DEFAULT_PIECE_LENGTH, create_torrent, magnet_of, read_torrent
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
@@ -59,12 +60,21 @@ class PublishOptions:
     piece_length: int = DEFAULT_PIECE_LENGTH
 
 
-def split_ranges(total: int, *, ranges: str | None = None, layers_per_file: int = 10) -> list[LayerRange]:
-    """Contiguous ranges covering ``0:total``, from ``--ranges`` or ``--layers-per-file``."""
+def split_ranges(
+    total: int, *, ranges: str | None = None, layers_per_file: int = 10, starts: Sequence[int] | None = None
+) -> list[LayerRange]:
+    """Contiguous ranges covering ``0:total``, from ``--ranges`` or ``--layers-per-file`` (each file
+    then ends at the first layer its family lets a range start at, ``starts``, past that many)."""
     if ranges is None:
         if layers_per_file < 1:
             raise InvalidRequest("--layers-per-file must be at least 1", param="layers_per_file")
-        return [LayerRange(s, min(total, s + layers_per_file), total) for s in range(0, total, layers_per_file)]
+        allowed = sorted(set(range(total) if starts is None else starts) | {total})
+        files, begin = [], 0
+        while begin < total:
+            stop = next(a for a in allowed if a >= min(total, begin + layers_per_file))
+            files.append(LayerRange(begin, stop, total))
+            begin = stop
+        return files
     out: list[LayerRange] = []
     for text in ranges.split(","):
         try:
@@ -110,7 +120,7 @@ def publish(source: Path, out: Path, options: PublishOptions | None = None) -> M
         raise InvalidRequest(f"{source.name} is one part of a split GGUF: merge it first (llama-gguf-split --merge)")
     arch = str(meta("general.architecture"))
     total = trunk_layers(meta, arch)
-    ranges = split_ranges(total, ranges=opts.ranges, layers_per_file=opts.layers_per_file)
+    ranges = split_ranges(total, ranges=opts.ranges, layers_per_file=opts.layers_per_file, starts=range_starts(source))
     model_id = opts.model_id or source.name.removesuffix(".gguf")
     name = re.sub(r"[^A-Za-z0-9._-]", "-", model_id).lstrip(".-") or "model"
     folder = out / name

@@ -45,6 +45,7 @@ __all__ = [
     "ShardFiles",
     "embeddings_path",
     "merge_shards",
+    "range_starts",
     "read_architecture",
     "read_shard_range",
     "recurrent_layers",
@@ -105,6 +106,26 @@ def _recurrent_flags(fields: Any, arch: str, n_layer: int) -> list[bool]:
     return [(i + 1) % interval != 0 for i in range(n_layer)]
 
 
+def range_starts(path: Path) -> list[int]:
+    """Layers at which a range of this GGUF's model may start, by its family's rules (every layer
+    when the family has none): a multiple of its cut step, a layer that computes its own sparse
+    selection, and for a hybrid model a layer right after a full-attention one (so that every
+    range ends with attention and, cut on the pattern, holds both kinds)."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    arch = str(_field_value(fields["general.architecture"]))
+    total, seams = trunk_layers(fields, arch), family(arch)
+    starts = [s for s in range(total) if s % seams.cut_multiple == 0]
+    if seams.start_flags and f"{arch}.{seams.start_flags}" in fields:
+        flags = _field_value(fields[f"{arch}.{seams.start_flags}"])
+        starts = [s for s in starts if flags[s]]
+    if seams.recurrent:
+        recurrent = _recurrent_flags(fields, arch, total)
+        starts = [s for s in starts if s == 0 or not recurrent[s - 1]]
+    return starts
+
+
 def recurrent_layers(path: Path, arch: str, n_layer: int) -> list[bool]:
     """The recurrent-layer flags of a GGUF (a full model or a shard file) of a hybrid family."""
     import gguf
@@ -158,6 +179,16 @@ def write_shard(
             f"must start at a multiple of {seams.cut_multiple} (not {layers.start})",
             param="layers",
         )
+    if seams.start_flags and layers.start > 0:
+        key = f"{arch}.{seams.start_flags}"
+        flags = _field_value(reader.fields[key]) if key in reader.fields else None
+        if flags is None or not flags[layers.start]:
+            raise InvalidRequest(
+                f"layer {layers.start} of this {arch} model cannot open a range: it does not compute its own "
+                f"{seams.start_flags} selection but reuses the previous layer's, which would have to cross the seam. "
+                f"Ranges may start at layers {[i for i, f in enumerate(flags or []) if f]}",
+                param="layers",
+            )
     if seams.recurrent and len(layers) != total:
         kinds = set(_recurrent_flags(reader.fields, arch, total)[layers.start : layers.stop])
         if len(kinds) != 2:

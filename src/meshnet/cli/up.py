@@ -10,6 +10,7 @@ stops every process; nothing is left behind. A node dying does not: the route re
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import signal
 import subprocess
@@ -29,11 +30,11 @@ __all__ = ["run_up", "split_layers", "swarm_layout"]
 _READY_TIMEOUT_S = 300.0
 
 
-def swarm_layout(total: int, nodes: int, spares: int) -> list[LayerRange]:
+def swarm_layout(total: int, nodes: int, spares: int, starts: Sequence[int] | None = None) -> list[LayerRange]:
     """The serving ranges (``nodes - spares`` of them, tiling the model), then the spares' range."""
     if not 0 <= spares < nodes:
         raise ValueError(f"--spares must be within 0..{nodes - 1} (some node must serve), got {spares}")
-    ranges = split_layers(total, nodes - spares)
+    ranges = split_layers(total, nodes - spares, starts)
     if not spares:
         return ranges
     if len(ranges) == 1:
@@ -41,17 +42,33 @@ def swarm_layout(total: int, nodes: int, spares: int) -> list[LayerRange]:
     return ranges + [LayerRange(ranges[0].stop, total, total)] * spares
 
 
-def split_layers(total: int, nodes: int) -> list[LayerRange]:
-    """``nodes`` contiguous ranges covering ``[0, total)``, sizes differing by at most one."""
+def split_layers(total: int, nodes: int, starts: Sequence[int] | None = None) -> list[LayerRange]:
+    """``nodes`` contiguous ranges covering ``[0, total)``, sizes differing by at most one — or, when
+    the model's family allows ranges to start only at ``starts`` (``shard_file.range_starts``), the
+    allowed cuts nearest to that even split."""
     if not 1 <= nodes <= total:
         raise ValueError(f"--nodes must be within 1..{total} (the model has {total} layers), got {nodes}")
     base, extra = divmod(total, nodes)
-    ranges, start = [], 0
-    for i in range(nodes):
-        stop = start + base + (1 if i < extra else 0)
-        ranges.append(LayerRange(start, stop, total))
-        start = stop
-    return ranges
+    cuts, stop = [], 0
+    for i in range(nodes - 1):
+        stop += base + (1 if i < extra else 0)
+        cuts.append(stop)
+    if starts is not None:
+        allowed = sorted(set(starts) - {0})
+        if len(allowed) < nodes - 1:
+            raise ValueError(
+                f"this model's layers can be cut only before layers {allowed}: at most {len(allowed) + 1} nodes, "
+                f"not {nodes}"
+            )
+        chosen: list[int] = []
+        for i, want in enumerate(cuts):
+            # leave enough allowed cuts after this one for the remaining nodes
+            room = allowed[: len(allowed) - (nodes - 2 - i)]
+            room = [c for c in room if not chosen or c > chosen[-1]]
+            chosen.append(min(room, key=lambda c: (abs(c - want), c)))
+        cuts = chosen
+    bounds = [0, *cuts, total]
+    return [LayerRange(a, b, total) for a, b in itertools.pairwise(bounds)]
 
 
 class _Child:
@@ -112,6 +129,7 @@ def _wait_nodes(tracker: str, want: int, children: list[_Child], deadline: float
 
 def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange]] | None:
     """The GGUF and the nodes' layer ranges, or None (the reason printed) when they cannot be had."""
+    from meshnet.artifacts.shard_file import range_starts
     from meshnet.backends.llama_vocab import LlamaVocab
     from meshnet.cli.serve import check_certified, resolve_gguf
     from meshnet.errors import MeshnetError
@@ -123,7 +141,7 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange]] | None:
         vocab = LlamaVocab(gguf)
         total = vocab.info.n_layers
         vocab.close()
-        return gguf, swarm_layout(total, args.nodes, args.spares)
+        return gguf, swarm_layout(total, args.nodes, args.spares, range_starts(gguf))
     except MeshnetError as exc:
         print(f"meshnet up: {exc.message}", file=sys.stderr)
     except ValueError as exc:

@@ -61,6 +61,10 @@ class Family:
       window that masks nothing).
     - ``leading_layer_keys``: metadata counting the model's first N layers (dense before MoE);
       made relative to the range.
+    - ``start_flags``: a per-layer metadata array (of the llama.cpp defaults, if absent) whose entry
+      must be true at a range's first layer: e.g. GLM-5.2's layers that reuse the previous layer's
+      top-k selection instead of computing their own cannot open a range (the selection would have
+      to cross the seam).
     - ``cut_multiple``: llama.cpp picks a per-layer behaviour by the layer index modulo this (e.g.
       which layers skip rope); ranges must start at a multiple of it.
     - ``unsplittable_layer_counts``: whole-model layer counts for which llama.cpp picks a
@@ -82,6 +86,7 @@ class Family:
     swa_empty: str = "disable"
     leading_layer_keys: tuple[str, ...] = ()
     cut_multiple: int = 1
+    start_flags: str | None = None
     unsplittable_layer_counts: Mapping[int, str] = field(default_factory=dict)
 
 
@@ -156,6 +161,15 @@ FAMILIES: dict[str, Family] = {
             False,
             _CERTIFIED + "; MLA; the count of leading dense layers is made relative to each range",
             leading_layer_keys=_DENSE_LEAD,
+        ),
+        Family(
+            "glm-dsa",
+            True,
+            False,
+            _CERTIFIED + " (GLM-5.x: MLA + DSA lightning indexer); a range starts only at a layer that computes its "
+            "own top-k selection, so no selection crosses a seam; dense-lead count relative",
+            leading_layer_keys=_DENSE_LEAD,
+            start_flags="attention.indexer.types",
         ),
         Family(
             "glm4",
