@@ -11,7 +11,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 ARGS ?=
 
-.PHONY: up serve test bench chaos lint install clean
+.PHONY: up serve test bench chaos certify lint install clean
 
 up: $(STAMP)
 	$(BIN)/meshnet up $(ARGS)
@@ -21,6 +21,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
+
+# Certify every model family (tests/certify) and write the support table into docs/models.md.
+certify: $(STAMP)
+	$(BIN)/python -m tests.certify.table
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py $(ARGS)

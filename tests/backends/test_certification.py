@@ -320,8 +320,11 @@ def test_a_recurrent_state_rewinds_one_chunk_and_refuses_more(tmp_path: Path) ->
             shard.close()
 
 
-@pytest.mark.parametrize(("arch", "kind"), [("llama", "kv"), ("deepseek2", "mla"), ("qwen3next", "hybrid")])
-def test_the_kv_format_is_what_llama_cpp_stores(arch: str, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "kind", "caches"),
+    [("llama", "kv", 1), ("deepseek2", "mla", 1), ("glm-dsa", "mla", 2), ("qwen3next", "hybrid", 1)],
+)
+def test_the_kv_format_is_what_llama_cpp_stores(arch: str, kind: str, caches: int) -> None:
     """Per-token and fixed bytes by layer type, held against llama.cpp's own serialized session."""
     gguf, _ = gguf_for(TINY[arch])
     shard = LlamaShard(gguf, config=CONFIG)
@@ -335,7 +338,8 @@ def test_the_kv_format_is_what_llama_cpp_stores(arch: str, kind: str) -> None:
         two = shard.kv_state_bytes(sid)
         shard.prefill(sid, 2, tokens=tokens[2:])
         ten = shard.kv_state_bytes(sid)
-        assert (ten - two) / 8 == kv.bytes_per_token + SNAPSHOT_CELL_META_BYTES
+        # each of the session's caches (glm-dsa: MLA latents, indexer keys) stores its cells' positions
+        assert (ten - two) / 8 == kv.bytes_per_token + caches * SNAPSHOT_CELL_META_BYTES
         if kind == "hybrid":  # the recurrent states: live, plus the checkpoint a rewind restores
             assert 0 < kv.fixed_bytes / 2 <= two - 2 * (kv.bytes_per_token + SNAPSHOT_CELL_META_BYTES)
             assert 0 in kv.per_layer_bytes_per_token

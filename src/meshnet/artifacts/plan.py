@@ -88,7 +88,7 @@ def plan(shape: ModelShape, *, context: int, layers: LayerRange | None = None, p
     return KVPlan(shape, layers or LayerRange.full(shape.layers), context, prefill_chunk)
 
 
-def _dtype_bytes(name: str, field: str) -> int:
+def dtype_bytes(name: str, field: str) -> int:
     try:
         return _DTYPE_BYTES[name.lower()]
     except KeyError:
@@ -117,8 +117,8 @@ def read_shape(path: Path, *, cache_dtype: str | None = None, seam_dtype: str = 
 
 def _from_manifest(manifest: Manifest, cache_dtype: str | None, seam_dtype: str) -> ModelShape:
     kv = manifest.kv_cache
-    cache_bytes = _dtype_bytes(cache_dtype or kv.dtype, "cache dtype")
-    seam_bytes = _dtype_bytes(seam_dtype, "seam dtype")
+    cache_bytes = dtype_bytes(cache_dtype or kv.dtype, "cache dtype")
+    seam_bytes = dtype_bytes(seam_dtype, "seam dtype")
     name = manifest.model_id
     if kv.kind == "mla":
         return ModelShape(
@@ -139,9 +139,9 @@ def _need(config: dict[str, Any], key: str) -> int:
 
 def _from_config(name: str, config: dict[str, Any], cache_dtype: str | None, seam_dtype: str) -> ModelShape:
     dtype = cache_dtype or str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    cache_bytes = _dtype_bytes(dtype, "cache dtype")
+    cache_bytes = dtype_bytes(dtype, "cache dtype")
     layers, hidden = _need(config, "num_hidden_layers"), _need(config, "hidden_size")
-    seam_bytes = _dtype_bytes(seam_dtype, "seam dtype")
+    seam_bytes = dtype_bytes(seam_dtype, "seam dtype")
     if config.get("kv_lora_rank"):
         return ModelShape(
             name, layers, hidden, "mla", cache_bytes, seam_bytes,
@@ -174,7 +174,7 @@ def shape_from_fields(path: Path, fields: Any, cache_dtype: str = "f16", seam_dt
     heads = get(f"{arch}.attention.head_count")
     kv_heads = get(f"{arch}.attention.head_count_kv", heads)
     head_dim = get(f"{arch}.attention.key_length", hidden // heads)
-    cache_bytes, seam_bytes = _dtype_bytes(cache_dtype, "cache dtype"), _dtype_bytes(seam_dtype, "seam dtype")
+    cache_bytes, seam_bytes = dtype_bytes(cache_dtype, "cache dtype"), dtype_bytes(seam_dtype, "seam dtype")
     lora = get(f"{arch}.attention.kv_lora_rank", 0)
     if lora:
         rope = get(f"{arch}.rope.dimension_count")

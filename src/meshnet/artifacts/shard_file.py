@@ -44,6 +44,7 @@ __all__ = [
     "SHARD_START_KEY",
     "ShardFiles",
     "embeddings_path",
+    "layer_flags",
     "merge_shards",
     "range_starts",
     "read_architecture",
@@ -124,6 +125,16 @@ def range_starts(path: Path) -> list[int]:
         recurrent = _recurrent_flags(fields, arch, total)
         starts = [s for s in starts if s == 0 or not recurrent[s - 1]]
     return starts
+
+
+def layer_flags(path: Path, key: str, n_layer: int, *, default: bool) -> list[bool]:
+    """A per-layer boolean array of a GGUF's metadata; ``default`` for every layer when absent."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    if key not in fields:
+        return [default] * n_layer
+    return [bool(v) for v in _field_value(fields[key])][:n_layer]
 
 
 def recurrent_layers(path: Path, arch: str, n_layer: int) -> list[bool]:

@@ -27,7 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from meshnet.artifacts.shard_file import embeddings_path, read_shard_range, recurrent_layers, write_shard
+from meshnet.artifacts.shard_file import (
+    embeddings_path,
+    layer_flags,
+    read_shard_range,
+    recurrent_layers,
+    write_shard,
+)
 from meshnet.backends.llama_vocab import model_meta
 from meshnet.backends.shard import F32, I32, KVFormat, SeamSpec, ShardBase, ShardInfo, ShardOutput
 from meshnet.errors import EngineError, InvalidRequest, StoreFull
@@ -406,14 +412,20 @@ class LlamaShard(ShardBase[int]):
         head_k = self._int_meta(f"{arch}.attention.key_length", self._n_embd // max(n_head, 1))
         head_v = self._int_meta(f"{arch}.attention.value_length", head_k)
         lora = self._int_meta(f"{arch}.attention.kv_lora_rank")
+        indexer = [0] * n_layer
         if lora:
             per_token = (lora + self._int_meta(f"{arch}.rope.dimension_count")) * _KV_CACHE_BYTES
             kind, formula = "mla", "per layer: (kv_lora_rank + rope dims) * 2 bytes (f16 latent; V is a view of it)"
+            index_dim = self._int_meta(f"{arch}.attention.indexer.key_length")
+            if index_dim:  # DSA: the lightning indexer's key, on layers that compute their own top-k
+                flags = layer_flags(self._path, f"{arch}.attention.indexer.types", n_layer, default=True)
+                indexer = [index_dim * _KV_CACHE_BYTES if f else 0 for f in flags]
+                formula += "; + indexer key_length * 2 bytes on layers computing their own top-k"
         else:
             per_token = (n_head_kv * head_k + n_head_kv * head_v) * _KV_CACHE_BYTES
             kind, formula = "kv", "per layer: (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes (f16 K and V)"
         recurrent = self._recurrent_layers(arch, n_layer)
-        per_layer = [0 if r else per_token for r in recurrent]
+        per_layer = [0 if r else per_token + extra for r, extra in zip(recurrent, indexer, strict=True)]
         fixed = 0
         if any(recurrent):
             d_conv = self._int_meta(f"{arch}.ssm.conv_kernel")

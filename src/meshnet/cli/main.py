@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from meshnet import __version__
 from meshnet.cli.artifacts import add_artifact_commands
@@ -13,6 +14,24 @@ from meshnet.cli.serve import add_allow_uncertified
 from meshnet.cli.swarm import add_swarm_commands
 
 __all__ = ["main"]
+
+
+def _add_plan_parser(sub: Any) -> None:
+    plan = sub.add_parser("plan", help="KV/state and seam bytes of a model at a context length")
+    plan.add_argument("config", type=Path, help="a config.json (or its folder), a .gguf or a manifest.json")
+    plan.add_argument("--context", type=int, default=131072, help="tokens of context (default 131072)")
+    plan.add_argument("--layers", help="only this layer range, START:STOP")
+    plan.add_argument("--cache-dtype", help="KV cache dtype (default: the config's dtype; f16 for a GGUF)")
+    plan.add_argument("--seam-dtype", default="bfloat16", help="activation dtype on the wire (default bfloat16)")
+    plan.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill chunk (default 2048)")
+    plan.add_argument(
+        "--nodes",
+        type=int,
+        help="also audit serving it over this many nodes (a config.json): weights counted per layer, memory per node",
+    )
+    plan.add_argument(
+        "--weight-bits", type=float, default=4.5, help="with --nodes: bits per weight (default 4.5, about Q4_K_M)"
+    )
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -43,13 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_swarm_commands(sub)
     add_artifact_commands(sub)
-    plan = sub.add_parser("plan", help="KV/state and seam bytes of a model at a context length")
-    plan.add_argument("config", type=Path, help="a config.json (or its folder), a .gguf or a manifest.json")
-    plan.add_argument("--context", type=int, default=131072, help="tokens of context (default 131072)")
-    plan.add_argument("--layers", help="only this layer range, START:STOP")
-    plan.add_argument("--cache-dtype", help="KV cache dtype (default: the config's dtype; f16 for a GGUF)")
-    plan.add_argument("--seam-dtype", default="bfloat16", help="activation dtype on the wire (default bfloat16)")
-    plan.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill chunk (default 2048)")
+    _add_plan_parser(sub)
     up = sub.add_parser("up", help="run a whole local swarm: tracker, N nodes, gateway")
     up.add_argument("--gguf", type=Path, help="GGUF to split (default: the bundled model)")
     up.add_argument("--host", default="127.0.0.1")

@@ -7,7 +7,7 @@ import sys
 import time
 
 from meshnet.cli.serve import check_certified, resolve_gguf
-from meshnet.errors import MeshnetError
+from meshnet.errors import InvalidRequest, MeshnetError
 
 __all__ = ["run_plan", "run_shard_make"]
 
@@ -40,10 +40,26 @@ def run_shard_make(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from meshnet.artifacts.plan import format_plan, plan, read_shape
+    from meshnet.artifacts.plan import dtype_bytes, format_plan, plan, read_shape
     from meshnet.layers import LayerRange
+    from meshnet.models.audit import audit, format_audit, is_model_config
 
     try:
+        if is_model_config(args.config):
+            # A config transformers can build: weights counted per layer, KV by layer type.
+            if args.layers:
+                raise InvalidRequest("--layers applies to a GGUF or manifest; a config.json is audited per node")
+            found = audit(
+                args.config,
+                context=args.context,
+                nodes=args.nodes or 1,
+                weight_bits=args.weight_bits,
+                seam_dtype_bytes=dtype_bytes(args.seam_dtype, "seam dtype"),
+            )
+            print(format_audit(found))
+            return 0
+        if args.nodes is not None:
+            raise InvalidRequest("--nodes audits a Hugging Face config.json that names its model_type")
         shape = read_shape(args.config, cache_dtype=args.cache_dtype, seam_dtype=args.seam_dtype)
         layers = LayerRange.parse(args.layers, shape.layers) if args.layers else None
         print(format_plan(plan(shape, context=args.context, layers=layers, prefill_chunk=args.prefill_chunk)))

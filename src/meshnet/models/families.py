@@ -189,6 +189,14 @@ FAMILIES: dict[str, Family] = {
             leading_layer_keys=_DENSE_LEAD,
         ),
         Family(
+            "deepseek4",
+            False,
+            False,
+            "refused: the residual stream crossing a seam is hc_mult x hidden wide (hyper-connections) and the "
+            "hash-routed MoE layers read token ids; llama.cpp's shard graph takes neither, and its converter needs "
+            "the native checkpoint layout (no tiny model yet)",
+        ),
+        Family(
             "smollm3",
             True,
             False,

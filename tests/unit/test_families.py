@@ -1,0 +1,36 @@
+"""The family table: one record per architecture, the manifest's list taken from it, and
+docs/models.md's support table written from the same records (``make certify``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from meshnet.artifacts.manifest import KNOWN_ARCHITECTURES
+from meshnet.models.families import FAMILIES, UncertifiedArchitecture, certification, family, require_certified
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+
+
+def test_the_manifest_knows_exactly_the_table() -> None:
+    assert tuple(KNOWN_ARCHITECTURES) == tuple(FAMILIES)
+
+
+def test_the_docs_table_says_what_the_records_say() -> None:
+    text = DOC.read_text()
+    table = text.split("<!-- table: python -m tests.certify.table -->")[1].split("<!-- end of table -->")[0]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `([^`]+)` \| ([^|]+) \|", table, re.M)}
+    assert set(rows) == set(FAMILIES), "run make certify"
+    for arch, record in FAMILIES.items():
+        assert (rows[arch].strip() == "**certified**") == record.llama_route, arch
+
+
+def test_an_unknown_or_uncertified_architecture_is_refused_with_the_reason() -> None:
+    assert certification("llama") == (True, FAMILIES["llama"].why)
+    assert family("no-such-arch").llama_route is False
+    with pytest.raises(UncertifiedArchitecture, match=r"'deepseek4' is not certified.*hc_mult.*docs/models.md"):
+        require_certified("deepseek4")
+    warning = require_certified("no-such-arch", allow_uncertified=True)
+    assert warning is not None and "never been checked" in warning and "--allow-uncertified" in warning
