@@ -28,6 +28,7 @@ BENCHES = {
     "repair": "bench_repair",
     "artifacts": "bench_artifacts",
     "chaos": "bench_chaos",
+    "families": "bench_families",
 }
 # Run only when asked for by name (`make chaos`): they take most of an hour.
 SLOW = {"chaos"}
