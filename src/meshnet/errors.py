@@ -116,6 +116,12 @@ class SessionBusy(Conflict):
     code = "session_busy"
 
 
+class ModelMismatch(Conflict):
+    """A node registers a model id that the swarm's other nodes serve as another model."""
+
+    code = "model_mismatch"
+
+
 class SessionBroken(Conflict):
     """An earlier forward of this session failed here; ``failed_hop`` is the hop that did."""
 

@@ -293,6 +293,8 @@ UNADVERTISED = {
     "bt_peer": None,
     "numerics": None,
     "wire_dtype": "float32",
+    "architecture": None,
+    "seam": None,
 }
 
 
@@ -479,3 +481,25 @@ def test_the_callers_layer_count_rules_out_misconfigured_nodes() -> None:
     assert [n.node_id for n in plan_route([wrong, *good], "m", 30)] == ["a", "b"]
     with pytest.raises(Overloaded, match=r"report \[24\] layers, not the 30"):
         plan_route([wrong], "m", 30)
+
+
+def test_a_node_of_another_model_under_the_same_name_is_refused(client: TestClient):
+    """Another GGUF registered under a model id the swarm serves (another family, another seam width,
+    another layer count) would join routes and compute garbage at its seams: 409, never routed to."""
+    base = {"architecture": "llama", "seam": [576]}
+    assert client.post("/v1/nodes", json=registration("a", "0:6", **base)).status_code == 201
+    cases = [
+        (registration("b", "6:12", architecture="qwen3", seam=[576]), "architecture 'qwen3', not 'llama'"),
+        (registration("c", "6:12", architecture="llama", seam=[1024]), "seam [1024], not [576]"),
+        (registration("d", "6:14", total_layers=14, **base), "14 layers, not 12"),
+    ]
+    for body, why in cases:
+        answer = client.post("/v1/nodes", json=body)
+        assert answer.status_code == 409, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "model_mismatch" and why in error["message"] and "own model id" in error["message"]
+    assert [n["node_id"] for n in client.get("/v1/nodes").json()["nodes"]] == ["a"]
+    # The same model again (or a node that does not say, as older nodes do) is welcome.
+    assert client.post("/v1/nodes", json=registration("e", "6:12", **base)).status_code == 201
+    assert client.post("/v1/nodes", json=registration("f", "6:12")).status_code == 201
+    assert client.get("/v1/nodes").json()["nodes"][0]["seam"] == [576]

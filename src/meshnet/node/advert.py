@@ -295,6 +295,8 @@ def advert_fields(shard: ShardBackend, traffic: Traffic, prober: LatencyProber) 
         "kv_bytes_per_token": shard.info.kv.bytes_per_token,
         "weight_bytes": shard.info.weight_bytes,
         "numerics": shard.info.numerics or None,
+        "architecture": shard.info.architecture,
+        "seam": list(shard.info.seam.shape),
         "latency_ms": dict(prober.latency_ms),
     }
 

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.errors import InvalidRequest
+from meshnet.errors import InvalidRequest, ModelMismatch
 from meshnet.httputil import EXCEPTION_HANDLERS
 from meshnet.layers import LayerRange
 from meshnet.tracker.db import TrackerDB
@@ -69,6 +69,8 @@ class Registration(BaseModel):
     bt_peer: str | None = Field(None, pattern=r"^\S+:\d{1,5}$", max_length=300)  # where it seeds them
     numerics: str | None = Field(None, max_length=512)  # what decides its low bits (ShardInfo.numerics)
     wire_dtype: str = Field("float32", pattern=r"^(float32|bfloat16|float16)$")  # the activations it sends
+    architecture: str | None = Field(None, min_length=1, max_length=64)  # GGUF general.architecture
+    seam: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=1, max_length=4)  # per position
 
 
 class _Tracker:
@@ -155,7 +157,31 @@ def _node_json(node: NodeRecord) -> dict[str, Any]:
         "bt_peer": node.bt_peer,
         "numerics": node.numerics,
         "wire_dtype": node.wire_dtype,
+        "architecture": node.architecture,
+        "seam": list(node.seam) if node.seam is not None else None,
     }
+
+
+def _check_same_model(node: NodeRecord, live: list[NodeRecord]) -> None:
+    """Every node of one model id must serve the same model: the same layer count, architecture and
+    seam. A node that does not (another GGUF under the same name, another family) would join routes
+    and compute garbage at its seams; it is refused before it is ever routed to."""
+    for other in live:
+        if other.model != node.model or other.node_id == node.node_id:
+            continue
+        differ = []
+        if other.layers.total != node.layers.total:
+            differ.append(f"{node.layers.total} layers, not {other.layers.total}")
+        if node.architecture and other.architecture and node.architecture != other.architecture:
+            differ.append(f"architecture {node.architecture!r}, not {other.architecture!r}")
+        if node.seam and other.seam and node.seam != other.seam:
+            differ.append(f"seam {list(node.seam)}, not {list(other.seam)}")
+        if differ:
+            raise ModelMismatch(
+                f"node {node.node_id} serves model {node.model!r} with {'; '.join(differ)} as node "
+                f"{other.node_id} does: it is another model under the same name. Serve the same GGUF, or give "
+                "this one its own model id"
+            )
 
 
 def create_tracker_app(db: TrackerDB) -> Starlette:
@@ -189,7 +215,10 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
             bt_peer=reg.bt_peer,
             numerics=reg.numerics,
             wire_dtype=reg.wire_dtype,
+            architecture=reg.architecture,
+            seam=tuple(reg.seam) if reg.seam is not None else None,
         )
+        _check_same_model(node, tracker.live_nodes())
         # A node that expired and came back registers afresh (201), like one never seen.
         fresh = reg.node_id not in {n.node_id for n in tracker.live_nodes()}
         node = replace(node, reliability=tracker.heartbeat(reg.node_id, reg.heartbeat_s))

@@ -116,6 +116,8 @@ class NodeRecord:
     bt_peer: str | None = None  # HOST:PORT where it seeds ``files`` over BitTorrent
     numerics: str | None = None  # what decides the low bits of its results (None: unknown)
     wire_dtype: str = "float32"  # the dtype of the activations it sends onward
+    architecture: str | None = None  # GGUF general.architecture (None: an older node did not say)
+    seam: tuple[int, ...] | None = None  # per-position shape of what crosses its seams
 
 
 @dataclass(frozen=True, slots=True)
