@@ -43,7 +43,7 @@ def _shards(model: PreTrainedModel, name: str, **kwargs: Any) -> list[TorchShard
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     """Tiny models gain nothing from intra-op threads, and spinning threads on a shared 2-core
-    machine slow them twentyfold (DESIGN.md, Threads)."""
+    machine slow them twentyfold (two busy processes on 2 cores)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

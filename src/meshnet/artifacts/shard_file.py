@@ -1,6 +1,6 @@
 """Write a llama.cpp-loadable GGUF holding one layer range of a full GGUF (gguf-py, no llama.cpp).
 
-The recipe (DESIGN.md, verified on llama-cpp-python 0.3.36):
+The recipe (docs/backends.md; verified on llama-cpp-python 0.3.36):
 
 - copy every metadata key, set ``{arch}.block_count`` to the range's length and slice per-layer
   arrays (``{arch}.*`` arrays with one entry per block) to the range;

@@ -1,4 +1,4 @@
-"""libtorrent in one place: the session settings DESIGN.md requires, and v2 torrents over a folder.
+"""libtorrent in one place: the session settings docs/artifacts.md gives, and v2 torrents over a folder.
 
 Settings (verified with libtorrent 2.1.1): TCP only (uTP is ~15x slower on loopback), no DHT, LSD,
 UPnP or NAT-PMP, listening only on the configured interface. Torrents are BitTorrent v2 only:

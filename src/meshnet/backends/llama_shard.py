@@ -1,6 +1,6 @@
 """llama.cpp shard backend: one layer range of a GGUF, per-session KV as llama.cpp sequences.
 
-Recipe (DESIGN.md): the shard file is written by ``meshnet.artifacts.shard_file``; inbound hidden
+Recipe (docs/backends.md): the shard file is written by ``meshnet.artifacts.shard_file``; inbound hidden
 states go in through ``batch.embd`` at absolute positions; the outbound hidden state is copied out
 of the graph by a ``cb_eval`` callback on ``l_out-{n_layer-1}``; every session is a ``seq_id`` of
 one shared ``llama_context`` (``kv_unified``, ``n_ubatch == n_batch`` so rows keep batch order);

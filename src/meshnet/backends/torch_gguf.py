@@ -7,7 +7,7 @@ transformers' own GGUF tables do the naming: its config-key mapping, its tensor-
 undoes llama.cpp's Q/K row permutation (K with the KV head count). Weights are dequantized with
 ``gguf.dequantize`` to float32 and cast to the requested dtype.
 
-Only llama is enabled: every other architecture needs its own parity test first (DESIGN.md).
+Only llama is enabled: every other architecture needs its own parity test first (docs/models.md).
 """
 
 from __future__ import annotations

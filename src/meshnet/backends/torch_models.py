@@ -7,7 +7,7 @@ becomes normed hidden states for the lm_head (tail), and what the per-session ca
 layers, rotary embeddings, norms, mask builders and cache classes are transformers' own: this
 module only replays the few lines of each model's ``forward`` that sit around its layer loop.
 
-Adding an architecture means a new ``Arch`` plus a parity test (DESIGN.md: some models scale the
+Adding an architecture means a new ``Arch`` plus a parity test (docs/models.md: some models scale the
 embedding or read token ids inside layers, which a generic path would get silently wrong).
 """
 
