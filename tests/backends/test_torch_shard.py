@@ -35,7 +35,7 @@ HIDDEN = 576
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     """One intra-op thread: on a shared 2-core machine two spinning threads slow decode from
-    ~10 tok/s to under 1 (two busy processes on 2 cores slow decode by orders of magnitude); tests must not depend on having the machine alone."""
+    ~10 tok/s to under 1; tests must not depend on having the machine alone."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

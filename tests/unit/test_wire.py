@@ -11,7 +11,16 @@ import pytest
 
 from meshnet.errors import PayloadTooLarge, SeamMismatch
 from meshnet.protocol import headers as H
-from meshnet.protocol.wire import DTYPES, decode_tensor, encode_tensor, format_shape, parse_range, parse_shape
+from meshnet.protocol.wire import (
+    DTYPES,
+    decode_tensor,
+    encode_tensor,
+    format_shape,
+    parse_range,
+    parse_shape,
+    split_token_ids,
+    token_ids_prefix,
+)
 
 BIG = 1 << 20
 SAMPLE = [[[1.0, -2.5, 0.1]]]  # shape [1, 1, 3]: one position of a 3-wide seam
@@ -35,6 +44,7 @@ def test_header_names_are_pinned():
         "X-Meshnet-Position",
     )
     assert (H.NEXT_HOPS, H.SAMPLING, H.SAMPLE) == ("X-Meshnet-Next-Hops", "X-Meshnet-Sampling", "X-Meshnet-Sample")
+    assert H.TOKEN_IDS == "X-Meshnet-Token-Ids"
 
 
 def test_dtype_table_is_pinned():
@@ -304,3 +314,20 @@ def test_parse_range_refuses_a_malformed_range(text: str):
 def test_parse_range_refuses_last_before_first(text: str):
     with pytest.raises(SeamMismatch, match=r"must satisfy 0 <= FIRST <= LAST"):
         parse_range(text)
+
+
+# -- token ids beside activations (X-Meshnet-Token-Ids) ---------------------------------------------
+def test_token_ids_go_first_in_the_body_golden():
+    ids = token_ids_prefix(np.array([[1, 258]], dtype=np.int64))
+    hidden = encode_tensor(np.array([[[1.0], [-2.5]]], dtype=np.float32), "float32").body
+    assert (ids + hidden).hex() == "01000000020100000000803f000020c0"
+    got, rest = split_token_ids(ids + hidden, "2", 2)
+    assert got.tolist() == [1, 258] and got.dtype == np.int32 and rest == hidden
+
+
+@pytest.mark.parametrize(
+    ("announced", "body", "needle"), [("3", b"\0" * 8, "position count 2"), ("2", b"\0" * 7, "shorter")]
+)
+def test_token_ids_that_do_not_fit_the_chunk_are_refused(announced: str, body: bytes, needle: str):
+    with pytest.raises(SeamMismatch, match=needle):
+        split_token_ids(body, announced, 2)

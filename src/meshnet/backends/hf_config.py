@@ -4,17 +4,43 @@ and KV/state per layer by layer type with the PyTorch backend's own accounting."
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from meshnet.backends.torch_models import ARCHITECTURES
+from meshnet.backends.torch_shard import StoreBudget, TorchShard
+from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
 
-__all__ = ["config_for", "layer_kv", "parameter_counts"]
+__all__ = ["config_for", "hf_model_type", "layer_kv", "load_hf_shard", "parameter_counts"]
 
 _CACHE_BYTES = 2  # bf16/f16 KV cells
+
+
+def hf_model_type(folder: Path) -> tuple[str, int]:
+    """``(model_type, num_hidden_layers)`` of a saved transformers model folder."""
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidRequest(f"{folder} holds no readable config.json ({exc}): pass a folder saved with "
+                             "save_pretrained", param="hf") from None  # fmt: skip
+    raw = raw.get("text_config", raw)
+    if not isinstance(raw.get("model_type"), str) or not isinstance(raw.get("num_hidden_layers"), int):
+        raise InvalidRequest(f"{path} names no model_type and num_hidden_layers", param="hf")
+    return raw["model_type"], raw["num_hidden_layers"]
+
+
+def load_hf_shard(folder: Path, layers: LayerRange, *, model_id: str, budget: StoreBudget) -> TorchShard:
+    """One layer range of a saved transformers model (float32), as a PyTorch shard."""
+    if not any(folder.glob("*.safetensors")):
+        raise InvalidRequest(f"{folder} holds no *.safetensors weights", param="hf")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return TorchShard.from_model(model, layers, model_id=model_id, budget=budget)
 
 
 def config_for(model_type: str, fields: dict[str, Any]) -> Any:

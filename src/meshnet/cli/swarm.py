@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,13 @@ def add_swarm_commands(sub: Any) -> None:
     source = node.add_mutually_exclusive_group()
     source.add_argument("--gguf", type=Path, help="full model GGUF (default: the bundled model)")
     source.add_argument("--manifest", help="fetch the range's files from a published manifest (path or URL)")
+    source.add_argument(
+        "--hf",
+        type=Path,
+        help="with --backend torch: a saved transformers model folder (config.json + safetensors) of an "
+        "architecture the PyTorch backend splits, e.g. DeepSeek-V4 or Qwen3.5-MoE",
+    )
+    node.add_argument("--model-id", help="with --hf: the model id to serve (default: the folder's name)")
     node.add_argument("--layers", required=True, help="half-open block range START:STOP, e.g. 10:20")
     node.add_argument("--dest", type=Path, help="with --manifest: folder holding fetched files")
     add_fetch_arguments(node)
@@ -96,12 +104,12 @@ def run_node(args: argparse.Namespace) -> int:
     setup_logging()
     from meshnet.artifacts.fetch import FetchError
 
+    if args.hf is not None:
+        return _run_hf_node(args)
     gguf = None if args.manifest else resolve_gguf(args.gguf, "node")
     if gguf is not None and not check_certified(gguf, "node", allow=args.allow_uncertified, backend=args.backend):
         return 2
     sock = bind_socket(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}"
     started = time.monotonic()
     seeder = None  # with --manifest: the BitTorrent swarm that fetched the files and keeps seeding them
     try:
@@ -113,6 +121,43 @@ def run_node(args: argparse.Namespace) -> int:
         sock.close()
         print(f"meshnet node: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 1 if isinstance(exc, FetchError) else 2
+    return _serve_node(args, sock, shard, advert, started=started, seeder=seeder)
+
+
+def _run_hf_node(args: argparse.Namespace) -> int:
+    """A PyTorch node over a saved transformers model folder (``--hf``): one layer range of it."""
+    from meshnet.backends.hf_config import hf_model_type, load_hf_shard
+    from meshnet.backends.torch_shard import StoreBudget, set_threads
+    from meshnet.models.families import family_of_model_type, require_certified
+
+    if args.backend != "torch":
+        print("meshnet node: --hf needs --backend torch (llama.cpp nodes serve GGUFs)", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    try:
+        model_type, total = hf_model_type(args.hf)
+        warning = require_certified(
+            family_of_model_type(model_type), backend="torch", allow_uncertified=args.allow_uncertified
+        )
+        if warning:
+            print(f"meshnet node: warning: {warning}", file=sys.stderr, flush=True)
+        layers = LayerRange.parse(args.layers, total)
+        set_threads(args.threads or os.cpu_count() or 1)
+        budget = StoreBudget(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl)
+        shard = load_hf_shard(args.hf, layers, model_id=args.model_id or args.hf.name, budget=budget)
+    except (MeshnetError, ValueError, OSError) as exc:
+        print(f"meshnet node: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 2
+    sock = bind_socket(args.host, args.port)
+    advert = {"quantization": "F32", "threads": args.threads or os.cpu_count() or 1}
+    return _serve_node(args, sock, shard, advert, started=started, seeder=None)
+
+
+def _serve_node(
+    args: argparse.Namespace, sock: socket.socket, shard: Any, advert: dict[str, Any], *, started: float, seeder: Any
+) -> int:
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
     from meshnet.node.app import NodeConfig, create_node_app
 
     info = shard.info

@@ -29,6 +29,7 @@ __all__ = [
     "UncertifiedArchitecture",
     "certification",
     "family",
+    "family_of_model_type",
     "require_certified",
 ]
 
@@ -87,6 +88,7 @@ class Family:
     leading_layer_keys: tuple[str, ...] = ()
     cut_multiple: int = 1
     start_flags: str | None = None
+    hf_types: tuple[str, ...] = ()  # transformers model_type(s) of the family (PyTorch nodes load those)
     unsplittable_layer_counts: Mapping[int, str] = field(default_factory=dict)
 
 
@@ -96,7 +98,13 @@ _DENSE_LEAD = ("leading_dense_block_count",)
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
-        Family("llama", True, True, _CERTIFIED + "; the bundled SmolLM2 over the network on both backends"),
+        Family(
+            "llama",
+            True,
+            True,
+            _CERTIFIED + "; the bundled SmolLM2 over the network on both backends",
+            hf_types=("llama",),
+        ),
         Family("qwen2", True, False, _CERTIFIED),
         Family("qwen3", True, False, _CERTIFIED),
         Family("qwen3moe", True, False, _CERTIFIED),
@@ -147,12 +155,14 @@ FAMILIES: dict[str, Family] = {
         Family(
             "qwen35moe",
             True,
-            False,
+            True,
             _CERTIFIED + "; hybrid as qwen3next; placeholder token rows replaced by the hidden state (llama.cpp "
-            "gives embeddings input multimodal rope positions)",
+            "gives embeddings input multimodal rope positions). PyTorch route: token-identical over node processes "
+            "(tests/integration/test_torch_seed_routes.py)",
             token_seam=True,
             input_name="model.input_embed",
             recurrent=True,
+            hf_types=("qwen3_5_moe_text", "qwen3_5_moe"),
         ),
         Family("mistral3", True, False, _CERTIFIED + " (Ministral 3: yarn rope with attention temperature)"),
         Family(
@@ -191,10 +201,12 @@ FAMILIES: dict[str, Family] = {
         Family(
             "deepseek4",
             False,
-            False,
-            "refused: the residual stream crossing a seam is hc_mult x hidden wide (hyper-connections) and the "
-            "hash-routed MoE layers read token ids; llama.cpp's shard graph takes neither, and its converter needs "
-            "the native checkpoint layout (no tiny model yet)",
+            True,
+            "PyTorch route certified: token-identical over node processes, the token ids travelling beside the "
+            "[hc_mult, hidden] seam (tests/integration/test_torch_seed_routes.py). llama.cpp route refused: its "
+            "shard graph takes neither a hc_mult x hidden inbound stream nor token ids beside it (hash-routed MoE "
+            "layers), and its converter needs the native checkpoint layout (no tiny model yet)",
+            hf_types=("deepseek_v4",),
         ),
         Family(
             "smollm3",
@@ -246,3 +258,8 @@ def family(arch: str) -> Family:
     """The family record of ``arch``; an unknown architecture gets one with no seam handling (it is
     refused unless the operator allows uncertified architectures)."""
     return FAMILIES.get(arch) or Family(arch, False, False, f"architecture {arch!r} has never been checked")
+
+
+def family_of_model_type(model_type: str) -> str:
+    """The GGUF architecture name of a transformers ``model_type`` (itself when the table has none)."""
+    return next((f.arch for f in FAMILIES.values() if model_type in f.hf_types), model_type)

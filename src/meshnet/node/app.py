@@ -74,6 +74,8 @@ from meshnet.protocol.wire import (
     format_shape,
     frame_values,
     parse_range,
+    split_token_ids,
+    token_ids_prefix,
 )
 from meshnet.routes import hop_timeout_s
 from meshnet.sampling import Sampler, SamplingParams
@@ -116,6 +118,8 @@ class _Route:
     # A repair replays it into a replacement next hop; ``None`` once dropped (budget) or on the tail.
     log: bytearray | None = field(default_factory=bytearray)
     log_dtype: str = ""
+    # beside it, for a model whose every hop reads the token ids: the ids of positions 0.., int32
+    ids_log: bytearray = field(default_factory=bytearray)
 
 
 class _Node:
@@ -189,7 +193,16 @@ class _Node:
             raise InvalidRequest(f"{H.SAMPLING} must be JSON sampling parameters: {exc}") from None
 
     def inputs(self, request: Request, body: bytes, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Decode the body into (tokens, hidden) for this shard, checking the seam shape."""
+        """Decode the body into (tokens, hidden) for this shard, checking the seam shape; past the
+        head, the token ids come first in the body when ``X-Meshnet-Token-Ids`` says so."""
+        ids: np.ndarray | None = None
+        if request.headers.get(H.TOKEN_IDS) is not None:
+            ids, body = self._token_ids(request.headers[H.TOKEN_IDS], body, n)
+        elif not self.info.layers.is_head and self.info.seam.carries_token_ids:
+            raise SeamMismatch(
+                f"this model's layers read the token ids at every hop: send the chunk's {n} int32 ids first in the "
+                f"body, with {H.TOKEN_IDS}: {n}"
+            )
         data = decode_tensor(
             body,
             request.headers.get(H.SHAPE),
@@ -203,7 +216,22 @@ class _Node:
         want = (1, n, *self.info.seam.shape)
         if data.dtype != np.float32 or data.shape != want:
             raise SeamMismatch(f"this node takes activations of shape {format_shape(want)}, got {list(data.shape)}")
-        return None, data.reshape(want[1:])
+        return ids, data.reshape(want[1:])
+
+    def ids_onward(self, tokens: np.ndarray | None) -> bytes | None:
+        """The chunk's token ids for the next hop, when this model's every hop reads them."""
+        if not self.info.seam.carries_token_ids:
+            return None
+        assert tokens is not None  # inputs() required them
+        return token_ids_prefix(tokens)
+
+    def _token_ids(self, raw: str, body: bytes, n: int) -> tuple[np.ndarray, bytes]:
+        if self.info.layers.is_head:
+            raise SeamMismatch(f"the head takes its token ids as the body: drop {H.TOKEN_IDS}")
+        ids, rest = split_token_ids(body, raw, n)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.info.n_vocab):
+            raise SeamMismatch(f"token ids must lie in 0..{self.info.n_vocab - 1}")
+        return ids, rest
 
     # -- compute and forward -----------------------------------------------------------------
     async def run(
@@ -245,7 +273,8 @@ class _Node:
         frame: TensorFrame | None,
     ) -> None:
         """Add the computed chunks to the session's ledger: what each was computed from and what went onward."""
-        inputs = np.ascontiguousarray(tokens, dtype="<i4") if tokens is not None else np.ascontiguousarray(hidden)
+        # past the head the ledger covers the activations, whatever token ids came beside them
+        inputs = np.ascontiguousarray(hidden) if hidden is not None else np.ascontiguousarray(tokens, dtype="<i4")
         sent = None if frame is None else frame_values(frame).reshape(inputs.shape[0], -1)
         at = 0
         for size in sizes:
@@ -262,9 +291,17 @@ class _Node:
         return {**entry, **route.ledger.describe()}
 
     async def forward(
-        self, sid: SessionId, route: _Route, path: str, frame: TensorFrame, headers: dict[str, str]
+        self,
+        sid: SessionId,
+        route: _Route,
+        path: str,
+        frame: TensorFrame,
+        headers: dict[str, str],
+        *,
+        ids: bytes | None = None,
     ) -> dict[str, Any]:
-        """POST ``frame`` to the next hop; a failure names the innermost hop that failed (``HopFailed``)."""
+        """POST ``frame`` (after the chunk's token ids, ``ids``, for a model whose every hop reads
+        them) to the next hop; a failure names the innermost hop that failed (``HopFailed``)."""
         assert self.client is not None
         nxt = route.next_hops[0]
         url = f"{nxt}/v1/sessions/{sid}/{path}"
@@ -276,10 +313,14 @@ class _Node:
             H.DTYPE: frame.dtype,
             "Content-Type": "application/octet-stream",
         }
-        self.metrics.seam_bytes.inc(len(frame.body))
+        body = frame.body
+        if ids is not None:
+            send[H.TOKEN_IDS] = str(len(ids) // 4)
+            body = ids + body
+        self.metrics.seam_bytes.inc(len(body))
         timeout = httpx.Timeout(hop_timeout_s(self.config.hop_timeout_s, len(route.next_hops)), connect=5.0)
         try:
-            response = await self.client.post(url, content=frame.body, headers=send, timeout=timeout)
+            response = await self.client.post(url, content=body, headers=send, timeout=timeout)
         except httpx.HTTPError as exc:
             raise HopFailed(f"next hop {nxt} failed: {type(exc).__name__}: {exc}", failed_hop=nxt) from None
         if response.status_code >= 400:
@@ -294,26 +335,32 @@ class _Node:
             raise HopFailed(f"next hop {nxt} sent an answer that is not JSON", failed_hop=nxt) from None
 
     # -- the seam log (route repair) -------------------------------------------------------------
-    def log_frame(self, route: _Route, start: int, frame: TensorFrame) -> None:
-        """Append the activations of positions ``start..`` to the session's seam log, within budget."""
+    def log_frame(self, route: _Route, start: int, frame: TensorFrame, ids: bytes | None = None) -> None:
+        """Append the activations of positions ``start..`` (and their token ids, for a model whose
+        every hop reads them) to the session's seam log, within budget."""
         log = route.log
         if log is None:
             return
         row = len(frame.body) // frame.shape[1]
-        if (route.log_dtype and route.log_dtype != frame.dtype) or len(log) != start * row:
+        gapless = len(log) == start * row and (ids is None or len(route.ids_log) == start * 4)
+        if (route.log_dtype and route.log_dtype != frame.dtype) or not gapless:
             self.drop_log(route)  # not a gapless record of this session any more: useless for a replay
             return
-        if self.log_bytes + len(frame.body) > self.config.seam_log_bytes:
+        size = len(frame.body) + len(ids or b"")
+        if self.log_bytes + size > self.config.seam_log_bytes:
             self.drop_log(route)
             return
         route.log_dtype = frame.dtype
         log += frame.body
-        self.log_bytes += len(frame.body)
+        if ids is not None:
+            route.ids_log += ids
+        self.log_bytes += size
 
     def drop_log(self, route: _Route) -> None:
         if route.log is not None:
-            self.log_bytes -= len(route.log)
+            self.log_bytes -= len(route.log) + len(route.ids_log)
             route.log = None
+            route.ids_log = bytearray()
 
     def forget(self, sid: SessionId) -> _Route | None:
         route = self.routes.pop(sid, None)
@@ -333,6 +380,9 @@ class _Node:
             keep = position * (len(route.log) // before)
             self.log_bytes -= len(route.log) - keep
             del route.log[keep:]
+        if route.ids_log:
+            self.log_bytes -= len(route.ids_log) - 4 * position
+            del route.ids_log[4 * position :]
 
     async def reroute(
         self, sid: SessionId, route: _Route, hops: tuple[str, ...], replay: int, sampling: str | None
@@ -363,6 +413,14 @@ class _Node:
             )
         row = len(route.log) // position
         seam = self.info.seam.shape
+        with_ids = self.info.seam.carries_token_ids
+        if with_ids and len(route.ids_log) != 4 * position:
+            raise Conflict(f"session {sid} has no complete token-id log on this node; it needs a fresh prefill",
+                           code="no_seam_log")  # fmt: skip
+
+        def ids(a: int, b: int) -> bytes | None:
+            return bytes(route.ids_log[4 * a : 4 * b]) if with_ids else None
+
         first = {H.NEXT_HOPS: ",".join(hops[1:]), **({H.SAMPLING: sampling} if sampling else {})}
         try:
             for begin, chunks in pack_chunks(sizes[:-1], self.config.replay_chunk):
@@ -371,10 +429,10 @@ class _Node:
                 headers = {H.TOKEN_RANGE: f"{begin}-{end - 1}", H.REPLAY: str(replay), **(first if begin == 0 else {})}
                 if len(chunks) > 1:
                     headers[H.CHUNKS] = format_chunks(chunks)
-                await self.forward(sid, route, "prefill", frame, headers)
+                await self.forward(sid, route, "prefill", frame, headers, ids=ids(begin, end))
             last = TensorFrame((1, 1, *seam), route.log_dtype, bytes(route.log[(position - 1) * row :]))
             headers = {H.POSITION: str(position - 1), H.REWIND: "1", **(first if position == 1 else {})}
-            answer = await self.forward(sid, route, "decode-step", last, headers)
+            answer = await self.forward(sid, route, "decode-step", last, headers, ids=ids(position - 1, position))
         except MeshnetError as exc:
             self.break_session(route, exc)
             raise
@@ -549,7 +607,8 @@ async def _handle(
             token, logprob = route.sampler.sample(logits, position=start + n)
             return JSONResponse({"token": token, "logprob": logprob, "position": start + n, "hops": [me]})
         assert frame is not None
-        node.log_frame(route, start, frame)
+        ids = node.ids_onward(tokens)
+        node.log_frame(route, start, frame, ids)
         if replay == 1:
             return JSONResponse({"replayed": n, "hops": [me]})  # the hops after this one already hold it
         path = "decode-step" if decode else "prefill"
@@ -564,7 +623,7 @@ async def _handle(
             if previous is not None:
                 await previous  # forwards leave in position order
             try:
-                return await node.forward(sid, route, path, frame, headers)
+                return await node.forward(sid, route, path, frame, headers, ids=ids)
             except MeshnetError as exc:
                 node.break_session(route, exc)
                 raise

@@ -19,6 +19,7 @@ __all__ = [
     "SAMPLE",
     "SAMPLING",
     "SHAPE",
+    "TOKEN_IDS",
     "TOKEN_RANGE",
 ]
 
@@ -36,4 +37,7 @@ SAMPLING = "X-Meshnet-Sampling"  # sampling parameters for the tail, JSON (first
 SAMPLE = "X-Meshnet-Sample"  # "1" on the last prefill chunk: the tail must answer with a token
 REPLAY = "X-Meshnet-Replay"  # route repair: rebuild KV on this many hops from here, answer no token
 REWIND = "X-Meshnet-Rewind"  # "1" on a repair's resent step: a hop already past it drops it first
+# beside activations: the body starts with this many int32 token ids, one per position of the chunk
+# (models whose later layers read them: DeepSeek-V4's hash-routed MoE, SeamSpec.carries_token_ids)
+TOKEN_IDS = "X-Meshnet-Token-Ids"
 CHUNKS = "X-Meshnet-Chunks"  # prefill: how to split the body into compute calls ("128x2,37,1x3"); default one

@@ -25,6 +25,8 @@ __all__ = [
     "frame_values",
     "parse_range",
     "parse_shape",
+    "split_token_ids",
+    "token_ids_prefix",
 ]
 
 # Wire dtype name -> (element size, numpy storage dtype). bfloat16 travels as raw uint16.
@@ -129,3 +131,18 @@ def encode_tensor(values: npt.NDArray[np.generic], dtype: str) -> TensorFrame:
     else:
         data = np.ascontiguousarray(values, dtype=DTYPES[dtype][1]).tobytes()
     return TensorFrame(shape, dtype, data)
+
+
+def token_ids_prefix(ids: npt.NDArray[np.generic]) -> bytes:
+    """The token ids that go first in a hop's body, before the activations (``X-Meshnet-Token-Ids``):
+    int32 little-endian, one per position of the chunk."""
+    return np.ascontiguousarray(ids, dtype="<i4").reshape(-1).tobytes()
+
+
+def split_token_ids(body: bytes, announced: str, n: int) -> tuple[npt.NDArray[np.int32], bytes]:
+    """``(ids, activations body)`` of a body whose ``X-Meshnet-Token-Ids`` header is ``announced``."""
+    if announced != str(n):
+        raise SeamMismatch(f"X-Meshnet-Token-Ids must be the chunk's position count {n}, got {announced!r}")
+    if len(body) < 4 * n:
+        raise SeamMismatch(f"the body is shorter than the {n} token ids X-Meshnet-Token-Ids announces")
+    return np.frombuffer(body[: 4 * n], dtype="<i4").astype(np.int32), body[4 * n :]
