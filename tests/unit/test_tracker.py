@@ -502,4 +502,6 @@ def test_a_node_of_another_model_under_the_same_name_is_refused(client: TestClie
     # The same model again (or a node that does not say, as older nodes do) is welcome.
     assert client.post("/v1/nodes", json=registration("e", "6:12", **base)).status_code == 201
     assert client.post("/v1/nodes", json=registration("f", "6:12")).status_code == 201
+    # A PyTorch node names its transformers model_type: the same family as the GGUF's architecture.
+    assert client.post("/v1/nodes", json=registration("g", "0:6", architecture="llama", seam=[576])).status_code == 201
     assert client.get("/v1/nodes").json()["nodes"][0]["seam"] == [576]

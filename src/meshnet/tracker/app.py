@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet.errors import InvalidRequest, ModelMismatch
+from meshnet.models.families import family_of_model_type
 from meshnet.httputil import EXCEPTION_HANDLERS
 from meshnet.layers import LayerRange
 from meshnet.tracker.db import TrackerDB
@@ -172,7 +173,8 @@ def _check_same_model(node: NodeRecord, live: list[NodeRecord]) -> None:
         differ = []
         if other.layers.total != node.layers.total:
             differ.append(f"{node.layers.total} layers, not {other.layers.total}")
-        if node.architecture and other.architecture and node.architecture != other.architecture:
+        mine, theirs = (family_of_model_type(n.architecture or "") for n in (node, other))
+        if node.architecture and other.architecture and mine != theirs:  # a torch node names its HF model_type
             differ.append(f"architecture {node.architecture!r}, not {other.architecture!r}")
         if node.seam and other.seam and node.seam != other.seam:
             differ.append(f"seam {list(node.seam)}, not {list(other.seam)}")
