@@ -503,5 +503,10 @@ def test_a_node_of_another_model_under_the_same_name_is_refused(client: TestClie
     assert client.post("/v1/nodes", json=registration("e", "6:12", **base)).status_code == 201
     assert client.post("/v1/nodes", json=registration("f", "6:12")).status_code == 201
     # A PyTorch node names its transformers model_type: the same family as the GGUF's architecture.
-    assert client.post("/v1/nodes", json=registration("g", "0:6", architecture="llama", seam=[576])).status_code == 201
+    hybrid = {"model": "q", "seam": [64]}
+    assert (
+        client.post("/v1/nodes", json=registration("g", "0:6", architecture="qwen35moe", **hybrid)).status_code == 201
+    )
+    torch_node = registration("h", "6:12", architecture="qwen3_5_moe_text", **hybrid)
+    assert client.post("/v1/nodes", json=torch_node).status_code == 201
     assert client.get("/v1/nodes").json()["nodes"][0]["seam"] == [576]

@@ -19,9 +19,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet.errors import InvalidRequest, ModelMismatch
-from meshnet.models.families import family_of_model_type
 from meshnet.httputil import EXCEPTION_HANDLERS
 from meshnet.layers import LayerRange
+from meshnet.models.families import family_of_model_type
 from meshnet.tracker.db import TrackerDB
 from meshnet.tracker.reliability import Reliability
 from meshnet.tracker.routing import Hardware, NodeRecord
