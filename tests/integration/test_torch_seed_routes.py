@@ -1,9 +1,11 @@
-"""DeepSeek-V4 and Qwen3.5-MoE split over PyTorch node processes (``meshnet node --backend torch --hf``).
+"""DeepSeek-V4, Qwen3.5-MoE and GLM-5.x split over PyTorch node processes (``meshnet node --backend
+torch --hf``).
 
 Each tiny random model is saved with ``save_pretrained``; one node process holds it whole (the
-reference), three hold its layers 0:1, 1:3, 3:4. Driven over HTTP exactly as the gateway drives a
-route — token ids to the head, ``X-Meshnet-Next-Hops`` on the first chunk, decode steps — the route
-gives the whole model's greedy tokens. DeepSeek-V4's hash-routed layers read the token ids at every
+reference), three hold its layers 0:1, 1:3, 3:4 (GLM: two, 0:2 and 2:4, where its ranges may
+open). Driven over HTTP exactly as the gateway drives a route — token ids to the head,
+``X-Meshnet-Next-Hops`` on the first chunk, decode steps — the route gives the whole model's greedy
+tokens. DeepSeek-V4's hash-routed layers read the token ids at every
 hop: they travel beside the ``[hc_mult, hidden]`` activations (``X-Meshnet-Token-Ids``), also when
 route repair replays a hop's seam log into a replacement.
 """
@@ -27,6 +29,8 @@ pytestmark = pytest.mark.real
 PROMPT = [5, 17, 99, 3, 42, 7, 128, 64, 11, 200, 31, 77]
 STEPS = 6
 RANGES = ("0:1", "1:3", "3:4")
+# GLM-5.x: ranges open only on layers computing their own top-k selection (layers 0 and 2 here)
+RANGES_FOR = {"glm_moe_dsa": ("0:2", "2:4")}
 
 
 def node(folder: Path, layers: str, *extra: str) -> list[str]:
@@ -62,7 +66,7 @@ def generate(head: Proc, rest: list[Proc], sid: str, model: str, steps: int = ST
     return tokens
 
 
-@pytest.fixture(scope="module", params=["deepseek_v4", "qwen3_5_moe_text"])
+@pytest.fixture(scope="module", params=["deepseek_v4", "qwen3_5_moe_text", "glm_moe_dsa"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     folder = tmp_path_factory.mktemp("hf") / request.param
     TINY_MODELS[request.param]().save_pretrained(folder)
@@ -74,7 +78,7 @@ def test_three_torch_nodes_give_the_whole_models_tokens(model_dir: Path) -> None
     with meshnet_process(node(model_dir, "0:4")) as whole:
         want = generate(whole, [], "whole", model)
     with ExitStack() as stack:
-        procs = [stack.enter_context(meshnet_process(node(model_dir, r))) for r in RANGES]
+        procs = [stack.enter_context(meshnet_process(node(model_dir, r))) for r in RANGES_FOR.get(model, RANGES)]
         assert generate(procs[0], procs[1:], "split", model) == want
         if model != "deepseek_v4":
             return

@@ -32,7 +32,12 @@ def test_weights_are_the_models_own_parameters(name: str, tmp_path: Path) -> Non
     # Every node's weights: its layers, plus the embeddings at the head and the rest at the tail.
     assert sum(n.weight_bytes for n in found.nodes) == pytest.approx(found.params * 2, abs=len(found.nodes))
     # Two nodes, cut as meshnet up would; a 4-layer hybrid (3 linear + 1 full) cannot be cut at all.
-    expected = {"llama": ["0:2", "2:4"], "deepseek_v4": ["0:2", "2:4"], "qwen3_5_moe_text": ["0:4"]}[name]
+    expected = {
+        "llama": ["0:2", "2:4"],
+        "deepseek_v4": ["0:2", "2:4"],
+        "qwen3_5_moe_text": ["0:4"],
+        "glm_moe_dsa": ["0:2", "2:4"],
+    }[name]
     assert [str(n.layers) for n in found.nodes] == expected
     assert ("asked for 2" in format_audit(found)) == (len(expected) == 1)
 

@@ -23,7 +23,7 @@ from transformers import (
 
 from meshnet.backends.torch_models import inference
 
-__all__ = ["TINY_MODELS", "tiny_deepseek_v4", "tiny_llama", "tiny_qwen3_5_moe"]
+__all__ = ["TINY_MODELS", "tiny_deepseek_v4", "tiny_glm_moe_dsa", "tiny_llama", "tiny_qwen3_5_moe"]
 
 VOCAB = 256
 HIDDEN = 64
@@ -100,8 +100,39 @@ def tiny_qwen3_5_moe(seed: int = 0) -> PreTrainedModel:
     return inference(Qwen3_5MoeForCausalLM(config))
 
 
+def tiny_glm_moe_dsa(seed: int = 0) -> PreTrainedModel:
+    """GLM-5.x (MLA + DSA): one dense layer, then MoE; a top-8 selection (sparse within a prompt of
+    21), layers 1 and 3 reusing the previous layer's selection as GLM-5.2 does."""
+    _seeded(seed)
+    config = AutoConfig.for_model(
+        "glm_moe_dsa",
+        **_COMMON,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        n_group=1,
+        topk_group=1,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+        num_nextn_predict_layers=0,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        indexer_types=["full", "shared", "full", "shared"],
+    )
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    return inference(model)
+
+
 TINY_MODELS = {
     "llama": tiny_llama,
     "deepseek_v4": tiny_deepseek_v4,
     "qwen3_5_moe_text": tiny_qwen3_5_moe,
+    "glm_moe_dsa": tiny_glm_moe_dsa,
 }

@@ -87,6 +87,7 @@ class ShardModules(nn.Module):
             raise InvalidRequest(
                 f"layer range {layers} is for {layers.total} layers; the model has {config.num_hidden_layers}"
             )
+        arch_for(config).check_range(config, layers)
         tail = layers.is_tail
         return cls(
             config,
@@ -121,6 +122,9 @@ class Arch:
 
     def seam(self, config: PretrainedConfig) -> SeamSpec:
         return SeamSpec((config.hidden_size,), carries_token_ids=self.carries_token_ids)
+
+    def check_range(self, config: PretrainedConfig, layers: LayerRange) -> None:
+        """Refuse a range this architecture cannot start or end at (``InvalidRequest``); any by default."""
 
     def embed(self, m: ShardModules, ids: torch.Tensor) -> torch.Tensor:
         assert m.embed is not None
@@ -316,13 +320,74 @@ class DeepseekV4Arch(Arch):
         )
 
 
+class GlmMoeDsaArch(Arch):
+    """GLM-5.x (``glm_moe_dsa``): MLA attention whose sparse (DSA) selection is chosen per token by a
+    lightning indexer; ``"shared"`` layers reuse the previous full layer's top-k selection, which
+    travels from layer to layer inside a shard. A range therefore starts on a ``"full"`` layer (the
+    llama.cpp route's rule too): no selection has to cross a seam. The mask is always materialized
+    (the indexer reads it)."""
+
+    name = "glm_moe_dsa"
+
+    def check_range(self, config: PretrainedConfig, layers: LayerRange) -> None:
+        types = getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers
+        if types[layers.start] != "full":
+            starts = [i for i, t in enumerate(types) if t == "full"]
+            raise InvalidRequest(
+                f"layer {layers.start} reuses the previous layer's top-k selection, which would have to cross the "
+                f"seam: a range of this model must start at one of layers {starts}",
+                param="layers",
+            )
+
+    def run(self, m: ShardModules, x: torch.Tensor, pos: torch.Tensor, cache: Any, ids: Any) -> torch.Tensor:
+        mask = create_causal_mask(
+            config=m.config,
+            inputs_embeds=x,
+            attention_mask=None,
+            cache=cache,
+            position_ids=pos,
+            layer_idx=m.range.start,
+            allow_is_causal_skip=False,
+        )
+        rope = m.rotary(x, position_ids=pos)
+        topk = None
+        for block in m.blocks:
+            x, topk = block(
+                x,
+                attention_mask=mask,
+                position_embeddings=rope,
+                position_ids=pos,
+                cache=cache,
+                use_cache=True,
+                prev_topk_indices=topk,
+            )
+        return x
+
+    def kv_format(self, config: PretrainedConfig, layers: LayerRange, dtype: torch.dtype) -> KVFormat:
+        b, lora, rope, ih = dtype.itemsize, config.kv_lora_rank, config.qk_rope_head_dim, config.index_head_dim
+        types = getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers
+        latent = (lora + rope) * b
+        per_layer = tuple(latent + (ih * b if types[i] == "full" else 0) for i in range(layers.start, layers.stop))
+        return KVFormat(
+            kind="mla",
+            dtype=dtype_name(dtype),
+            bytes_per_token=sum(per_layer),
+            fixed_bytes=0,
+            per_layer_bytes_per_token=per_layer,
+            formula=(
+                f"per layer per token: the MLA latent (kv_lora_rank {lora} + rope {rope}) x {b} B = {latent} B, "
+                f"plus the indexer key {ih} x {b} B on layers computing their own top-k"
+            ),
+        )
+
+
 def _window_copies(kind: str) -> int:
     """DeepSeek-V4 attends with K == V: the compressed layers' cache stores the window once, the
     plain sliding layers (transformers' ``DynamicSlidingWindowLayer``) store it as K and V."""
     return 2 if kind == "sliding_attention" else 1
 
 
-ARCHITECTURES: dict[str, Arch] = {a.name: a for a in (Arch(), Qwen35MoeArch(), DeepseekV4Arch())}
+ARCHITECTURES: dict[str, Arch] = {a.name: a for a in (Arch(), Qwen35MoeArch(), DeepseekV4Arch(), GlmMoeDsaArch())}
 
 
 def arch_for(config: PretrainedConfig) -> Arch:

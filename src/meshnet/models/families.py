@@ -175,11 +175,13 @@ FAMILIES: dict[str, Family] = {
         Family(
             "glm-dsa",
             True,
-            False,
+            True,
             _CERTIFIED + " (GLM-5.x: MLA + DSA lightning indexer); a range starts only at a layer that computes its "
-            "own top-k selection, so no selection crosses a seam; dense-lead count relative",
+            "own top-k selection, so no selection crosses a seam; dense-lead count relative. PyTorch route: "
+            "token-identical over node processes (tests/integration/test_torch_seed_routes.py)",
             leading_layer_keys=_DENSE_LEAD,
             start_flags="attention.indexer.types",
+            hf_types=("glm_moe_dsa",),
         ),
         Family(
             "glm4",
