@@ -117,6 +117,14 @@ def test_non_object_body(raw):
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 3}, "frequency_penalty"),
         ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"logit_bias": {"42": 5}}, "logit_bias"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"content": "hi"}]}, "messages.0.role"),
@@ -146,6 +154,8 @@ def test_missing_messages_and_model():
         ({"echo": True}, "echo"),
         ({"logprobs": 2}, "logprobs"),
         ({"suffix": "x"}, "suffix"),
+        ({"logit_bias": {"42": -100}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"max_tokens": 0}, "max_tokens"),
@@ -162,3 +172,21 @@ def test_error_body_shape():
         "error": {"message": "bad", "type": "invalid_request_error", "param": "top_p", "code": "x"}
     }
     assert error_body(MeshnetError("boom"))["error"]["type"] == "server_error"
+
+
+def test_the_neutral_values_of_unsupported_parameters_are_accepted():
+    req = parse_body(
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [],
+                "tool_choice": "none",
+                "response_format": {"type": "text"},
+                "logit_bias": {},
+                "top_logprobs": 0,
+            }
+        ).encode(),
+        ChatCompletionRequest,
+    )
+    req.check_supported()

@@ -46,6 +46,10 @@ class _GenerationParams(_Strict):
     n: int = Field(1, ge=1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # Accepted by OpenAI, not served here yet: a request that sets them is refused, never answered
+    # as if they had been honoured (the text would silently not be what the client asked for).
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, object] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -60,6 +64,15 @@ class _GenerationParams(_Strict):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
                 raise InvalidRequest(f"{name} is not supported yet; leave it at 0", param=name)
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported yet; leave it out", param="logit_bias")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            kind = self.response_format.get("type")
+            raise InvalidRequest(
+                f"response_format {kind!r} (structured output) is not supported yet; leave it out or use "
+                "{'type': 'text'}",
+                param="response_format",
+            )
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -98,6 +111,11 @@ class ChatCompletionRequest(_GenerationParams):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, object]] | None = None
+    tool_choice: str | dict[str, object] | None = None
+    functions: list[dict[str, object]] | None = None
+    function_call: str | dict[str, object] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -105,6 +123,14 @@ class ChatCompletionRequest(_GenerationParams):
             raise InvalidRequest("messages must hold at least one message", param="messages")
         if self.logprobs:
             raise InvalidRequest("logprobs are not supported yet", param="logprobs")
+        if self.top_logprobs:
+            raise InvalidRequest("top_logprobs are not supported yet", param="top_logprobs")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name} (function calling) are not supported yet; leave them out", param=name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise InvalidRequest(f"{name} is not supported yet (no tools can be called)", param=name)
 
     @property
     def token_limit(self) -> int | None:
