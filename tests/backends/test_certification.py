@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshnet.artifacts.shard_file import range_starts, write_shard
+from meshnet.artifacts.shard_file import merge_shards, range_starts, write_shard
 from meshnet.backends.chain import ChainSession
 from meshnet.backends.llama_shard import SNAPSHOT_CELL_META_BYTES, LlamaShard
 from meshnet.errors import EngineError, InvalidRequest
@@ -355,3 +355,13 @@ def test_a_glm_dsa_range_may_not_open_on_a_layer_that_reuses_a_selection(tmp_pat
     assert range_starts(gguf_for(TINY["qwen3next"])[0]) == [0, 3, 6]
     assert range_starts(gguf_for(TINY["smollm3"])[0]) == [0, 4, 8]
     assert range_starts(gguf_for(TINY["llama"])[0]) == list(range(6))
+
+
+def test_shards_cut_with_different_sliding_windows_are_not_merged(tmp_path: Path) -> None:
+    """gemma2's layer 5 slides nowhere: its one-layer shard gets a window that masks nothing, which
+    would be wrong for layer 4 in a merged file."""
+    gguf, _ = gguf_for(TINY["gemma2"])
+    parts = [write_shard(gguf, r, tmp_path / f"{r.replace(':', '-')}.gguf").path for r in ("4:5", "5:6")]
+    with pytest.raises(InvalidRequest, match="different sliding windows"):
+        merge_shards(parts, tmp_path / "merged.gguf")
+    assert not (tmp_path / "merged.gguf").exists()

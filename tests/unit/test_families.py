@@ -34,3 +34,26 @@ def test_an_unknown_or_uncertified_architecture_is_refused_with_the_reason() -> 
         require_certified("deepseek4")
     warning = require_certified("no-such-arch", allow_uncertified=True)
     assert warning is not None and "never been checked" in warning and "--allow-uncertified" in warning
+
+
+class _Field:
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def contents(self) -> object:
+        return self.value
+
+
+def test_glm_range_starts_without_stored_indexer_types_follow_llama_cpp() -> None:
+    """No per-layer indexer types in the GGUF: llama.cpp gives a short-context model a full indexer on
+    every layer (any cut), and a 1M-context one GLM-5.2's built-in sharing, which no cut may cross."""
+    from meshnet.artifacts.shard_file import _start_flags
+
+    glm = FAMILIES["glm-dsa"]
+    short = {"glm-dsa.context_length": _Field(202752)}
+    assert _start_flags(short, "glm-dsa", glm, 4) == [True] * 4
+    long = {"glm-dsa.context_length": _Field(1 << 20)}
+    assert _start_flags(long, "glm-dsa", glm, 4) == [True, False, False, False]
+    stored = {"glm-dsa.attention.indexer.types": _Field([1, 0, 1, 0])}
+    assert _start_flags(stored, "glm-dsa", glm, 4) == [True, False, True, False]
+    assert _start_flags(stored, "llama", FAMILIES["llama"], 4) is None

@@ -118,13 +118,32 @@ def range_starts(path: Path) -> list[int]:
     arch = str(_field_value(fields["general.architecture"]))
     total, seams = trunk_layers(fields, arch), family(arch)
     starts = [s for s in range(total) if s % seams.cut_multiple == 0]
-    if seams.start_flags and f"{arch}.{seams.start_flags}" in fields:
-        flags = _field_value(fields[f"{arch}.{seams.start_flags}"])
+    flags = _start_flags(fields, arch, seams, total)
+    if flags is not None:
         starts = [s for s in starts if flags[s]]
     if seams.recurrent:
         recurrent = _recurrent_flags(fields, arch, total)
         starts = [s for s in starts if s == 0 or not recurrent[s - 1]]
     return starts
+
+
+# llama.cpp gives a GLM-5.x GGUF without per-layer indexer types its GLM-5.2 sharing pattern when
+# the model's context is at least this long, and a full indexer on every layer otherwise.
+_SHARED_INDEXER_CONTEXT = 1 << 20
+
+
+def _start_flags(fields: Any, arch: str, seams: Family, total: int) -> list[bool] | None:
+    """Per layer, whether a range may open there by the family's ``start_flags`` (None: no such rule).
+    A GGUF that does not store the flags gets what llama.cpp assumes: every layer when its context is
+    short; when llama.cpp would apply a built-in pattern we do not reproduce, no cut at all."""
+    if not seams.start_flags:
+        return None
+    key = f"{arch}.{seams.start_flags}"
+    if key in fields:
+        return [bool(v) for v in _field_value(fields[key])][:total]
+    context_key = f"{arch}.context_length"
+    context = int(_field_value(fields[context_key])) if context_key in fields else 0
+    return [True] * total if context < _SHARED_INDEXER_CONTEXT else [True] + [False] * (total - 1)
 
 
 def layer_flags(path: Path, key: str, n_layer: int, *, default: bool) -> list[bool]:
@@ -190,16 +209,14 @@ def write_shard(
             f"must start at a multiple of {seams.cut_multiple} (not {layers.start})",
             param="layers",
         )
-    if seams.start_flags and layers.start > 0:
-        key = f"{arch}.{seams.start_flags}"
-        flags = _field_value(reader.fields[key]) if key in reader.fields else None
-        if flags is None or not flags[layers.start]:
-            raise InvalidRequest(
-                f"layer {layers.start} of this {arch} model cannot open a range: it does not compute its own "
-                f"{seams.start_flags} selection but reuses the previous layer's, which would have to cross the seam. "
-                f"Ranges may start at layers {[i for i, f in enumerate(flags or []) if f]}",
-                param="layers",
-            )
+    flags = _start_flags(reader.fields, arch, seams, total)
+    if flags is not None and layers.start > 0 and not flags[layers.start]:
+        raise InvalidRequest(
+            f"layer {layers.start} of this {arch} model cannot open a range: it does not compute its own "
+            f"{seams.start_flags} selection but reuses the previous layer's, which would have to cross the seam. "
+            f"Ranges may start at layers {[i for i, f in enumerate(flags) if f]}",
+            param="layers",
+        )
     if seams.recurrent and len(layers) != total:
         kinds = set(_recurrent_flags(reader.fields, arch, total)[layers.start : layers.stop])
         if len(kinds) != 2:
@@ -422,6 +439,13 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
     tensors += [(t.name, t.data, t.tensor_type) for t in last.tensors if _block_index(t.name) is None]
 
     relative = {f"{arch}.{key}" for key in family(arch).leading_layer_keys}
+    window_key = f"{arch}.attention.sliding_window"
+    windows = {int(_field_value(r.fields[window_key])) for r in readers if window_key in r.fields}
+    if len(windows) > 1:  # a range without sliding layers got its own window (_no_sliding_layer)
+        raise InvalidRequest(
+            f"{', '.join(p.name for p in parts)} were cut with different sliding windows {sorted(windows)}; "
+            "cut the merged range from the full model GGUF instead"
+        )
 
     def metadata(writer: Any) -> None:
         for field in last.fields.values():
