@@ -29,6 +29,9 @@ def test_the_docs_table_says_what_the_records_say() -> None:
 
 def test_an_unknown_or_uncertified_architecture_is_refused_with_the_reason() -> None:
     assert certification("llama") == (True, FAMILIES["llama"].why)
+    # a PyTorch node names its transformers model_type: the same record
+    assert certification("deepseek_v4", "torch") == (True, FAMILIES["deepseek4"].why)
+    assert certification("qwen3_5_moe_text") == certification("qwen35moe")
     assert family("no-such-arch").llama_route is False
     with pytest.raises(UncertifiedArchitecture, match=r"'deepseek4' is not certified.*hc_mult.*docs/models.md"):
         require_certified("deepseek4")

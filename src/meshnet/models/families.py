@@ -257,9 +257,11 @@ def require_certified(arch: str, *, backend: str = "llama", allow_uncertified: b
 
 
 def family(arch: str) -> Family:
-    """The family record of ``arch``; an unknown architecture gets one with no seam handling (it is
-    refused unless the operator allows uncertified architectures)."""
-    return FAMILIES.get(arch) or Family(arch, False, False, f"architecture {arch!r} has never been checked")
+    """The family record of ``arch`` (a GGUF architecture, or a transformers ``model_type`` a PyTorch
+    node names); an unknown architecture gets one with no seam handling (it is refused unless the
+    operator allows uncertified architectures)."""
+    known = FAMILIES.get(arch) or FAMILIES.get(family_of_model_type(arch))
+    return known or Family(arch, False, False, f"architecture {arch!r} has never been checked")
 
 
 def family_of_model_type(model_type: str) -> str:
