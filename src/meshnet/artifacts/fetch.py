@@ -45,6 +45,7 @@ _POLL_S = 0.1
 _ALERT_WAIT_S = 60.0
 _SOURCE_TIMEOUT_S = 30.0
 FLUSH_EVERY_S = 1.0
+_HASH_TRIES = 3  # hash a completed file, flushing again between tries (see fetch())
 
 
 class FetchError(MeshnetError):
@@ -217,7 +218,14 @@ class Swarm:
         for rel in renamed.values():
             entry = self.manifest.file(Path(rel).name)
             path = self.config.dest / rel
-            if file_sha256(path) != entry.sha256:
+            for attempt in range(_HASH_TRIES):
+                if file_sha256(path) == entry.sha256:
+                    break
+                if attempt + 1 < _HASH_TRIES:
+                    # libtorrent verified every piece: a mismatch this early is most likely bytes
+                    # still on their way to disk (a flush alert that was not this flush's). Flush again.
+                    self._flush()
+            else:
                 path.unlink(missing_ok=True)
                 raise FetchError(f"{entry.name} completed but its SHA-256 differs from the manifest; deleted it")
         for index, rel in renamed.items():
@@ -291,6 +299,9 @@ class Swarm:
 
     def _flush(self) -> None:
         """Make every written byte visible on disk before it is hashed, renamed or advertised."""
+        # The download loop's periodic flushes leave their cache_flushed alerts behind: read them
+        # first, or an old one would pass for this flush and the file be hashed half-written.
+        self._pump()
         self._events.flushed = False
         self._handle.flush_cache()
         self._await(lambda: self._events.flushed, "libtorrent's cache flush")
