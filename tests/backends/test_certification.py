@@ -42,6 +42,17 @@ GAP_MODEL = {"glm-dsa": lambda m: dataclasses.replace(m, config={**m.config, "in
 CHUNKS = (64, 7, 13)
 # A sliding window shorter than the prompt, so a pattern shifted at a cut would change the text.
 GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16, "tie_word_embeddings": True}
+# DeepSeek-style MoE (two dense layers first: a cut inside them must keep the count relative) and MLA
+DEEPSEEK_MOE = {
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 2,
+    "n_group": 1,
+    "topk_group": 1,
+}
+MLA = {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}
 HYBRID = {
     "head_dim": 16,
     "linear_key_head_dim": 16,
@@ -82,19 +93,9 @@ TINY = {
         "deepseek_v2",
         {
             "num_key_value_heads": 4,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 32,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 16,
-            "v_head_dim": 16,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "moe_intermediate_size": 32,
-            "first_k_dense_replace": 2,
+            **MLA,
+            **DEEPSEEK_MOE,
             "topk_method": "greedy",
-            "n_group": 1,
-            "topk_group": 1,
         },
     ),
     "qwen2moe": TinyModel(
@@ -152,19 +153,9 @@ TINY = {
         "glm_moe_dsa",
         {
             "num_key_value_heads": 4,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 32,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 16,
-            "v_head_dim": 16,
+            **MLA,
             "head_dim": 8,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "moe_intermediate_size": 32,
-            "first_k_dense_replace": 2,
-            "n_group": 1,
-            "topk_group": 1,
+            **DEEPSEEK_MOE,
             "index_topk": 8,
             "index_head_dim": 64,  # llama.cpp's Hadamard rotation of indexer keys needs a multiple of 64
             "index_n_heads": 2,
@@ -181,13 +172,7 @@ TINY = {
         "glm4_moe",
         {
             "head_dim": 16,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "moe_intermediate_size": 32,
-            "first_k_dense_replace": 2,
-            "n_group": 1,
-            "topk_group": 1,
+            **DEEPSEEK_MOE,
             "num_nextn_predict_layers": 1,
         },
     ),

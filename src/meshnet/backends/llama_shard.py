@@ -313,11 +313,13 @@ class LlamaShard(ShardBase[int]):
         family's rescaled input with the inbound rows (non-head shards of such a family)."""
         target = f"l_out-{last_layer}".encode() + b"\0" if not self._tail else None
         overwrite = self._overwrite
+        # Runs for every node of every graph: read only as many name bytes as the longest target.
+        width = max(len(t) for t in (target, overwrite) if t is not None)
         get, put = _tensor_get(self._ll), _tensor_set(self._ll)
         out, n_embd = self._out, self._n_embd
 
         def callback(tensor: int, ask: bool, _: Any) -> bool:
-            name = ctypes.string_at(tensor + _NAME_OFFSET, 64)
+            name = ctypes.string_at(tensor + _NAME_OFFSET, width)
             ours = target is not None and name.startswith(target)
             rescaled = overwrite is not None and name.startswith(overwrite)
             if not (ours or rescaled):
