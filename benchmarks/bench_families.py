@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +21,7 @@ from tests.backends.test_certification import CUTS, CUTS_FOR, TINY
 from tests.certify.convert import gguf_for
 from tests.certify.parity import prompt_for
 
-from benchmarks.common import Section, median
-from meshnet.backends.chain import decode_chain, prefill_chain
+from benchmarks.common import Section, median, timed_decode
 from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
 from meshnet.ids import SessionId
 from meshnet.models.families import FAMILIES
@@ -39,13 +37,7 @@ def _decode_rate(chain: list[LlamaShard], prompt: list[int], round_no: int) -> t
     sid = SessionId(f"bench-{round_no}")
     for shard in chain:
         shard.open_session(sid)
-    logits = prefill_chain(chain, sid, prompt, chunk=64)
-    position = len(prompt)
-    started = time.perf_counter()
-    for _ in range(DECODE):
-        logits = decode_chain(chain, sid, position, int(np.argmax(logits)))
-        position += 1
-    rate = DECODE / (time.perf_counter() - started)
+    rate, logits, position = timed_decode(chain, sid, prompt, DECODE)
     seam_bytes = []
     token = np.array([int(np.argmax(logits))], dtype=np.int32)
     hidden = None

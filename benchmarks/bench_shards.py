@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Section, median
+from benchmarks.common import Section, median, timed_decode
 from meshnet.artifacts.bundled import bundled_gguf
 from meshnet.artifacts.shard_file import write_shard
-from meshnet.backends.chain import decode_chain, prefill_chain
 from meshnet.backends.llama_shard import SNAPSHOT_CELL_META_BYTES, LlamaShard, LlamaShardConfig
 from meshnet.ids import SessionId
 
@@ -45,13 +43,7 @@ def _decode_rate(chain: list[LlamaShard], round_no: int) -> float:
     sid = SessionId(f"bench-{round_no}")
     for shard in chain:
         shard.open_session(sid)
-    logits = prefill_chain(chain, sid, PROMPT, chunk=64)
-    position = len(PROMPT)
-    started = time.perf_counter()
-    for _ in range(DECODE):
-        logits = decode_chain(chain, sid, position, int(np.argmax(logits)))
-        position += 1
-    rate = DECODE / (time.perf_counter() - started)
+    rate, _, _ = timed_decode(chain, sid, PROMPT, DECODE)
     for shard in chain:
         shard.close_session(sid)
     return rate

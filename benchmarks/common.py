@@ -7,8 +7,10 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,3 +62,19 @@ def machine() -> str:
         f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB RAM; {platform.system()} {platform.release()}; "
         f"Python {sys.version.split()[0]}; llama-cpp-python {llama_version}; commit {commit or 'uncommitted'}"
     )
+
+
+def timed_decode(chain: Any, sid: Any, prompt: list[int], steps: int) -> tuple[float, Any, int]:
+    """Prefill ``prompt`` through an in-process ``chain`` (sessions already open), then time ``steps``
+    greedy decode steps: ``(tokens per second, the last logits, the next position)``."""
+    import numpy as np
+
+    from meshnet.backends.chain import decode_chain, prefill_chain
+
+    logits = prefill_chain(chain, sid, prompt, chunk=64)
+    position = len(prompt)
+    started = time.perf_counter()
+    for _ in range(steps):
+        logits = decode_chain(chain, sid, position, int(np.argmax(logits)))
+        position += 1
+    return steps / (time.perf_counter() - started), logits, position
