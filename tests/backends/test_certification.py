@@ -35,6 +35,8 @@ CUTS_FOR = {
     "qwen3next": [(4,), (3, 7), (5,)],
     "qwen35moe": [(4,), (3, 7), (5,)],
     "glm-dsa": [(2,), (1, 4), (2, 4)],  # ranges start where a layer computes its own top-k
+    # of 9 blocks: the two hash-routed layers stay on the head, every range holds CSA and HCA layers
+    "deepseek4": [(4,), (4, 6), (5,)],
 }
 # transformers against the whole GGUF where the route's model differs: glm-dsa's sparse top-k picks
 # differently between the two near ties, so its converter is checked on the dense (top-64) variant.
@@ -176,6 +178,36 @@ TINY = {
             "num_nextn_predict_layers": 1,
         },
     ),
+    # DeepSeek-V4 in DeepSeek's own checkpoint layout (what llama.cpp's converter reads), routed
+    # experts in MXFP4: 4 hyper-connection streams, two hash-routed MoE layers; two sliding-window
+    # layers, then CSA (ratio 4, indexer top-8) and HCA (ratio 128) in turn, a sliding one last; a
+    # 16-token window.
+    "deepseek4": TinyModel(
+        "deepseek4",
+        "deepseek_v4",
+        {
+            "num_key_value_heads": 1,
+            "head_dim": 64,  # llama.cpp ropes half of it; the Hadamard rotation wants multiples of 64
+            "qk_rope_head_dim": 32,
+            "q_lora_rank": 32,
+            "o_lora_rank": 32,
+            "o_groups": 2,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "index_head_dim": 64,
+            "index_n_heads": 4,
+            "index_topk": 8,
+            "sliding_window": 16,
+            "num_nextn_predict_layers": 0,
+            "layer_types": ["sliding_attention"] * 2
+            + ["compressed_sparse_attention", "heavily_compressed_attention"] * 3
+            + ["sliding_attention"],
+            "mlp_layer_types": ["hash_moe"] * 2 + ["moe"] * 7,
+        },
+        layers=9,
+        raw_config={"compress_ratios": [0, 0, *[4, 128] * 3, 0], "num_hash_layers": 2},
+        layout="deepseek4",
+    ),
 }
 # A family the table does not list: refused by every command.
 UNCERTIFIED = TinyModel("stablelm", "stablelm", {"pad_token_id": 0})
@@ -222,6 +254,7 @@ def test_a_broken_seam_fails_certification(shard_cache: Path) -> None:
     assert all(r.max_abs_diff > 0 for r in results)
 
 
+BROKEN_CUTS = {"smollm3": (1, 5), "deepseek4": (4, 6)}
 # Each family's seam handling switched off: the split route must then differ from the whole model
 # (or refuse to load) — the fix is what makes it exact, and the harness sees its absence.
 WITHOUT_FIX = {
@@ -231,6 +264,7 @@ WITHOUT_FIX = {
     "gemma3": {"head_scale": None},
     "deepseek2": {"leading_layer_keys": ()},
     "smollm3": {"cut_multiple": 1},
+    "deepseek4": {"leading_layer_keys": ()},
 }
 
 
@@ -242,7 +276,7 @@ def test_a_family_without_its_seam_fix_fails_certification(
     gguf, _ = gguf_for(TINY[arch])
     monkeypatch.setitem(FAMILIES, arch, dataclasses.replace(FAMILIES[arch], **WITHOUT_FIX[arch]))
     try:
-        results = compare(gguf, [(1, 5) if arch == "smollm3" else (1, 4)], (7,), tmp_path)
+        results = compare(gguf, [BROKEN_CUTS.get(arch, (1, 4))], (7,), tmp_path)
     except InvalidRequest as exc:  # llama.cpp could not even load the shard: refused, not wrong
         assert "could not load" in str(exc)
         return
@@ -350,3 +384,58 @@ def test_shards_cut_with_different_sliding_windows_are_not_merged(tmp_path: Path
     with pytest.raises(InvalidRequest, match="different sliding windows"):
         merge_shards(parts, tmp_path / "merged.gguf")
     assert not (tmp_path / "merged.gguf").exists()
+
+
+def test_deepseek4_ranges_keep_hash_layers_on_the_head_and_hold_both_compressed_kinds(tmp_path: Path) -> None:
+    """The two hash-routed layers read token ids: a range may not open inside them, and the head
+    keeps its vocabulary (it runs on token ids). llama.cpp crashes on a DeepSeek-V4 range without a
+    CSA or an HCA layer: the writer refuses one first. Published files merge into a head that
+    still runs on token ids, computing what the shard cut in one piece computes."""
+    gguf, _ = gguf_for(TINY["deepseek4"])
+    assert range_starts(gguf) == [0, 4, 5, 6]
+    with pytest.raises(InvalidRequest, match=r"layer 1 .* cannot open a range: its first 2 layers read token ids"):
+        write_shard(gguf, "1:9", tmp_path / "s.gguf")
+    with pytest.raises(InvalidRequest, match=r"layers 7:9 .* hold no layer with attention.compress_ratios = \[4\]"):
+        write_shard(gguf, "7:9", tmp_path / "s.gguf")
+    assert not list(tmp_path.iterdir())
+    head = write_shard(gguf, "0:4", tmp_path / "head.gguf")
+    assert not head.vocab_cut and head.embeddings is None
+    parts = [head.path, write_shard(gguf, "4:6", tmp_path / "mid.gguf").path]
+    merged = LlamaShard(merge_shards(parts, tmp_path / "merged.gguf").path, config=CONFIG)
+    whole = LlamaShard(write_shard(gguf, "0:6", tmp_path / "whole.gguf").path, config=CONFIG)
+    try:
+        assert merged.info.n_vocab == whole.info.n_vocab > 1 and merged.info.seam.shape == (4, 64)
+        tokens = np.array(prompt_for(whole.info.n_vocab), dtype=np.int32)
+        outputs = []
+        for shard in (merged, whole):
+            sid = new_session_id()
+            shard.open_session(sid)
+            outputs.append(shard.prefill(sid, 0, tokens=tokens).hidden)
+        assert outputs[0] is not None and outputs[0].shape == (len(tokens), 4, 64)
+        assert np.array_equal(outputs[0], outputs[1])
+    finally:
+        merged.close()
+        whole.close()
+
+
+def test_deepseek4_kv_format_counts_compressed_entries_as_llama_cpp_stores_them() -> None:
+    """Raw K for every position (the cache is allocated for the whole context; llama.cpp serializes
+    only the sliding window of it), plus compressed entries: CSA and indexer keys every 4 positions,
+    HCA every 128. Past the window, a session's serialized size grows by exactly the compressed part."""
+    gguf, _ = gguf_for(TINY["deepseek4"])
+    shard = LlamaShard(gguf, config=CONFIG)
+    try:
+        kv = shard.info.kv
+        assert kv.kind == "compressed" and kv.fixed_bytes > 0
+        raw = 64 * 2  # key_length 64, f16
+        assert kv.per_layer_bytes_per_token == (raw, raw, *[raw + 64, raw + 1] * 3, raw)
+        sid = new_session_id()
+        shard.open_session(sid)
+        tokens = np.random.default_rng(0).integers(3, shard.info.n_vocab, 256).astype(np.int32)
+        shard.prefill(sid, 0, tokens=tokens[:128])
+        before = shard.kv_state_bytes(sid)
+        shard.prefill(sid, 128, tokens=tokens[128:])
+        compressed = kv.bytes_per_token - 9 * raw
+        assert shard.kv_state_bytes(sid) - before == 128 * (compressed + SNAPSHOT_CELL_META_BYTES)
+    finally:
+        shard.close()

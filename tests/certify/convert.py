@@ -118,16 +118,25 @@ class TinyModel:
     # keys added to the saved config.json: some converters read a checkpoint's own (legacy) keys
     # that transformers folds into others and does not write back
     raw_config: dict[str, Any] = field(default_factory=dict)
+    # "hf": transformers' own save_pretrained; "deepseek4": DeepSeek's native checkpoint layout
+    # (``layers.N.attn.wq_a.weight``, MXFP4 routed experts), the only one llama.cpp's converter reads
+    layout: str = "hf"
 
     def key(self) -> str:
         blob = json.dumps({"v": HARNESS_VERSION, **asdict(self)}, sort_keys=True).encode()
         return f"{self.arch}-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
+REFERENCE = "reference"  # the transformers checkpoint beside a native-layout one
+
+
 def gguf_for(model: TinyModel) -> tuple[Path, Path]:
-    """``(GGUF, HF folder)`` of ``model``: built and converted on first use, then cached."""
+    """``(GGUF, HF folder)`` of ``model``: built and converted on first use, then cached. The HF
+    folder is the one transformers loads (a native-layout checkpoint keeps it in ``reference/``)."""
     base = cache_root() / "models" / model.key()
     gguf, hf_dir = base.with_suffix(".gguf"), base
+    if model.layout != "hf":
+        hf_dir = base / REFERENCE
     if gguf.is_file() and hf_dir.is_dir():
         return gguf, hf_dir
     base.parent.mkdir(parents=True, exist_ok=True)
@@ -135,8 +144,8 @@ def gguf_for(model: TinyModel) -> tuple[Path, Path]:
         staging = Path(tmp) / model.arch
         save_tiny_model(model, staging)
         convert(staging, gguf, model.convert_args)
-        shutil.rmtree(hf_dir, ignore_errors=True)
-        staging.rename(hf_dir)
+        shutil.rmtree(base, ignore_errors=True)
+        staging.rename(base)
     return gguf, hf_dir
 
 
@@ -163,7 +172,12 @@ def save_tiny_model(model: TinyModel, out: Path) -> None:
     with torch.no_grad():
         for param in hf.parameters():
             param.normal_(0.0, 0.08)
-    hf.save_pretrained(out)
+    if model.layout == "deepseek4":
+        _native_deepseek4(hf, out)  # rounds hf's experts to what the GGUF will hold
+        hf.save_pretrained(out / REFERENCE)
+        shutil.copy(out / REFERENCE / "config.json", out / "config.json")
+    else:
+        hf.save_pretrained(out)
     if model.raw_config:
         saved = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**saved, **model.raw_config}, indent=2))
@@ -213,3 +227,119 @@ def _save_sentencepiece(out: Path, vocab: int = 512) -> int:
     )
     (out / "tokenizer.model").write_bytes(model.getvalue())
     return int(spm.SentencePieceProcessor(model_proto=model.getvalue()).vocab_size())
+
+
+# transformers' DeepSeek-V4 names → DeepSeek's native ones (the inverse of transformers'
+# ``conversion_mapping`` for ``deepseek_v4``); applied in order, the first full match wins.
+_DSV4_ROOT = {
+    "model.embed_tokens.weight": "embed.weight",
+    "lm_head.weight": "head.weight",
+    "model.norm.weight": "norm.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
+    "model.hc_head.hc_scale": "hc_head_scale",
+}
+_DSV4_LAYER = {
+    "self_attn.sinks": "attn.attn_sink",
+    "self_attn.q_a_proj.weight": "attn.wq_a.weight",
+    "self_attn.q_a_norm.weight": "attn.q_norm.weight",
+    "self_attn.q_b_proj.weight": "attn.wq_b.weight",
+    "self_attn.kv_proj.weight": "attn.wkv.weight",
+    "self_attn.kv_norm.weight": "attn.kv_norm.weight",
+    "self_attn.o_a_proj.weight": "attn.wo_a.weight",
+    "self_attn.o_b_proj.weight": "attn.wo_b.weight",
+    "self_attn.compressor.position_bias": "attn.compressor.ape",
+    "self_attn.compressor.kv_proj.weight": "attn.compressor.wkv.weight",
+    "self_attn.compressor.gate_proj.weight": "attn.compressor.wgate.weight",
+    "self_attn.compressor.kv_norm.weight": "attn.compressor.norm.weight",
+    "self_attn.compressor.indexer.position_bias": "attn.indexer.compressor.ape",
+    "self_attn.compressor.indexer.kv_proj.weight": "attn.indexer.compressor.wkv.weight",
+    "self_attn.compressor.indexer.gate_proj.weight": "attn.indexer.compressor.wgate.weight",
+    "self_attn.compressor.indexer.kv_norm.weight": "attn.indexer.compressor.norm.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight": "attn.indexer.wq_b.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "attn.indexer.weights_proj.weight",
+    "mlp.gate.weight": "ffn.gate.weight",
+    "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
+    "mlp.gate.tid2eid": "ffn.gate.tid2eid",
+    "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "attn_hc.fn": "hc_attn_fn",
+    "attn_hc.base": "hc_attn_base",
+    "attn_hc.scale": "hc_attn_scale",
+    "ffn_hc.fn": "hc_ffn_fn",
+    "ffn_hc.base": "hc_ffn_base",
+    "ffn_hc.scale": "hc_ffn_scale",
+}
+# OCP MX FP4 (E2M1) values in code order; codes 8-15 are the negatives.
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _mxfp4(weight: Any) -> tuple[Any, Any, Any]:
+    """``weight`` [rows, cols] rounded onto the MXFP4 grid: ``(packed uint8 [rows, cols/2],
+    E8M0 scales uint8 [rows, cols/32], the dequantized values)`` — the model then uses exactly what
+    the GGUF will hold."""
+    import torch
+
+    rows, cols = weight.shape
+    groups = weight.reshape(rows, cols // 32, 32).double()
+    peak = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    exponent = torch.ceil(torch.log2(peak / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)
+    grid = torch.tensor(_FP4, dtype=torch.float64)
+    codes = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(dim=-1)
+    values = grid[codes] * torch.exp2(exponent)
+    negative = (scaled < 0) & (codes > 0)
+    codes = codes + 8 * negative
+    values = torch.where(negative, -values, values)
+    flat = codes.reshape(rows, cols).to(torch.uint8)
+    packed = flat[:, 0::2] | (flat[:, 1::2] << 4)
+    scales = (exponent.squeeze(-1) + 127).to(torch.uint8)
+    return packed.contiguous(), scales.contiguous(), values.reshape(rows, cols).float()
+
+
+def _native_deepseek4(hf: Any, out: Path) -> None:
+    """Rewrite ``out``'s weights in DeepSeek's native layout, routed experts as MXFP4 (packed E2M1
+    codes + E8M0 scales, as DeepSeek ships them). The experts of ``hf`` are rounded to the same values
+    in place, so transformers' forward stays the reference for the GGUF."""
+    import re
+
+    import torch
+    from safetensors.torch import save_file
+
+    tensors: dict[str, Any] = {}
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        for name, table in hf.named_buffers():
+            if name.endswith("tid2eid"):  # hash routing: distinct random experts per token id
+                n_experts = hf.config.n_routed_experts
+                picks = torch.rand(table.shape[0], n_experts, generator=generator).argsort(dim=-1)
+                table.copy_(picks[:, : table.shape[1]])
+        for name, value in hf.state_dict().items():
+            if name in _DSV4_ROOT:
+                tensors[_DSV4_ROOT[name]] = value.contiguous()
+                continue
+            match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+            if match is None:
+                raise RuntimeError(f"no native DeepSeek-V4 name for {name}")
+            layer, rest = match.groups()
+            if rest in _DSV4_LAYER:
+                tensors[f"layers.{layer}.{_DSV4_LAYER[rest]}"] = value.contiguous()
+                continue
+            if rest not in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+                raise RuntimeError(f"no native DeepSeek-V4 name for {name}")
+            param = hf.get_parameter(name)
+            for expert in range(value.shape[0]):
+                if rest.endswith("down_proj"):
+                    parts = {"w2": (slice(None),)}
+                else:
+                    half = value.shape[1] // 2
+                    parts = {"w1": (slice(0, half),), "w3": (slice(half, None),)}
+                for proj, (rows,) in parts.items():
+                    packed, scales, values = _mxfp4(value[expert, rows])
+                    param[expert, rows] = values
+                    tensors[f"layers.{layer}.ffn.experts.{expert}.{proj}.weight"] = packed
+                    tensors[f"layers.{layer}.ffn.experts.{expert}.{proj}.scale"] = scales
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -60,7 +60,9 @@ def row(arch: str, cache: Path) -> str:
     verdict = ("**certified**" if family.llama_route else "exact, but not in the table") if exact else "**FAILED**"
     seam = " x ".join(str(n) for n in info.seam.shape) + " x f32"
     extra = "token ids" if info.seam.carries_token_ids else "nothing"
-    state = f"{info.kv.fixed_bytes // 2:,} B" if info.kv.fixed_bytes else "none"
+    # the shard keeps copies of it: a hybrid's checkpoint, DeepSeek-V4's rollback snapshots
+    copies = 2 if family.recurrent else 1 + family.rollback
+    state = f"{info.kv.fixed_bytes // copies:,} B" if info.kv.fixed_bytes else "none"
     tried = " \\| ".join(",".join(map(str, c)) for c in cuts)
     return (
         f"| `{arch}` | {verdict} | {torch} | {tried} of {info.layers.total} | {seam} | {extra} | "

@@ -2,8 +2,10 @@
 converter, served by ``meshnet up --gguf TINY.gguf --nodes 3`` (tracker, three llama.cpp node
 processes, gateway) gives the same greedy text as one node holding the whole GGUF.
 
-GLM-5.x (``glm-dsa``: MLA + DSA indexer, layers reusing a top-k selection) and the Qwen3.5-style
-hybrids (``qwen35moe``, ``qwen3next``: linear-attention layers with recurrent state) — the layout
+GLM-5.x (``glm-dsa``: MLA + DSA indexer, layers reusing a top-k selection), the Qwen3.5-style
+hybrids (``qwen35moe``, ``qwen3next``: linear-attention layers with recurrent state) and
+DeepSeek-V4 (``deepseek4``: hyper-connection streams across seams, hash-routed layers, compressed
+attention) — the layout
 ``up`` picks must respect each family's cut rules (``shard_file.range_starts``).
 """
 
@@ -46,6 +48,8 @@ def route_layers(url: str, gid: str) -> list[str]:
         ("glm-dsa", ["0:2", "2:4", "4:6"]),
         ("qwen35moe", ["0:3", "3:6", "6:9"]),
         ("qwen3next", ["0:3", "3:6", "6:9"]),
+        # hash-routed layers on the head, every range with CSA and HCA layers, [4, 64] hc streams
+        ("deepseek4", ["0:4", "4:6", "6:9"]),
     ],
 )
 def test_three_nodes_give_the_whole_models_text(arch: str, layout: list[str], tmp_path: Path) -> None:

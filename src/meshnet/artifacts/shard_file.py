@@ -45,6 +45,7 @@ __all__ = [
     "ShardFiles",
     "embeddings_path",
     "layer_flags",
+    "layer_values",
     "merge_shards",
     "range_starts",
     "read_architecture",
@@ -114,7 +115,11 @@ def range_starts(path: Path) -> list[int]:
     range ends with attention and, cut on the pattern, holds both kinds)."""
     import gguf
 
-    fields = gguf.GGUFReader(str(path)).fields
+    return range_starts_of(gguf.GGUFReader(str(path)).fields)
+
+
+def range_starts_of(fields: Any) -> list[int]:
+    """``range_starts`` of a GGUF already open (its reader's fields)."""
     arch = str(_field_value(fields["general.architecture"]))
     total, seams = trunk_layers(fields, arch), family(arch)
     starts = [s for s in range(total) if s % seams.cut_multiple == 0]
@@ -124,7 +129,33 @@ def range_starts(path: Path) -> list[int]:
     if seams.recurrent:
         recurrent = _recurrent_flags(fields, arch, total)
         starts = [s for s in starts if s == 0 or not recurrent[s - 1]]
+    token_layers = _token_layers(fields, arch, seams)
+    starts = [s for s in starts if s == 0 or s >= token_layers]
+    kinds = _layer_kinds(fields, arch, seams, total)
+    if kinds is not None:
+        wanted = set(kinds[1])
+        starts = [
+            s for s in starts if s == 0 or (wanted <= set(kinds[0][s - 2 : s]) and wanted <= set(kinds[0][s : s + 2]))
+        ]
     return starts
+
+
+def _layer_kinds(fields: Any, arch: str, seams: Family, total: int) -> tuple[list[int], tuple[int, ...]] | None:
+    """Each layer's kind by the family's ``range_kinds`` array, and the kinds every range must hold
+    (None when the family has no such rule)."""
+    if seams.range_kinds is None:
+        return None
+    name, wanted = seams.range_kinds
+    key = f"{arch}.{name}"
+    if key not in fields:
+        raise InvalidRequest(f"this {arch} GGUF has no {key}; cannot tell where it may be cut")
+    return [int(v) for v in _field_value(fields[key])][:total], wanted
+
+
+def _token_layers(fields: Any, arch: str, seams: Family) -> int:
+    """How many leading layers read token ids inside them (``Family.token_layers``); 0 for none."""
+    key = f"{arch}.{seams.token_layers}" if seams.token_layers else None
+    return int(_field_value(fields[key])) if key is not None and key in fields else 0
 
 
 # llama.cpp gives a GLM-5.x GGUF without per-layer indexer types its GLM-5.2 sharing pattern when
@@ -148,12 +179,17 @@ def _start_flags(fields: Any, arch: str, seams: Family, total: int) -> list[bool
 
 def layer_flags(path: Path, key: str, n_layer: int, *, default: bool) -> list[bool]:
     """A per-layer boolean array of a GGUF's metadata; ``default`` for every layer when absent."""
+    return [bool(v) for v in layer_values(path, key, n_layer, default=int(default))]
+
+
+def layer_values(path: Path, key: str, n_layer: int, *, default: int) -> list[int]:
+    """A per-layer integer array of a GGUF's metadata; ``default`` for every layer when absent."""
     import gguf
 
     fields = gguf.GGUFReader(str(path)).fields
     if key not in fields:
         return [default] * n_layer
-    return [bool(v) for v in _field_value(fields[key])][:n_layer]
+    return [int(v) for v in _field_value(fields[key])][:n_layer]
 
 
 def recurrent_layers(path: Path, arch: str, n_layer: int) -> list[bool]:
@@ -217,6 +253,24 @@ def write_shard(
             f"Ranges may start at layers {[i for i, f in enumerate(flags) if f]}",
             param="layers",
         )
+    token_layers = _token_layers(reader.fields, arch, seams)
+    if 0 < layers.start < token_layers:
+        raise InvalidRequest(
+            f"layer {layers.start} of this {arch} model cannot open a range: its first {token_layers} layers read "
+            "token ids from vocabulary-wide tables (hash-routed experts), so they stay on the head. Ranges past "
+            f"the head start at layer {token_layers} or later",
+            param="layers",
+        )
+    by_kind = _layer_kinds(reader.fields, arch, seams, total)
+    if by_kind is not None and seams.range_kinds is not None and len(layers) != total:
+        missing = sorted(set(by_kind[1]) - set(by_kind[0][layers.start : layers.stop]))
+        if missing:
+            raise InvalidRequest(
+                f"layers {layers} of this {arch} model hold no layer with {seams.range_kinds[0]} = {missing}; "
+                f"llama.cpp needs every range to hold each of {list(by_kind[1])} (it crashes on an empty cache). "
+                f"Ranges may start at layers {range_starts_of(reader.fields)}",
+                param="layers",
+            )
     if seams.recurrent and len(layers) != total:
         kinds = set(_recurrent_flags(reader.fields, arch, total)[layers.start : layers.stop])
         if len(kinds) != 2:
@@ -234,9 +288,12 @@ def write_shard(
             f"would compute another model. Serve it whole on one node (--layers 0:{total})",
             param="layers",
         )
-    cut = (not layers.is_tail) if cut_vocab is None else cut_vocab
-    if cut and layers.is_tail:
-        raise InvalidRequest("the tail shard computes logits and must keep its vocabulary")
+    # A head whose layers read token ids runs on them, with its vocabulary (Family.token_layers).
+    keeps_vocab = layers.is_tail or (layers.is_head and token_layers > 0)
+    cut = (not keeps_vocab) if cut_vocab is None else cut_vocab
+    if cut and keeps_vocab:
+        why = "computes logits" if layers.is_tail else f"runs on token ids (its first {token_layers} layers read them)"
+        raise InvalidRequest(f"the {'tail' if layers.is_tail else 'head'} shard {why} and must keep its vocabulary")
 
     tensors = list(_shard_tensors(reader, layers, cut))
     _write_gguf(
@@ -407,7 +464,8 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
 
     Metadata and non-block tensors come from the last part: if it is the tail, the merged shard
     keeps its full vocabulary; otherwise the vocabulary stays cut and the head (if the first part is
-    one) keeps using its ``*.embd.gguf`` sidecar.
+    one) keeps using its ``*.embd.gguf`` sidecar — unless the first part is a head that kept its
+    vocabulary (it runs on token ids), whose vocabulary the merged shard keeps.
     """
     import gguf
 
@@ -425,7 +483,10 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
             raise InvalidRequest(f"{path} (layers {start}:{stop}) does not continue layers {ranges[-1]}")
         ranges.append(LayerRange(start, stop, total))
     layers = LayerRange(ranges[0].start, ranges[-1].stop, ranges[0].total)
-    last = readers[-1]
+    # The part whose vocabulary the merged shard keeps: the tail's, else a head's that runs on
+    # token ids (Family.token_layers), else the last part's (cut).
+    kept = [not _field_value(r.fields[SHARD_VOCAB_CUT_KEY]) for r in readers]
+    last = readers[-1] if kept[-1] or not (kept[0] and ranges[0].is_head) else readers[0]
     arch = str(_field_value(last.fields["general.architecture"]))
     cut = bool(_field_value(last.fields[SHARD_VOCAB_CUT_KEY]))
     tensors: list[tuple[str, np.ndarray[Any, Any], Any]] = []

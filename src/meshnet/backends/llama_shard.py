@@ -30,6 +30,7 @@ import numpy as np
 from meshnet.artifacts.shard_file import (
     embeddings_path,
     layer_flags,
+    layer_values,
     read_shard_range,
     recurrent_layers,
     write_shard,
@@ -39,7 +40,7 @@ from meshnet.backends.shard import F32, I32, KVFormat, SeamSpec, ShardBase, Shar
 from meshnet.errors import EngineError, InvalidRequest, StoreFull
 from meshnet.ids import SessionId
 from meshnet.layers import LayerRange
-from meshnet.models.families import family
+from meshnet.models.families import Family, family
 from meshnet.session.store import StoreLimits
 
 __all__ = ["SNAPSHOT_CELL_META_BYTES", "HeadEmbeddings", "LlamaShard", "LlamaShardConfig"]
@@ -132,28 +133,11 @@ class LlamaShard(ShardBase[int]):
         self._n_batch = cfg.n_batch
         self._tail = layers.is_tail
         self._token_input = layers.is_head and self._embed is None
-        self._out = np.empty((cfg.n_batch, self._n_embd), dtype=np.float32)
-        self._captured = 0
-        seams = family(self._meta("general.architecture"))
-        # The family's seam handling (models.families): past the head, the graph's own input scale
-        # is undone by overwriting its product with the inbound hidden state; a head that looks its
-        # embeddings up itself applies a scale llama.cpp gives token inputs only.
-        self._token_seam = seams.token_seam and not self._token_input
-        past_head = layers.start > 0
-        rescaled = seams.rescaled_input if past_head else None
-        rescaled = rescaled or (seams.input_name if self._token_seam else None)  # at the head: before any scale
-        self._overwrite = rescaled.encode() + b"\0" if rescaled else None
-        self._pending: np.ndarray[Any, Any] | None = None  # the rows of the running chunk
-        self._overwritten = 0
-        self._recurrent = seams.recurrent
-        self._checkpoints: dict[int, tuple[int, bytes]] = {}  # seq -> (position, recurrent state there)
-        self._head_scale: np.float32 | None = None
-        if seams.head_scale == "sqrt_n_embd" and self._embed is not None:
-            self._head_scale = np.sqrt(np.float32(self._n_embd))  # sqrtf(n_embd), as llama.cpp computes it
+        self._apply_family(family(self._meta("general.architecture")), layers, cfg.n_batch)
         self._ctx = self._create_context(cfg, n_layer - 1)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         by_token = self._token_input or self._token_seam
-        self._batch = llama_cpp.llama_batch_init(cfg.n_batch, 0 if by_token else self._n_embd, 1)
+        self._batch = llama_cpp.llama_batch_init(cfg.n_batch, 0 if by_token else self._width, 1)
         self._free_seqs = list(range(cfg.max_sessions - 1, -1, -1))
         self.info = self._describe(model_id or shard_path.name.removesuffix(".gguf"), layers, cfg)
         self._init_store(
@@ -165,6 +149,33 @@ class LlamaShard(ShardBase[int]):
                 idle_ttl_s=cfg.idle_ttl_s,
             )
         )
+
+    def _apply_family(self, seams: Family, layers: LayerRange, n_batch: int) -> None:
+        """The family's seam handling (``models.families``) for this shard's place in the route."""
+        # What crosses a seam per position: [streams, n_embd] (DeepSeek-V4's hyper-connections), else [n_embd].
+        self._streams = self._int_meta(f"{seams.arch}.{seams.streams}", 1) if seams.streams else 1
+        self._seam_shape = (self._streams, self._n_embd) if self._streams > 1 else (self._n_embd,)
+        self._width = self._streams * self._n_embd
+        self._out = np.empty((n_batch, self._width), dtype=np.float32)
+        self._captured = 0
+        self._layer_output = seams.layer_output
+        self._one_output_row = seams.rows_after_layers
+        # Past the head, the graph's own input scale is undone by overwriting its product with the
+        # inbound hidden state; a head that looks its embeddings up itself applies a scale llama.cpp
+        # gives token inputs only.
+        self._token_seam = seams.token_seam and not self._token_input
+        past_head = layers.start > 0
+        rescaled = seams.rescaled_input if past_head else None
+        rescaled = rescaled or (seams.input_name if self._token_seam else None)  # at the head: before any scale
+        self._overwrite = rescaled.encode() + b"\0" if rescaled else None
+        self._pending: np.ndarray[Any, Any] | None = None  # the rows of the running chunk
+        self._overwritten = 0
+        self._recurrent = seams.recurrent
+        self._rollback = seams.rollback
+        self._checkpoints: dict[int, tuple[int, bytes]] = {}  # seq -> (position, recurrent state there)
+        self._head_scale: np.float32 | None = None
+        if seams.head_scale == "sqrt_n_embd" and self._embed is not None:
+            self._head_scale = np.sqrt(np.float32(self._n_embd))  # sqrtf(n_embd), as llama.cpp computes it
 
     def _load_model(self, path: Path) -> Any:
         from llama_cpp._utils import suppress_stdout_stderr
@@ -197,6 +208,8 @@ class LlamaShard(ShardBase[int]):
         # Sliding-window layers keep every cell: a rewind (repair, rollback) needs the window
         # before the new end, which a pruned window cache may already have dropped.
         cparams.swa_full = True
+        # Compressor states (DeepSeek-V4) roll back from per-position snapshots kept this deep.
+        cparams.n_rs_seq = self._rollback
         if not self._tail or self._overwrite is not None:
             self._callback = ll.ggml_backend_sched_eval_callback(self._make_callback(last_layer))
             cparams.cb_eval = self._callback
@@ -218,7 +231,7 @@ class LlamaShard(ShardBase[int]):
             architecture=self._meta("general.architecture"),
             backend="llama.cpp",
             layers=layers,
-            seam=SeamSpec((self._n_embd,)),
+            seam=SeamSpec(self._seam_shape),
             n_vocab=self._embed.n_vocab if self._embed is not None else self._n_vocab,
             max_positions=cfg.positions_per_session,
             weight_bytes=weight_bytes,
@@ -276,7 +289,7 @@ class LlamaShard(ShardBase[int]):
             else:
                 if self._captured != end - begin:
                     raise EngineError(f"captured {self._captured} hidden rows, expected {end - begin}")
-                outputs.append(self._out[: end - begin].copy())
+                outputs.append(self._out[: end - begin].reshape(end - begin, *self._seam_shape).copy())
         if self._tail:
             return ShardOutput(logits=logits)
         return ShardOutput(hidden=outputs[0] if len(outputs) == 1 else np.concatenate(outputs))
@@ -302,21 +315,21 @@ class LlamaShard(ShardBase[int]):
         for i in range(n):
             batch.seq_id[i][0] = seq
         flags = np.ctypeslib.as_array(batch.logits, shape=(n,))
-        if self._tail:
+        if self._tail or self._one_output_row:
             flags[:] = 0
             flags[n - 1] = 1
         else:
             flags[:] = 1  # every row is an output, or llama.cpp drops rows in the last layer
 
     def _make_callback(self, last_layer: int) -> Any:
-        """The eval callback: copies ``l_out-{last}`` out (non-tail shards) and overwrites the
+        """The eval callback: copies the last layer's output out (non-tail shards) and overwrites the
         family's rescaled input with the inbound rows (non-head shards of such a family)."""
-        target = f"l_out-{last_layer}".encode() + b"\0" if not self._tail else None
+        target = f"{self._layer_output}-{last_layer}".encode() + b"\0" if not self._tail else None
         overwrite = self._overwrite
         # Runs for every node of every graph: read only as many name bytes as the longest target.
         width = max(len(t) for t in (target, overwrite) if t is not None)
         get, put = _tensor_get(self._ll), _tensor_set(self._ll)
-        out, n_embd = self._out, self._n_embd
+        out, n_embd, row = self._out, self._n_embd, self._width
 
         def callback(tensor: int, ask: bool, _: Any) -> bool:
             name = ctypes.string_at(tensor + _NAME_OFFSET, width)
@@ -326,17 +339,19 @@ class LlamaShard(ShardBase[int]):
                 return not ask  # not ours: do not ask for it (and never abort a running graph)
             if ask:
                 return True
-            ne0 = ctypes.c_int64.from_address(tensor + _NE_OFFSET).value
-            ne1 = ctypes.c_int64.from_address(tensor + _NE_OFFSET + 8).value
+            ne = [ctypes.c_int64.from_address(tensor + _NE_OFFSET + 8 * i).value for i in range(4)]
+            elements = ne[0] * ne[1] * ne[2] * ne[3]
             if rescaled:
                 rows = self._pending
-                if rows is None or ne0 != n_embd or ne1 != rows.shape[0]:
+                if rows is None or ne[0] != n_embd or elements != rows.size:
                     return False  # abort the graph: llama_decode fails, nothing wrong is computed
                 put(tensor, rows.ctypes.data, 0, rows.nbytes)
                 self._overwritten += 1
                 return True
-            get(tensor, out.ctypes.data, 0, ne0 * ne1 * 4)
-            self._captured = int(ne1)
+            if ne[0] != n_embd or elements % row or elements > out.size:
+                return False
+            get(tensor, out.ctypes.data, 0, elements * 4)
+            self._captured = elements // row
             return True
 
         return callback
@@ -367,6 +382,11 @@ class LlamaShard(ShardBase[int]):
             if int(ll.llama_state_seq_set_data_ext(self._ctx, buf, len(saved[1]), state, flags)) == 0:
                 raise EngineError("llama.cpp rejected the recurrent-state checkpoint")
         if not ll.llama_memory_seq_rm(self._mem, state, position, -1):
+            if self._rollback:
+                raise EngineError(
+                    f"this shard's layers keep compressor states that llama.cpp rolls back at most {self._rollback} "
+                    f"positions, once per step; cannot rewind to position {position}. Start a new session"
+                )
             raise EngineError(f"llama.cpp could not drop positions >= {position} of sequence {state}")
 
     def _partial_state(self, state: int) -> bytes:
@@ -409,6 +429,8 @@ class LlamaShard(ShardBase[int]):
         recurrent states): GQA layers hold K and V per token; MLA layers one compressed latent plus
         the rope key (V is a view of it); linear-attention layers a fixed-size state per session."""
         arch = self._meta("general.architecture")
+        if family(arch).range_kinds is not None:
+            return self._compressed_kv_format(arch, n_layer)
         n_head = self._int_meta(f"{arch}.attention.head_count")
         n_head_kv = self._int_meta(f"{arch}.attention.head_count_kv", n_head)
         head_k = self._int_meta(f"{arch}.attention.key_length", self._n_embd // max(n_head, 1))
@@ -449,6 +471,40 @@ class LlamaShard(ShardBase[int]):
             fixed_bytes=fixed,
             per_layer_bytes_per_token=tuple(per_layer),
             formula=formula,
+        )
+
+    def _compressed_kv_format(self, arch: str, n_layer: int) -> KVFormat:
+        """DeepSeek-V4 as llama.cpp stores it: every layer keeps raw K (= V) per token; CSA layers
+        (ratio 4) add one compressed K and one indexer key per 4 tokens, HCA layers (ratio 128) one
+        compressed K per 128; each compressing layer keeps f32 compressor states (K and score) per
+        session, with ``rollback`` snapshots of them."""
+        head = self._int_meta(f"{arch}.attention.key_length")
+        index = self._int_meta(f"{arch}.attention.indexer.key_length")
+        ratios = layer_values(self._path, f"{arch}.attention.compress_ratios", n_layer, default=0)
+        planes = 1 + self._rollback
+        per_layer, fixed = [], 0
+        for ratio in ratios:
+            raw = head * _KV_CACHE_BYTES
+            if ratio == 4:  # overlapping windows: states of 2 x ratio rows, twice as wide
+                per_layer.append(raw + -(-(head + index) * _KV_CACHE_BYTES // ratio))
+                fixed += 2 * (2 * ratio) * (2 * head + 2 * index) * _STATE_BYTES * planes
+            elif ratio:
+                per_layer.append(raw + -(-head * _KV_CACHE_BYTES // ratio))
+                fixed += 2 * ratio * head * _STATE_BYTES * planes
+            else:
+                per_layer.append(raw)
+        return KVFormat(
+            kind="compressed",
+            dtype="f16",
+            bytes_per_token=sum(per_layer),
+            fixed_bytes=fixed,
+            per_layer_bytes_per_token=tuple(per_layer),
+            formula=(
+                "per layer: key_length * 2 bytes (raw f16 K, V = K); CSA layers (ratio 4) + (key_length + "
+                "indexer key_length) * 2 / 4; HCA layers (ratio 128) + key_length * 2 / 128 (rounded up). Per "
+                "session: f32 compressor K and score states, CSA 8 x 2(key_length + indexer key_length), HCA "
+                f"128 x key_length, each with {self._rollback} rollback snapshots"
+            ),
         )
 
     def _recurrent_layers(self, arch: str, n_layer: int) -> list[bool]:

@@ -68,6 +68,21 @@ class Family:
       to cross the seam).
     - ``cut_multiple``: llama.cpp picks a per-layer behaviour by the layer index modulo this (e.g.
       which layers skip rope); ranges must start at a multiple of it.
+    - ``layer_output``: the graph's name for a layer's output; a non-tail shard sends its last
+      layer's. ``rows_after_layers``: the graph picks its output rows after the last layer (not in
+      it), so a non-tail shard asks llama.cpp for one output row and still captures every row.
+    - ``streams``: metadata key of the number of residual streams the seam carries (DeepSeek-V4's
+      hyper-connections: the seam is ``[streams, n_embd]`` per position).
+    - ``token_layers``: metadata key counting the model's first N layers that read token ids inside
+      them (DeepSeek-V4's hash-routed MoE); made relative to the range. llama.cpp looks the ids up
+      in tables as wide as the vocabulary, so those layers stay on the head, which keeps its
+      vocabulary and runs on token ids: ranges past the head start at layer N or later.
+    - ``range_kinds``: ``(key, values)``: a per-layer metadata array every range must hold each of
+      ``values`` in (llama.cpp builds one cache per kind and fails on an empty one). Ranges open
+      only where the two layers before the cut and the two from it hold every kind, so any range
+      of two or more layers holds them all.
+    - ``rollback``: the layers keep compressor states that llama.cpp rolls back from per-position
+      snapshots (``n_rs_seq``): a rewind reaches at most this many positions back, once per step.
     - ``unsplittable_layer_counts``: whole-model layer counts for which llama.cpp picks a
       hyperparameter by the file's layer count; a shard of such a model would compute another
       model, so cutting one is refused.
@@ -88,6 +103,12 @@ class Family:
     leading_layer_keys: tuple[str, ...] = ()
     cut_multiple: int = 1
     start_flags: str | None = None
+    layer_output: str = "l_out"
+    rows_after_layers: bool = False
+    streams: str | None = None
+    token_layers: str | None = None
+    range_kinds: tuple[str, tuple[int, ...]] | None = None
+    rollback: int = 0
     hf_types: tuple[str, ...] = ()  # transformers model_type(s) of the family (PyTorch nodes load those)
     unsplittable_layer_counts: Mapping[int, str] = field(default_factory=dict)
 
@@ -202,12 +223,22 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "deepseek4",
-            False,
             True,
-            "PyTorch route certified: token-identical over node processes, the token ids travelling beside the "
-            "[hc_mult, hidden] seam (tests/integration/test_torch_seed_routes.py). llama.cpp route refused: its "
-            "shard graph takes neither a hc_mult x hidden inbound stream nor token ids beside it (hash-routed MoE "
-            "layers), and its converter needs the native checkpoint layout (no tiny model yet)",
+            True,
+            _CERTIFIED + " (DeepSeek-V4: hc_mult residual streams cross each seam; placeholder token rows replaced "
+            "by them; the hash-routed layers, which read token ids, stay on the head; every range holds a CSA and an "
+            "HCA layer; rewinds reach 8 positions back (llama.cpp's compressor-state snapshots). PyTorch route: "
+            "token-identical over node processes, the token ids travelling beside the [hc_mult, hidden] seam "
+            "(tests/integration/test_torch_seed_routes.py)",
+            token_seam=True,
+            input_name="hc_init",
+            layer_output="l_last",
+            rows_after_layers=True,
+            streams="hyper_connection.count",
+            token_layers="hash_layer_count",
+            leading_layer_keys=("hash_layer_count",),
+            range_kinds=("attention.compress_ratios", (4, 128)),
+            rollback=8,
             hf_types=("deepseek_v4",),
         ),
         Family(
