@@ -4,7 +4,9 @@ The single-node server and the tail node of a route sample with this same code, 
 request gives the same tokens whichever way it is served. A seeded draw depends only on the seed
 and the position of the token it picks (not on how many draws came before), so a route repair
 that moves sampling to a new tail — a new ``Sampler`` — continues with exactly the tokens the old
-tail would have drawn.
+tail would have drawn. ``logit_bias`` (OpenAI's: added to the logits of the named token ids, -100
+bans a token, 100 all but forces it) is part of the parameters every tail receives, so it
+survives a repair too.
 """
 
 from __future__ import annotations
@@ -21,14 +23,25 @@ Logits = npt.NDArray[np.float32]
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """``temperature == 0`` means greedy (argmax, deterministic); ``top_k == 0`` disables top-k."""
+    """``temperature == 0`` means greedy (argmax, deterministic); ``top_k == 0`` disables top-k;
+    ``logit_bias``: ``(token id, bias)`` pairs added to the logits before any choice."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        # JSON gives lists: keep an immutable, hashable, validated form
+        try:
+            bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must be (token id, bias) pairs, got {self.logit_bias!r}") from None
+        object.__setattr__(self, "logit_bias", bias)
+        for token, value in bias:
+            if token < 0 or not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases within [-100, 100], got {token}: {value}")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be within [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -53,8 +66,18 @@ class Sampler:
     def sample(self, logits: Logits, position: int | None = None) -> tuple[int, float]:
         """Return ``(token_id, logprob)`` for the token at ``position``; the logprob is the model's (before
         temperature). A seeded draw at a known position is a function of the seed and the position alone."""
-        token = self._choose(logits, position)
+        token = self._choose(self._biased(logits), position)
         return token, _logprob(logits, token)
+
+    def _biased(self, logits: Logits) -> Logits:
+        if not self.params.logit_bias:
+            return logits
+        biased = logits.copy()
+        for token, value in self.params.logit_bias:
+            if token >= biased.shape[0]:
+                raise ValueError(f"logit_bias names token {token}, outside the vocabulary of {biased.shape[0]}")
+            biased[token] += np.float32(value)
+        return biased
 
     def _choose(self, logits: Logits, position: int | None) -> int:
         p = self.params

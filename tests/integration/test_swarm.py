@@ -123,3 +123,37 @@ def test_ctrl_c_stops_every_process_of_the_swarm(tmp_path: Path) -> None:
     assert len(logs) == 4 and all("listening on" in text for text in logs.values())
     noisy = {name: text[-1500:] for name, text in logs.items() if "Traceback" in text}
     assert not noisy, noisy  # a clean stop, not a KeyboardInterrupt traceback in every child's log
+
+
+def test_logit_bias_steers_the_route_as_it_steers_serve(swarm: Proc, server: Proc, model_id: str) -> None:
+    """OpenAI's logit_bias through the official client: banning the greedy answer's first token
+    changes the text, the same way on the route (applied by its tail) as on ``meshnet serve``; an id
+    outside the vocabulary is a 400 naming the parameter."""
+    from meshnet.artifacts.bundled import bundled_gguf
+    from meshnet.backends.llama_vocab import LlamaVocab
+
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    texts: dict[str, tuple[str, str]] = {}
+    vocab = LlamaVocab(bundled_gguf())
+    try:
+        for name, url in (("route", swarm.url), ("serve", server.url)):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
+            plain = client.chat.completions.create(
+                model=model_id, messages=messages, temperature=0, max_tokens=N_TOKENS
+            )
+            plain_text = plain.choices[0].message.content or ""
+            first = vocab.tokenize(plain_text, add_special=False)[0]
+            steered = client.chat.completions.create(
+                model=model_id, messages=messages, temperature=0, max_tokens=N_TOKENS, logit_bias={str(first): -100}
+            )
+            text = steered.choices[0].message.content or ""
+            assert text and text != plain_text and vocab.tokenize(text, add_special=False)[0] != first
+            texts[name] = (plain_text, text)
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(
+                    model=model_id, messages=messages, max_tokens=4, logit_bias={"9999999": 5}
+                )
+            assert "logit_bias" in str(err.value)
+    finally:
+        vocab.close()
+    assert texts["route"] == texts["serve"]

@@ -124,7 +124,8 @@ def test_non_object_body(raw):
         ({"function_call": "auto"}, "function_call"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-        ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"logit_bias": {"x": 5}}, "logit_bias"),
+        ({"logit_bias": {"42": 101}}, "logit_bias"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"content": "hi"}]}, "messages.0.role"),
@@ -154,7 +155,7 @@ def test_missing_messages_and_model():
         ({"echo": True}, "echo"),
         ({"logprobs": 2}, "logprobs"),
         ({"suffix": "x"}, "suffix"),
-        ({"logit_bias": {"42": -100}}, "logit_bias"),
+        ({"logit_bias": {"42": -100.5}}, "logit_bias"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
@@ -190,3 +191,9 @@ def test_the_neutral_values_of_unsupported_parameters_are_accepted():
         ChatCompletionRequest,
     )
     req.check_supported()
+
+
+def test_logit_bias_becomes_sorted_sampling_pairs():
+    req = parse_body(_chat(logit_bias={"7": -100, " 3": 2.5}), ChatCompletionRequest)
+    req.check_supported()
+    assert req.sampling.logit_bias == ((3, 2.5), (7, -100.0))

@@ -180,3 +180,27 @@ def test_a_seeded_draw_depends_on_the_seed_and_position_only():
     assert len(set(drawn)) > 10  # still random across positions
     other = Sampler(SamplingParams(temperature=1.0, seed=8))
     assert [other.sample(logits, position=p)[0] for p in range(100, 140)] != drawn
+
+
+def test_logit_bias_bans_and_forces_tokens_but_logprob_stays_the_models():
+    logits = _logits(3)
+    best = int(np.argmax(logits))
+    worst = int(np.argmin(logits))
+    banned = Sampler(SamplingParams(temperature=0.0, logit_bias=((best, -100.0),)))
+    token, logprob = banned.sample(logits)
+    assert token == int(np.argsort(logits)[-2])  # the runner-up
+    assert logprob == pytest.approx(_log_softmax64(logits)[token], abs=1e-5)
+    forced = Sampler(SamplingParams(temperature=1.0, seed=5, logit_bias=[[worst, 100]]))  # JSON gives lists
+    assert all(forced.sample(logits, position=p)[0] == worst for p in range(20))
+    assert forced.params.logit_bias == ((worst, 100.0),)
+
+
+@pytest.mark.parametrize("bias", [((1, 101.0),), ((-1, 1.0),), (("x", 1.0),), ((1,),)])
+def test_bad_logit_bias_is_refused(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_outside_the_vocabulary_is_an_error():
+    with pytest.raises(ValueError, match="outside the vocabulary of 64"):
+        Sampler(SamplingParams(logit_bias=((64, 1.0),))).sample(_logits())

@@ -227,9 +227,16 @@ def _gen_request(
             f"lower max_tokens to at most {cap - n}",
             param="max_tokens",
         )
+    sampling = body.sampling
+    outside = [t for t, _ in sampling.logit_bias if t >= engine.info.n_vocab]
+    if outside:
+        raise InvalidRequest(
+            f"logit_bias names token ids outside the vocabulary [0, {engine.info.n_vocab}): {outside[:5]}",
+            param="logit_bias",
+        )
     return GenerationRequest(
         prompt_tokens=tuple(tokens),
-        sampling=body.sampling,
+        sampling=sampling,
         max_tokens=limit if limit is not None else cap - n,
         stop=body.stop_sequences,
     )

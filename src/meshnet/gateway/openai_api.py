@@ -46,9 +46,10 @@ class _GenerationParams(_Strict):
     n: int = Field(1, ge=1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # OpenAI's: token id (a string) -> bias in [-100, 100], added to that token's logit
+    logit_bias: dict[str, float] | None = None
     # Accepted by OpenAI, not served here yet: a request that sets them is refused, never answered
     # as if they had been honoured (the text would silently not be what the client asked for).
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, object] | None = None
 
     @field_validator("stop")
@@ -64,8 +65,12 @@ class _GenerationParams(_Strict):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
                 raise InvalidRequest(f"{name} is not supported yet; leave it at 0", param=name)
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported yet; leave it out", param="logit_bias")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise InvalidRequest(f"logit_bias keys are token ids (digit strings), got {key!r}", param="logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise InvalidRequest(f"logit_bias values lie within [-100, 100], got {value} for token {key}",
+                                     param="logit_bias")  # fmt: skip
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             kind = self.response_format.get("type")
             raise InvalidRequest(
@@ -82,7 +87,10 @@ class _GenerationParams(_Strict):
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+        bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, logit_bias=bias
+        )
 
     @property
     def include_usage(self) -> bool:
