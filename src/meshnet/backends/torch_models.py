@@ -133,14 +133,7 @@ class Arch:
 
     def run(self, m: ShardModules, x: torch.Tensor, pos: torch.Tensor, cache: Any, ids: Any) -> torch.Tensor:
         # x: [1, n, hidden]; pos: [1, n] absolute positions
-        mask = create_causal_mask(
-            config=m.config,
-            inputs_embeds=x,
-            attention_mask=None,
-            cache=cache,
-            position_ids=pos,
-            layer_idx=m.range.start,
-        )
+        mask = _causal_mask(m, x, pos, cache, m.range.start)
         rope = m.rotary(x, position_ids=pos)
         for block in m.blocks:
             x = block(
@@ -190,14 +183,7 @@ class Qwen35MoeArch(Arch):
         mine = [types[i] for i in range(m.range.start, m.range.stop)]
         masks: dict[str, Any] = {"linear_attention": create_recurrent_attention_mask(m.config, x, None, cache)}
         if "full_attention" in mine:
-            masks["full_attention"] = create_causal_mask(
-                config=m.config,
-                inputs_embeds=x,
-                attention_mask=None,
-                cache=cache,
-                position_ids=pos,
-                layer_idx=m.range.start + mine.index("full_attention"),
-            )
+            masks["full_attention"] = _causal_mask(m, x, pos, cache, m.range.start + mine.index("full_attention"))
         rope = m.rotary(x, pos[None].expand(3, -1, -1))
         for block, kind in zip(m.blocks, mine, strict=True):
             x = block(
@@ -340,15 +326,7 @@ class GlmMoeDsaArch(Arch):
             )
 
     def run(self, m: ShardModules, x: torch.Tensor, pos: torch.Tensor, cache: Any, ids: Any) -> torch.Tensor:
-        mask = create_causal_mask(
-            config=m.config,
-            inputs_embeds=x,
-            attention_mask=None,
-            cache=cache,
-            position_ids=pos,
-            layer_idx=m.range.start,
-            allow_is_causal_skip=False,
-        )
+        mask = _causal_mask(m, x, pos, cache, m.range.start, allow_is_causal_skip=False)
         rope = m.rotary(x, position_ids=pos)
         topk = None
         for block in m.blocks:
@@ -385,6 +363,19 @@ def _window_copies(kind: str) -> int:
     """DeepSeek-V4 attends with K == V: the compressed layers' cache stores the window once, the
     plain sliding layers (transformers' ``DynamicSlidingWindowLayer``) store it as K and V."""
     return 2 if kind == "sliding_attention" else 1
+
+
+def _causal_mask(m: ShardModules, x: torch.Tensor, pos: torch.Tensor, cache: Any, layer: int, **extra: Any) -> Any:
+    """transformers' causal mask for the shard's input at absolute positions ``pos``, as layer ``layer`` sees it."""
+    return create_causal_mask(
+        config=m.config,
+        inputs_embeds=x,
+        attention_mask=None,
+        cache=cache,
+        position_ids=pos,
+        layer_idx=layer,
+        **extra,
+    )
 
 
 ARCHITECTURES: dict[str, Arch] = {a.name: a for a in (Arch(), Qwen35MoeArch(), DeepseekV4Arch(), GlmMoeDsaArch())}
