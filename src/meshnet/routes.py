@@ -29,6 +29,7 @@ class Hop:
     node: str
     url: str
     layers: LayerRange
+    max_verify: int = 0  # drafted positions one verify chunk may add on this hop (speculative decoding)
 
     def as_json(self) -> dict[str, str]:
         return {"node": self.node, "url": self.url, "layers": str(self.layers)}

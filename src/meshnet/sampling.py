@@ -7,10 +7,19 @@ that moves sampling to a new tail — a new ``Sampler`` — continues with exact
 tail would have drawn. ``logit_bias`` (OpenAI's: added to the logits of the named token ids, -100
 bans a token, 100 all but forces it) is part of the parameters every tail receives, so it
 survives a repair too.
+
+Speculative decoding (``Sampler.verify``): the tail gets the logits of a drafted chunk and keeps
+the longest prefix of the drafts the model agrees with, plus one token of its own. Greedy keeps a
+draft when it is the argmax, so the text is exactly the text without drafts. Sampled decoding uses
+speculative sampling's acceptance rule for a deterministic drafter (the draft distribution puts all
+mass on the drafted token): keep draft ``d`` with probability ``p(d)``; on a rejection draw from
+``p`` with ``d`` removed. Every kept token is then distributed exactly as ``p`` (the distribution
+``sample`` draws from), so speculation never changes what the user samples from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +78,44 @@ class Sampler:
         token = self._choose(self._biased(logits), position)
         return token, _logprob(logits, token)
 
+    def verify(self, logits: Logits, drafts: Sequence[int], position: int) -> tuple[list[int], list[float]]:
+        """Check ``drafts`` (proposed tokens for positions ``position``, ``position + 1``, ...) against
+        ``logits`` (row ``i``: the distribution of the token at ``position + i``; one row more than
+        drafts). Returns the kept drafts followed by one token the model chose, with their logprobs."""
+        if logits.ndim != 2 or logits.shape[0] != len(drafts) + 1:
+            want = len(drafts) + 1
+            raise ValueError(f"verifying {len(drafts)} drafts needs {want} rows of logits, got {logits.shape}")
+        tokens: list[int] = []
+        for i, row in enumerate(logits):
+            draft = drafts[i] if i < len(drafts) else None
+            token = self._check(self._biased(row), draft, position + i)
+            tokens.append(token)
+            if token != draft:
+                break
+        return tokens, [_logprob(logits[i], t) for i, t in enumerate(tokens)]
+
+    def _check(self, logits: Logits, draft: int | None, position: int) -> int:
+        """The token at ``position``: ``draft`` if kept (greedy: it is the argmax; sampled: with
+        probability p(draft)), else a draw from the target distribution without it."""
+        if self.params.greedy or draft is None:
+            return self._choose(logits, position)
+        candidates, probs = self._distribution(logits)
+        where = np.flatnonzero(candidates == draft)
+        p_draft = float(probs[where[0]]) if where.size else 0.0
+        if self._rng_for(position, 1).random() < p_draft:
+            return draft
+        rest = probs.copy()
+        rest[where] = 0.0  # p(draft) < 1 here, so some mass is left
+        rest /= rest.sum()
+        return int(candidates[self._rng_for(position, 2).choice(rest.shape[0], p=rest)])
+
+    def _rng_for(self, position: int | None, stream: int = 0) -> np.random.Generator:
+        """A seeded draw is a function of the seed, the position and what it is for (``stream``)."""
+        p = self.params
+        if p.seed is None or position is None:
+            return self._rng
+        return np.random.default_rng([p.seed, position] if stream == 0 else [p.seed, position, stream])
+
     def _biased(self, logits: Logits) -> Logits:
         if not self.params.logit_bias:
             return logits
@@ -80,9 +127,14 @@ class Sampler:
         return biased
 
     def _choose(self, logits: Logits, position: int | None) -> int:
-        p = self.params
-        if p.greedy:
+        if self.params.greedy:
             return int(np.argmax(logits))
+        candidates, probs = self._distribution(logits)
+        return int(candidates[self._rng_for(position).choice(probs.shape[0], p=probs)])
+
+    def _distribution(self, logits: Logits) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+        """The candidate tokens and their probabilities after temperature, top-k and top-p."""
+        p = self.params
         candidates = np.arange(logits.shape[0])
         values = logits.astype(np.float64)
         if 0 < p.top_k < values.shape[0]:
@@ -96,8 +148,7 @@ class Sampler:
             # Keep the smallest prefix whose mass reaches top_p (always at least one token).
             cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
             candidates, probs = candidates[:cut], probs[:cut] / probs[:cut].sum()
-        rng = self._rng if p.seed is None or position is None else np.random.default_rng([p.seed, position])
-        return int(candidates[rng.choice(probs.shape[0], p=probs)])
+        return candidates, probs
 
 
 def _logprob(logits: Logits, token: int) -> float:

@@ -24,7 +24,15 @@ from meshnet.errors import EngineError, InvalidRequest
 from meshnet.ids import new_session_id
 from meshnet.models.families import FAMILIES
 from tests.certify.convert import TinyModel, gguf_for
-from tests.certify.parity import CONFIG, compare, prompt_for, rewind_replays_exactly, route, transformers_gap
+from tests.certify.parity import (
+    CONFIG,
+    compare,
+    prompt_for,
+    rewind_replays_exactly,
+    route,
+    transformers_gap,
+    verify_matches_decoding,
+)
 
 pytestmark = pytest.mark.real
 
@@ -234,6 +242,13 @@ def test_a_certified_family_splits_bit_identically(arch: str, shard_cache: Path)
     # Route repair rewinds a hop by a step and resends it: the same bits again (a recurrent state
     # is restored from its checkpoint, not truncated).
     assert rewind_replays_exactly(gguf, cuts[-1], shard_cache)
+    # Speculative decoding: where the shards take verify chunks, a chunk of drafts computes what
+    # one-position steps do, and dropping the rejected drafts leaves the KV of a run that never drafted.
+    whole = LlamaShard(gguf, config=CONFIG)
+    verifies = whole.info.max_verify > 0
+    whole.close()
+    if verifies:
+        assert verify_matches_decoding(gguf, cuts[-1], shard_cache)
     # The whole GGUF against transformers on the same weights: a converter or kernel difference
     # would show here, not be mistaken for (or hidden by) a split bug.
     if arch in GAP_MODEL:

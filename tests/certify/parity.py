@@ -49,8 +49,11 @@ class _SeamShard:
     def __getattr__(self, name: str) -> object:
         return getattr(self._shard, name)
 
-    def prefill(self, sid: object, start: int, *, tokens: object = None, hidden: F32 | None = None) -> object:
-        return self._shard.prefill(sid, start, tokens=tokens, hidden=None if hidden is None else self._seam(hidden))  # type: ignore[arg-type]
+    def prefill(
+        self, sid: object, start: int, *, tokens: object = None, hidden: F32 | None = None, all_logits: bool = False
+    ) -> object:
+        seamed = None if hidden is None else self._seam(hidden)
+        return self._shard.prefill(sid, start, tokens=tokens, hidden=seamed, all_logits=all_logits)  # type: ignore[arg-type]
 
 
 Run = tuple[list[int], list[F32]]  # greedy tokens, and the logits each was picked from
@@ -156,6 +159,43 @@ def rewind_replays_exactly(gguf: Path, cuts: Sequence[int], cache: Path) -> bool
         again = session.step(token)
         session.close()
         return bool(np.array_equal(first, again))
+    finally:
+        for shard in shards:
+            shard.close()
+
+
+def verify_matches_decoding(gguf: Path, cuts: Sequence[int], cache: Path, drafts: int = 6) -> bool:
+    """Speculative decoding on a route: a verify chunk of ``drafts + 1`` positions gives every row
+    the bits one-position steps give, and after dropping the rejected rows the session decodes
+    exactly as one that never drafted (its KV is the same)."""
+    whole = LlamaShard(gguf, config=CONFIG)
+    try:
+        total, n_vocab = whole.info.layers.total, whole.info.n_vocab
+    finally:
+        whole.close()
+    shards = route(gguf, cuts, total, cache)
+    try:
+        plain, spec = ChainSession(shards), ChainSession(shards)
+        prompt = prompt_for(n_vocab)
+        logits = plain.prefill(prompt, 7)
+        spec.prefill(prompt, 7)
+        tokens, rows = [], []
+        for _ in range(drafts + 4):
+            tokens.append(int(np.argmax(logits)))
+            rows.append(logits)
+            logits = plain.step(tokens[-1])
+        rows.append(logits)
+        # the first ``drafts - 2`` drafts are right, the rest wrong: keep those, drop the others
+        kept = drafts - 2
+        wrong = [(t + 1) % n_vocab for t in tokens[kept + 1 : drafts + 1]]
+        verified = spec.verify([*tokens[: kept + 1], *wrong])
+        same_rows = all(np.array_equal(verified[i], rows[i + 1]) for i in range(kept + 1))
+        spec.rewind(len(prompt) + kept + 1)
+        again = [spec.step(t) for t in tokens[kept + 1 :]]
+        same_after = all(np.array_equal(a, b) for a, b in zip(again, rows[kept + 2 :], strict=True))
+        plain.close()
+        spec.close()
+        return same_rows and same_after
     finally:
         for shard in shards:
             shard.close()

@@ -50,6 +50,7 @@ def post(
     extra: dict[str, str] | None = None,
     body: bytes | None = None,
     sample: bool = True,
+    drafts: list[int] | None = None,
 ) -> httpx.Response:
     frame = encode_tensor(values, dtype)
     headers = {
@@ -70,6 +71,9 @@ def post(
     else:
         headers["X-Meshnet-Position"] = str(position)
         path = "decode-step"
+        if drafts is not None:
+            headers["X-Meshnet-Draft"] = ",".join(map(str, drafts))
+            path = "verify"
     headers.update(extra or {})
     return httpx.post(f"{node.url}/v1/sessions/{sid}/{path}", content=body if body is not None else frame.body,
                       headers=headers, timeout=60)  # fmt: skip
@@ -309,3 +313,33 @@ def test_a_chunk_list_splits_one_request_into_compute_calls(middle: Proc, tail: 
     assert [h["input_digest"] for h in hops(whole)] != [d for _, d in want]
     for sid in ("ctl-split", "split", "whole"):
         assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200
+
+
+def test_a_verify_chunk_keeps_the_accepted_drafts_and_leaves_the_kv_of_plain_decoding(middle: Proc, tail: Proc) -> None:
+    control = run_session(middle, tail, "ctl-verify", 4)  # steps at 6..9 from activations 100..103
+    httpx.delete(f"{middle.url}/v1/sessions/ctl-verify", timeout=30)
+    assert httpx.get(f"{tail.url}/v1/health", timeout=10).json()["max_verify"] >= 3
+    sid = "verified"
+    post(middle, sid, activations(6, 1), start=0, tail_url=tail.url)
+    chunk = np.concatenate([activations(1, 100 + i) for i in range(4)], axis=1)
+    wrong = (control[3] + 1) % 1000
+    # bad verify requests: clear 400s, the session untouched
+    error(post(middle, sid, chunk, position=6, drafts=[]), 400, "X-Meshnet-Draft")
+    error(post(middle, sid, chunk, position=6, drafts=[1, 2, 3, 4]), 400, "shape 1,5,576")
+    error(post(middle, sid, activations(1, 5), position=6, drafts=list(range(9))), 400, "at most 8")
+    error(post(middle, sid, chunk, position=6, drafts=[1, 2, 3], extra={"X-Meshnet-Replay": "1"}), 400, "replayed")
+    # the tail's own tokens for positions 7 and 8 are control[1] and control[2]: both kept, the
+    # wrong third draft is replaced by the tail's token, and position 9 (the wrong draft's) dropped
+    r = post(middle, sid, chunk, position=6, drafts=[control[1], control[2], wrong])
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["tokens"] == control[1:4] and (answer["drafted"], answer["accepted"]) == (3, 2)
+    assert answer["position"] == 9 and len(answer["logprobs"]) == 3
+    assert [h["held"] for h in answer["hops"]] == [9, 9]
+    # from here the session decodes exactly as one that never drafted
+    step = post(middle, sid, activations(1, 103), position=9)
+    assert step.status_code == 200 and step.json()["token"] == control[4]
+    for node in (middle, tail):
+        health = httpx.get(f"{node.url}/v1/health", timeout=10).json()
+        assert health["kv_bytes_used"] == 10 * health["kv_bytes_per_token"]
+    assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200

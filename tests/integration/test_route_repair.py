@@ -1,6 +1,6 @@
 """kill -9 of a serving node, mid-decode and mid-prefill: the stream completes with the same greedy text.
 
-A swarm with two candidates for every range. Mid-decode the middle dies: route repair rebuilds
+A swarm with two or more candidates for every range. Mid-decode the middle dies: route repair rebuilds
 the other middle from the head's seam log and generation goes on; the head dies: the gateway
 rebuilds the other head from the token ids. Mid-prefill the tail dies: a fresh route without it
 prefills from scratch. The official
@@ -30,6 +30,7 @@ pytestmark = pytest.mark.real
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PROMPT = "The three most useful things to know about the moon are"
+COPY_PROMPT = "The quick brown fox jumps over the lazy dog while the moon rises over the quiet hills.\n" * 3
 LONG_PROMPT = "Summarize: " + " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(60))
 
 
@@ -52,7 +53,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "4",
         ]
         layout = [("head-a", "0:10"), ("head-b", "0:10"), ("mid-a", "10:20"), ("mid-b", "10:20"),
-                  ("tail-a", "20:30"), ("tail-b", "20:30"), ("tail-c", "20:30")]  # fmt: skip
+                  ("mid-c", "10:20"), ("tail-a", "20:30"), ("tail-b", "20:30"), ("tail-c", "20:30")]  # fmt: skip
         nodes = {
             name: stack.enter_context(meshnet_process(["node", "--layers", layers, "--node-id", name, *args]))
             for name, layers in layout
@@ -120,6 +121,28 @@ def test_kill_9_of_the_middle_mid_decode_is_repaired_with_identical_text(swarm: 
     assert killed[0] not in {n["node"] for n in retry["nodes"]}
     snapshot = httpx.get(f"{gateway.url}/v1/generations/gen-repair-decode", timeout=10).json()
     assert snapshot["phase"] == "completed" and snapshot["retries"] == 1
+
+
+def test_kill_9_of_the_middle_during_speculative_decoding_is_repaired_with_identical_text(
+    swarm: dict[str, Any],
+) -> None:
+    """The gateway drafts (``--speculative ngram``, the default) on a copy-heavy prompt; the middle
+    dies under a verify chunk: every hop drops the chunk's drafts, the step is resent without them
+    through the repaired route, drafting goes on, and the text is the unbroken run's."""
+    gateway = swarm["gateway"]
+    expected = stream(gateway, COPY_PROMPT, "gen-spec-baseline", 48)
+    killed: list[str] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 6 and not killed:
+            killed.append(serving(gateway, "gen-spec-repair", "10:20"))
+            kill(swarm, killed[0])
+
+    assert stream(gateway, COPY_PROMPT, "gen-spec-repair", 48, on_chunk) == expected
+    retries = [e for e in events(gateway, "gen-spec-repair") if e["type"] == "route.retry"]
+    assert len(retries) == 1 and retries[0]["kind"] == "repair" and retries[0]["failed_node"] == killed[0]
+    snapshot = httpx.get(f"{gateway.url}/v1/generations/gen-spec-repair", timeout=10).json()
+    assert snapshot["speculation"]["accepted_tokens"] >= 16, snapshot["speculation"]
 
 
 def test_kill_9_of_the_head_mid_decode_is_repaired_from_the_token_ids(swarm: dict[str, Any]) -> None:

@@ -53,7 +53,9 @@ class _EchoShard(ShardBase[list[int]]):
         )
         self._init_store(StoreLimits(32, budget_bytes=32 * 1000, max_sessions=2, max_positions=max_positions))
 
-    def _forward(self, state: list[int], start: int, tokens: I32 | None, hidden: F32 | None) -> ShardOutput:
+    def _forward(
+        self, state: list[int], start: int, tokens: I32 | None, hidden: F32 | None, all_logits: bool = False
+    ) -> ShardOutput:
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
         self.calls.append((start, n, tokens is not None, hidden is not None))
         if len(self.calls) == self.fail_at:

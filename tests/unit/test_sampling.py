@@ -204,3 +204,56 @@ def test_bad_logit_bias_is_refused(bias):
 def test_logit_bias_outside_the_vocabulary_is_an_error():
     with pytest.raises(ValueError, match="outside the vocabulary of 64"):
         Sampler(SamplingParams(logit_bias=((64, 1.0),))).sample(_logits())
+
+
+# -- speculative verification ---------------------------------------------------------------
+
+
+def test_greedy_verify_keeps_the_drafts_the_argmax_agrees_with_then_its_own_token():
+    rows = np.stack([_logits(s) for s in range(5)])
+    best = [int(np.argmax(r)) for r in rows]
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    # all four drafts right: four kept, plus the token after them
+    assert sampler.verify(rows, best[:4], position=10)[0] == best
+    # the third draft wrong: two kept, then the model's own third token (not the draft)
+    tokens, logprobs = sampler.verify(rows, [best[0], best[1], (best[2] + 1) % 64, best[3]], position=10)
+    assert tokens == best[:3]
+    assert logprobs == pytest.approx([_log_softmax64(rows[i])[t] for i, t in enumerate(tokens)], abs=1e-5)
+    # nothing right: exactly the plain step's token
+    assert sampler.verify(rows, [(b + 1) % 64 for b in best[:4]], position=10)[0] == best[:1]
+
+
+def test_greedy_verify_sees_logit_bias_as_sample_does():
+    rows = np.stack([_logits(s) for s in range(3)])
+    banned = int(np.argmax(rows[0]))
+    sampler = Sampler(SamplingParams(temperature=0.0, logit_bias=((banned, -100.0),)))
+    tokens, _ = sampler.verify(rows, [banned, 1], position=0)
+    assert tokens[0] == sampler.sample(rows[0])[0] != banned
+
+
+def test_sampled_verify_keeps_the_target_distribution():
+    """Speculative sampling's rule with a deterministic drafter: each kept token is distributed
+    as plain sampling would draw it, whatever the draft (a likely one, or an unlikely one)."""
+    logits = _logits(3, vocab=8)
+    params = SamplingParams(temperature=0.8, top_k=6)
+    sampler = Sampler(params)
+    candidates, probs = sampler._distribution(logits)
+    target = np.zeros(8)
+    target[candidates] = probs
+    rows = np.stack([logits, logits])
+    trials = 20_000
+    for draft in (int(candidates[0]), int(candidates[-1]), int(np.argmin(logits))):  # likely, unlikely, filtered out
+        counts = np.zeros(8)
+        for seed in range(trials):
+            token = Sampler(SamplingParams(temperature=0.8, top_k=6, seed=seed)).verify(rows, [draft], position=5)[0][0]
+            counts[token] += 1
+        assert np.abs(counts / trials - target).max() < 0.015, (draft, counts / trials, target)
+
+
+def test_seeded_verify_is_reproducible_and_rows_must_match_the_drafts():
+    rows = np.stack([_logits(s) for s in range(4)])
+    params = SamplingParams(temperature=1.0, seed=7)
+    first = Sampler(params).verify(rows, [1, 2, 3], position=20)
+    assert Sampler(params).verify(rows, [1, 2, 3], position=20) == first
+    with pytest.raises(ValueError, match="needs 3 rows"):
+        Sampler(params).verify(rows, [1, 2], position=20)

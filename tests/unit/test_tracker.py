@@ -295,6 +295,7 @@ UNADVERTISED = {
     "wire_dtype": "float32",
     "architecture": None,
     "seam": None,
+    "max_verify": 0,
 }
 
 
@@ -376,7 +377,14 @@ def test_open_session_returns_a_route_covering_every_layer(client: TestClient, c
     assert session["model"] == MODEL
     assert session["created"] == clock[0]
     assert session["hops"] == [
-        {"node_id": n, "url": f"http://{n}.local:7000", "layers": layers, "numerics": None, "wire_dtype": "float32"}
+        {
+            "node_id": n,
+            "url": f"http://{n}.local:7000",
+            "layers": layers,
+            "numerics": None,
+            "wire_dtype": "float32",
+            "max_verify": 0,
+        }
         for n, layers in (("a", "0:4"), ("b", "4:8"), ("c", "8:12"))
     ]
     other = client.post("/v1/sessions", json={"model": MODEL}).json()

@@ -58,11 +58,14 @@ class PrefillProgress:
 
 @dataclass(frozen=True, slots=True)
 class TokenStep:
-    """One decoded token; ``hop_ms`` is each hop's compute time for it (routes only)."""
+    """One decoded token; ``hop_ms`` is each hop's compute time for it (routes only). The first token
+    of a speculative verify chunk's answer says how many tokens were ``drafted`` and ``accepted``."""
 
     token: int
     logprob: float
     hop_ms: tuple[float, ...] = ()
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)

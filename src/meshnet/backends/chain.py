@@ -49,12 +49,16 @@ def _needs_tokens(shard: ShardBackend) -> bool:
     return shard.info.layers.is_head or shard.info.seam.carries_token_ids
 
 
-def forward_chain(shards: Sequence[ShardBackend], sid: SessionId, start: int, tokens: I32) -> F32:
-    """One chunk at absolute ``start`` through every shard; the tail's logits of its last position."""
+def forward_chain(
+    shards: Sequence[ShardBackend], sid: SessionId, start: int, tokens: I32, *, all_logits: bool = False
+) -> F32:
+    """One chunk at absolute ``start`` through every shard; the tail's logits of its last position
+    (of every position with ``all_logits``)."""
     hidden: F32 | None = None
     logits: F32 | None = None
     for shard in shards:
-        out = shard.prefill(sid, start, tokens=tokens if _needs_tokens(shard) else None, hidden=hidden)
+        ids = tokens if _needs_tokens(shard) else None
+        out = shard.prefill(sid, start, tokens=ids, hidden=hidden, all_logits=all_logits and shard is shards[-1])
         hidden, logits = out.hidden, out.logits
     assert logits is not None, "the last shard of a route is the tail"
     return logits
@@ -111,6 +115,19 @@ class ChainSession:
         logits = decode_chain(self.shards, self.sid, self.position, token)
         self.position += 1
         return logits
+
+    def verify(self, tokens: Sequence[int]) -> F32:
+        """A speculative verify chunk: ``tokens`` in one compute call; the logits of every position."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        logits = forward_chain(self.shards, self.sid, self.position, ids, all_logits=True)
+        self.position += len(tokens)
+        return logits
+
+    def rewind(self, position: int) -> None:
+        """Drop positions ``>= position`` on every shard (rejected drafts)."""
+        for shard in self.shards:
+            shard.rewind(self.sid, position)
+        self.position = position
 
     def generate(self, logits: F32, n_new: int, sampler: Sampler | None = None) -> list[int]:
         """Sample ``n_new`` tokens starting from ``logits`` (the last position's); greedy by default."""

@@ -17,6 +17,7 @@ it. The eval callback runs on the thread that called ``llama_decode``.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -43,7 +44,7 @@ from meshnet.layers import LayerRange
 from meshnet.models.families import Family, family
 from meshnet.session.store import StoreLimits
 
-__all__ = ["SNAPSHOT_CELL_META_BYTES", "HeadEmbeddings", "LlamaShard", "LlamaShardConfig"]
+__all__ = ["MAX_VERIFY", "SNAPSHOT_CELL_META_BYTES", "HeadEmbeddings", "LlamaShard", "LlamaShardConfig"]
 
 # struct ggml_tensor field offsets (ggml.h at the llama.cpp commit llama-cpp-python 0.3.36 vendors):
 # type(4)+pad(4), buffer(8), ne[4] int64 at 16, nb[4] at 48, op(4) at 80, op_params[16] int32 at
@@ -54,6 +55,9 @@ _KV_CACHE_BYTES = 2  # llama.cpp's default K/V cache type is f16
 _STATE_BYTES = 4  # recurrent (conv and linear-attention) states are f32
 # A sequence snapshot stores, per cell, its position, a seq-id count and one seq id (int32 each).
 SNAPSHOT_CELL_META_BYTES = 12
+# The most drafted positions one verify chunk adds (speculative decoding): more than a
+# prompt-lookup drafter usually gets accepted, and few enough to measure at load (_batch_matches_steps).
+MAX_VERIFY = 8
 
 
 class HeadEmbeddings:
@@ -140,6 +144,9 @@ class LlamaShard(ShardBase[int]):
         self._batch = llama_cpp.llama_batch_init(cfg.n_batch, 0 if by_token else self._width, 1)
         self._free_seqs = list(range(cfg.max_sessions - 1, -1, -1))
         self.info = self._describe(model_id or shard_path.name.removesuffix(".gguf"), layers, cfg)
+        if self.info.max_verify:
+            batched = self._batch_matches_steps(self.info.max_verify + 1)
+            self.info = dataclasses.replace(self.info, verify_batched=batched)
         self._init_store(
             StoreLimits(
                 bytes_per_token=self.info.kv.bytes_per_token,
@@ -240,7 +247,60 @@ class LlamaShard(ShardBase[int]):
                 f"llama.cpp {getattr(self._ll, '__version__', '?')} cpu {platform.machine()} {_cpu_model()}; "
                 f"threads {cfg.n_threads or os.cpu_count() or 1}; n_batch {cfg.n_batch}; flash-attn; kv f16"
             ),
+            max_verify=self._max_verify(cfg),
         )
+
+    def _max_verify(self, cfg: LlamaShardConfig) -> int:
+        """Drafted positions a verify chunk may add here: plain KV drops any suffix (a rejected
+        draft). A recurrent or compressor state rolls back only to chunk starts or a few snapshots,
+        and a graph that outputs one row after its layers cannot give every row: no verify there."""
+        if self._recurrent or self._rollback or self._one_output_row:
+            return 0
+        return max(0, min(MAX_VERIFY, cfg.n_batch - 1))
+
+    def _batch_matches_steps(self, most: int) -> bool:
+        """Measure whether a chunk of 2..``most`` positions computes every row (and the KV after it)
+        to the same bits as one-position steps — then a verify chunk may run as one compute call.
+
+        Whether it does depends on the weights' types and the kernels llama.cpp picks for them
+        (measured: Q4_1 weights agree up to 63 rows; f32 and f16 weights differ in the low bits from
+        2 rows on), so it is measured here, on this shard's own weights and threads, on a scratch
+        sequence before any session exists. Kernels are chosen by shape and type, not by values."""
+        rng = np.random.default_rng(0)
+        seq, warm = 0, 8
+        n_in = self._n_vocab if self._embed is None else self._embed.n_vocab
+
+        def inputs(n: int) -> tuple[I32, F32 | None]:
+            tokens = rng.integers(0, max(1, n_in), n).astype(np.int32)
+            hidden = None if self.info.layers.is_head else rng.standard_normal((n, *self._seam_shape), dtype=np.float32)
+            return tokens, hidden
+
+        def part(hidden: F32 | None, a: int, b: int) -> F32 | None:
+            return None if hidden is None else hidden[a:b]
+
+        def rows(out: ShardOutput) -> F32:
+            got = out.logits if self._tail else out.hidden
+            assert got is not None
+            return got.reshape(-1, got.shape[-1]) if self._tail else got
+
+        try:
+            with self._compute:
+                self._forward(seq, 0, *inputs(warm))
+                for n in range(2, most + 1):
+                    tokens, hidden = inputs(n + 1)
+                    steps = [
+                        rows(self._forward(seq, warm + i, tokens[i : i + 1], part(hidden, i, i + 1)))
+                        for i in range(n + 1)
+                    ]
+                    self._truncate_state(seq, warm)
+                    chunk = rows(self._forward(seq, warm, tokens[:n], part(hidden, 0, n), True))
+                    after = rows(self._forward(seq, warm + n, tokens[n:], part(hidden, n, n + 1)))
+                    self._truncate_state(seq, warm)
+                    if not (np.array_equal(chunk, np.concatenate(steps[:n])) and np.array_equal(after, steps[n])):
+                        return False
+                return True
+        finally:
+            self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
     @classmethod
     def from_model(cls, gguf: Path, layers: LayerRange | str, *, cache_dir: Path, **kwargs: Any) -> LlamaShard:
@@ -255,7 +315,9 @@ class LlamaShard(ShardBase[int]):
         return cls(path, **kwargs)
 
     # -- compute -----------------------------------------------------------------------------
-    def _forward(self, state: int, start: int, tokens: I32 | None, hidden: F32 | None) -> ShardOutput:
+    def _forward(
+        self, state: int, start: int, tokens: I32 | None, hidden: F32 | None, all_logits: bool = False
+    ) -> ShardOutput:
         if self._recurrent:
             # A recurrence cannot be truncated: keep its state as it was before this chunk, so a
             # rewind to ``start`` (a failed chunk, a repair resending a step) can restore it.
@@ -270,7 +332,7 @@ class LlamaShard(ShardBase[int]):
         logits: F32 | None = None
         for begin in range(0, n, self._n_batch):
             end = min(n, begin + self._n_batch)
-            self._fill(state, start + begin, tokens=tokens, hidden=hidden, rows=(begin, end))
+            self._fill(state, start + begin, tokens=tokens, hidden=hidden, rows=(begin, end), every_row=all_logits)
             self._captured = self._overwritten = 0
             rc = int(self._ll.llama_decode(self._ctx, self._batch))
             self._pending = None
@@ -283,9 +345,11 @@ class LlamaShard(ShardBase[int]):
                 raise StoreFull("llama.cpp found no KV slot for this chunk; retry later", retry_after_s=5)
             if rc != 0:
                 raise EngineError(f"llama_decode failed with code {rc}")
-            if self._tail:
-                ptr = self._ll.llama_get_logits_ith(self._ctx, -1)
-                logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+            if self._tail and all_logits:
+                rows = [self._row_logits(i) for i in range(end - begin)]
+                logits = np.stack(rows) if logits is None else np.concatenate([logits, np.stack(rows)])
+            elif self._tail:
+                logits = self._row_logits(-1)
             else:
                 if self._captured != end - begin:
                     raise EngineError(f"captured {self._captured} hidden rows, expected {end - begin}")
@@ -294,7 +358,20 @@ class LlamaShard(ShardBase[int]):
             return ShardOutput(logits=logits)
         return ShardOutput(hidden=outputs[0] if len(outputs) == 1 else np.concatenate(outputs))
 
-    def _fill(self, seq: int, pos0: int, *, tokens: I32 | None, hidden: F32 | None, rows: tuple[int, int]) -> None:
+    def _row_logits(self, row: int) -> F32:
+        ptr = self._ll.llama_get_logits_ith(self._ctx, row)
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+
+    def _fill(
+        self,
+        seq: int,
+        pos0: int,
+        *,
+        tokens: I32 | None,
+        hidden: F32 | None,
+        rows: tuple[int, int],
+        every_row: bool = False,
+    ) -> None:
         batch = self._batch
         begin, end = rows
         n = end - begin
@@ -315,7 +392,7 @@ class LlamaShard(ShardBase[int]):
         for i in range(n):
             batch.seq_id[i][0] = seq
         flags = np.ctypeslib.as_array(batch.logits, shape=(n,))
-        if self._tail or self._one_output_row:
+        if (self._tail and not every_row) or self._one_output_row:
             flags[:] = 0
             flags[n - 1] = 1
         else:

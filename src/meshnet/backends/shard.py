@@ -95,11 +95,19 @@ class ShardInfo:
     # activations; route repair replaces a hop only with one whose numerics equal its own
     # (tracker.repair), so a repaired route computes what the old one would have.
     numerics: str = ""
+    # Speculative decoding: the most drafted positions one verify chunk may add (0: this shard
+    # cannot verify: it cannot drop any suffix of a chunk, a rejected draft). A verify chunk must
+    # compute every position to the bits of a one-position decode step, so the KV it keeps is what
+    # plain decoding would have kept: it runs as one compute call only where ``verify_batched``
+    # (measured by the backend on its own weights), else as one call per position.
+    max_verify: int = 0
+    verify_batched: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class ShardOutput:
-    """``hidden``: ``[n, *seam.shape]`` float32 (non-tail); ``logits``: ``[vocab]`` of the last position (tail)."""
+    """``hidden``: ``[n, *seam.shape]`` float32 (non-tail); ``logits`` (tail): ``[vocab]`` of the last
+    position, or ``[n, vocab]`` of every position when the call asked for ``all_logits``."""
 
     hidden: F32 | None = None
     logits: F32 | None = None
@@ -114,7 +122,13 @@ class ShardBackend(Protocol):
     def open_session(self, sid: SessionId) -> None: ...
 
     def prefill(
-        self, sid: SessionId, start: int, *, tokens: I32 | None = None, hidden: F32 | None = None
+        self,
+        sid: SessionId,
+        start: int,
+        *,
+        tokens: I32 | None = None,
+        hidden: F32 | None = None,
+        all_logits: bool = False,
     ) -> ShardOutput: ...
 
     def decode_step(
@@ -176,11 +190,17 @@ class ShardBase(abc.ABC, Generic[S]):
         self._store.close(sid)
 
     def prefill(
-        self, sid: SessionId, start: int, *, tokens: I32 | None = None, hidden: F32 | None = None
+        self,
+        sid: SessionId,
+        start: int,
+        *,
+        tokens: I32 | None = None,
+        hidden: F32 | None = None,
+        all_logits: bool = False,
     ) -> ShardOutput:
         tokens, hidden, n = self._check_inputs(tokens, hidden)
         with self._store.use(sid, start, n) as session, self._compute:
-            return self._forward(session.state, start, tokens, hidden)
+            return self._forward(session.state, start, tokens, hidden, all_logits)
 
     def decode_step(
         self, sid: SessionId, position: int, *, token: int | None = None, hidden: F32 | None = None
@@ -228,7 +248,9 @@ class ShardBase(abc.ABC, Generic[S]):
 
     # -- for subclasses ----------------------------------------------------------------------
     @abc.abstractmethod
-    def _forward(self, state: S, start: int, tokens: I32 | None, hidden: F32 | None) -> ShardOutput: ...
+    def _forward(
+        self, state: S, start: int, tokens: I32 | None, hidden: F32 | None, all_logits: bool = False
+    ) -> ShardOutput: ...
 
     @abc.abstractmethod
     def _new_state(self, sid: SessionId) -> S: ...

@@ -173,7 +173,9 @@ class TorchShard(ShardBase[TorchSession]):
             # Only the chunk being computed can be undone; the store never asks for more.
             raise EngineError(f"cannot rewind a PyTorch shard session from {state.position} to {position}")
 
-    def _forward(self, state: TorchSession, start: int, tokens: I32 | None, hidden: F32 | None) -> ShardOutput:
+    def _forward(
+        self, state: TorchSession, start: int, tokens: I32 | None, hidden: F32 | None, all_logits: bool = False
+    ) -> ShardOutput:
         m, arch = self.modules, self.arch
         try:
             with torch.inference_mode():
@@ -189,8 +191,8 @@ class TorchShard(ShardBase[TorchSession]):
                 x = arch.run(m, x, positions, state.cache, ids)
                 if self.info.layers.is_tail:
                     assert m.lm_head is not None
-                    logits = m.lm_head(arch.finish(m, x[:, -1:]))[0, -1]
-                    out = ShardOutput(logits=_numpy(logits))
+                    rows = m.lm_head(arch.finish(m, x if all_logits else x[:, -1:]))[0]
+                    out = ShardOutput(logits=_numpy(rows if all_logits else rows[-1]))
                 else:
                     out = ShardOutput(hidden=_numpy(x[0]))
         except MeshnetError:

@@ -11,7 +11,7 @@ from typing import Any
 from meshnet import __version__
 from meshnet.cli.artifacts import add_artifact_commands
 from meshnet.cli.serve import add_allow_uncertified
-from meshnet.cli.swarm import add_swarm_commands
+from meshnet.cli.swarm import add_speculative, add_swarm_commands
 
 __all__ = ["main"]
 
@@ -84,6 +84,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="activations between nodes (default float32: exact, and loopback bandwidth is free)",
     )
     up.add_argument("--workdir", help="where logs and the tracker database go (default: a temp dir)")
+    add_speculative(up)
     add_allow_uncertified(up)
 
     chat = sub.add_parser("chat", help="chat with a Meshnet server from the terminal")

@@ -92,11 +92,26 @@ def add_swarm_commands(sub: Any) -> None:
     gateway.add_argument("--max-concurrency", type=int, default=4, help="generations in flight (default 4)")
     gateway.add_argument("--prefill-chunk", type=int, default=128, help="tokens per prefill chunk (default 128)")
     gateway.add_argument("--max-queue", type=int, default=64)
+    add_speculative(gateway)
     gateway.add_argument(
         "--hop-timeout",
         type=float,
         default=120.0,
         help="seconds to wait for the next hop of a route (default 120; hops further up wait 10 s more per hop)",
+    )
+
+
+def add_speculative(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding through the route (docs/protocol.md, "Speculative decoding")."""
+    parser.add_argument(
+        "--speculative",
+        choices=("off", "ngram"),
+        default="ngram",
+        help="draft tokens from the text so far (prompt lookup) and verify them in one walk through the route "
+        "(default ngram; greedy text is the same either way)",
+    )
+    parser.add_argument(
+        "--draft-tokens", type=int, default=8, help="most tokens drafted per step (default 8; nodes may allow fewer)"
     )
 
 
@@ -246,6 +261,9 @@ def run_tracker(args: argparse.Namespace) -> int:
 
 def run_gateway(args: argparse.Namespace) -> int:
     setup_logging()
+    if args.draft_tokens < 1:
+        print(f"meshnet gateway: --draft-tokens must be at least 1, got {args.draft_tokens}", file=sys.stderr)
+        return 2
     gguf = resolve_gguf(args.gguf, "gateway")
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -267,6 +285,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         prefill_chunk=args.prefill_chunk,
         timeout_s=args.hop_timeout,
+        speculative=args.speculative,
+        draft_tokens=args.draft_tokens,
     )
     url = f"http://{host}:{port}"
     print(f"meshnet: gateway for {vocab.info.model_id} over tracker {args.tracker}; context cap {cap}", flush=True)

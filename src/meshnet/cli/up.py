@@ -189,6 +189,7 @@ def run_up(args: argparse.Namespace) -> int:
         gateway_args = [
             "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),
             "--host", args.host, "--ctx", str(args.ctx),
+            "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens),
         ]  # fmt: skip
         gateway = _Child("gateway", gateway_args, workdir / "gateway.log")
         children.append(gateway)

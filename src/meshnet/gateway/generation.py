@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from meshnet.backends.base import PrefillProgress, RouteChange, TextEngine
 from meshnet.errors import EngineError, MeshnetError, Overloaded, RouteInconsistent
@@ -58,6 +59,8 @@ class Delta:
     token: int
     logprob: float
     hop_ms: tuple[float, ...] = ()
+    drafted: int = 0  # speculative decoding: drafts verified with this token's step, and kept
+    accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +138,7 @@ def run_worker(
                     return
                 produced += 1
                 text, stopped = stops.feed(decoder.decode(engine.token_bytes(step.token)))
-                report(Delta(text, step.token, step.logprob, step.hop_ms))
+                report(Delta(text, step.token, step.logprob, step.hop_ms, step.drafted, step.accepted))
                 if stopped:
                     report(Finished("stop", ""))
                     return
@@ -204,7 +207,7 @@ class GenerationService:
                     self._on_route_change(tel, item)
                     continue
                 if isinstance(item, Delta):
-                    self._on_token(tel, item.hop_ms)
+                    self._on_token(tel, item)
                 elif isinstance(item, Finished):
                     self._complete(tel, item.finish_reason)
                     ended = True
@@ -310,15 +313,14 @@ class GenerationService:
         if change.kind == "reroute" and tel.phase == Phase.PREFILL:
             tel.prefill_done = 0
 
-    def _on_token(self, tel: GenerationTelemetry, hop_ms: tuple[float, ...]) -> None:
-        if hop_ms:
-            tel.record_hops(hop_ms)
+    def _on_token(self, tel: GenerationTelemetry, delta: Delta) -> None:
+        if delta.hop_ms:
+            tel.record_hops(delta.hop_ms)
+        if delta.drafted:
+            tel.drafted_tokens += delta.drafted
+            tel.accepted_tokens += delta.accepted
         if tel.record_token(time.monotonic()):
-            tel.emit(
-                EventType.DECODE_PROGRESS,
-                completion_tokens=tel.completion_tokens,
-                tokens_per_second=round(tel.tokens_per_second(), 2),
-            )
+            tel.emit(EventType.DECODE_PROGRESS, **_progress(tel))
 
     def _emit_billing(self, tel: GenerationTelemetry) -> None:
         layers = sum(len(hop.layers) for hop in tel.route)
@@ -340,11 +342,7 @@ class GenerationService:
 
     def _complete(self, tel: GenerationTelemetry, finish_reason: str) -> None:
         tel.finish_reason = finish_reason
-        tel.emit(
-            EventType.DECODE_PROGRESS,
-            completion_tokens=tel.completion_tokens,
-            tokens_per_second=round(tel.tokens_per_second(), 2),
-        )
+        tel.emit(EventType.DECODE_PROGRESS, **_progress(tel))
         self._emit_health(tel)
         self._emit_billing(tel)
         tel.phase = Phase.COMPLETED
@@ -382,3 +380,14 @@ class GenerationService:
         if tel.decode_started_at is not None and tel.completion_tokens:
             m.decode_seconds.observe(time.monotonic() - tel.decode_started_at)
             m.decode_tokens_per_second.set(tel.mean_tokens_per_second())
+
+
+def _progress(tel: GenerationTelemetry) -> dict[str, Any]:
+    """A decode.progress event's fields; speculative decoding's counts once it drafted."""
+    fields: dict[str, Any] = {
+        "completion_tokens": tel.completion_tokens,
+        "tokens_per_second": round(tel.tokens_per_second(), 2),
+    }
+    if tel.drafted_tokens:
+        fields.update(drafted_tokens=tel.drafted_tokens, accepted_tokens=tel.accepted_tokens)
+    return fields

@@ -19,6 +19,12 @@ Failures (docs/tracker.md, "Failure handling"): every hop answer that names a fa
   (no seam log, a backend that cannot rewind) falls back to a fresh route like the old one,
   prefilled with everything so far in its original chunks.
 
+Speculative decoding (``speculative="ngram"``, gateway.speculative): when the text so far repeats,
+a step carries drafted tokens as one verify chunk (``POST .../verify``) and its answer brings back
+every draft the tail kept plus one token of its own; every hop has already dropped the rejected
+positions. A verify chunk that fails is repaired like the plain step it started with: every hop
+drops the drafts and the step is resent without them.
+
 Every answer is checked before its token goes out (``protocol.ledger.verify_hops``): each hop must
 hold the positions the gateway sent and have computed them from what the hop before it sent —
 from the gateway's own token ids, in the gateway's chunks, at the head. A route that disagrees
@@ -46,6 +52,7 @@ import numpy as np
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep
 from meshnet.errors import BadGateway, EngineError, HopFailed, InvalidRequest, MeshnetError, Overloaded
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
+from meshnet.gateway.speculative import SPECULATIVE_MODES, PromptLookup
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
@@ -99,7 +106,15 @@ class RouteEngine:
         timeout_s: float = 120.0,
         max_retries: int = 3,
         outbox: BillingOutbox | None = None,
+        speculative: str = "ngram",
+        draft_tokens: int = 8,
     ) -> None:
+        if speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
+        if draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
+        self.speculative = speculative
+        self.draft_tokens = draft_tokens
         self.tokenizer = tokenizer
         self.info = tokenizer.info
         self.tracker_url = tracker_url.rstrip("/")
@@ -164,7 +179,10 @@ class RouteEngine:
 
     def _hops(self, hops: Sequence[dict[str, Any]]) -> tuple[Hop, ...]:
         total = self.info.n_layers
-        return tuple(Hop(h["node_id"], h["url"], LayerRange.parse(h["layers"], total)) for h in hops)
+        return tuple(
+            Hop(h["node_id"], h["url"], LayerRange.parse(h["layers"], total), int(h.get("max_verify") or 0))
+            for h in hops
+        )
 
     def release(self, plan: RoutePlan) -> None:
         with contextlib.suppress(MeshnetError):  # best effort: the tracker expires it otherwise
@@ -182,18 +200,32 @@ class RouteEngine:
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
         for begin in range(0, len(tokens), self.prefill_chunk):
             run.add(tokens[begin : begin + self.prefill_chunk])
+        drafter = PromptLookup(self.draft_tokens) if self.speculative == "ngram" else None
+        if drafter is not None:
+            drafter.extend(tokens)
         outcome = "failed"
         try:
             answer = yield from self._prefill_with_retries(run, tokens, cancel)
             while answer is not None and not cancel.is_set():
-                token = int(answer["token"])
+                steps = _tokens_of(answer)
+                drafted, accepted = int(answer.get("drafted", 0)), int(answer.get("accepted", 0))
+                if drafter is not None and drafted:
+                    drafter.record(drafted, accepted)
                 run.streamed = True
-                yield TokenStep(token, float(answer["logprob"]), _hop_ms(answer))
-                if len(tokens) + 1 > self.n_ctx:
+                full = False
+                for i, (token, logprob) in enumerate(steps):
+                    first = i == 0
+                    yield TokenStep(token, logprob, _hop_ms(answer) if first else (), drafted * first, accepted * first)
+                    if len(tokens) + 1 > self.n_ctx:
+                        full = True
+                        break
+                    tokens.append(token)
+                    if drafter is not None:
+                        drafter.extend([token])
+                if full:
                     break
-                tokens.append(token)
-                run.add(tokens[-1:])
-                answer = yield from self._decode_with_repair(run, tokens, cancel)
+                drafts = self._drafts(drafter, run.plan, len(tokens))
+                answer = yield from self._decode_with_repair(run, tokens, drafts, cancel)
             outcome = "completed"
         except GeneratorExit:
             outcome = "completed"  # the consumer stopped: a stop sequence, max_tokens or a disconnect
@@ -221,22 +253,38 @@ class RouteEngine:
                 run.usage.add(run.plan.hops, prefill=len(tokens))
             return answer
 
+    def _drafts(self, drafter: PromptLookup | None, plan: RoutePlan, length: int) -> list[int]:
+        """Tokens to verify after ``length`` tokens: within every hop's limit and the context."""
+        if drafter is None:
+            return []
+        limit = min(*(h.max_verify for h in plan.hops), self.n_ctx - length)
+        return drafter.propose(limit) if limit > 0 else []
+
     def _decode_with_repair(
-        self, run: _Run, tokens: list[int], cancel: threading.Event
+        self, run: _Run, tokens: list[int], drafts: Sequence[int], cancel: threading.Event
     ) -> Generator[EngineStep, None, dict[str, Any] | None]:
-        """One decode step for ``tokens[-1]`` at position ``len(tokens) - 1``, repairing the route if a hop fails."""
+        """One decode step for ``tokens[-1]`` at position ``len(tokens) - 1`` (a verify chunk with
+        ``drafts`` after it), repairing the route if a hop fails."""
         position = len(tokens) - 1
-        frame = encode_tensor(np.asarray([[tokens[-1]]], dtype=np.int32), "int32")
+        chunk = [tokens[-1], *drafts]
+        for token in chunk:  # a verify chunk's positions compute as one-position steps (ShardInfo)
+            run.add([token])
+        frame = encode_tensor(np.asarray([chunk], dtype=np.int32), "int32")
         headers = {**self._base(run.plan), H.POSITION: str(position), H.SHAPE: format_shape(frame.shape)}
         headers[H.DTYPE] = "int32"
-        head = run.plan.hops[0].url
+        path = f"/v1/sessions/{run.plan.session_id}/decode-step"
+        if drafts:
+            headers[H.DRAFT] = ",".join(map(str, drafts))
+            path = f"/v1/sessions/{run.plan.session_id}/verify"
         try:
-            path = f"/v1/sessions/{run.plan.session_id}/decode-step"
-            answer = self._post(head, path, frame.body, headers, below=len(run.plan.hops))
+            answer = self._post(run.plan.hops[0].url, path, frame.body, headers, below=len(run.plan.hops))
         except HopFailed as exc:
+            run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
             return (yield from self._recover(run, tokens, exc, cancel))
+        kept = _kept(answer, position, len(chunk))
+        run.ledger.rewind(kept)
         verify_hops(run.ledger, run.plan.hops, answer["hops"])
-        run.usage.add(run.plan.hops, decode=1)
+        run.usage.add(run.plan.hops, decode=kept - position)
         return answer
 
     def _recover(
@@ -280,11 +328,11 @@ class RouteEngine:
             upstream = new_hops[first - 1]
             path, below = f"/v1/sessions/{sid}/reroute", len(new_hops) - first + 1
             chunks = 1 + position // 256  # the upstream replays its log in requests of up to 256 positions
-            headers = self._reroute_headers(run, first - 1, count)
+            headers = self._reroute_headers(run, first - 1, count, position)
             answer = self._post(upstream.url, path, b"", headers, below=below, scale=chunks)
             above: list[dict[str, Any]] = []
             for i in range(first - 2, -1, -1):  # the hops above it broke the session too: clear them
-                headers = self._reroute_headers(run, i, 0)
+                headers = self._reroute_headers(run, i, 0, position)
                 cleared = self._post(new_hops[i].url, path, b"", headers, below=len(new_hops) - i)
                 above.insert(0, (cleared.get("hops") or [{}])[0])
             answer["hops"] = [*above, *answer.get("hops", [])]
@@ -298,13 +346,15 @@ class RouteEngine:
                     self._client().delete(f"{hop.url}/v1/sessions/{sid}", timeout=5.0)
         return answer, position
 
-    def _reroute_headers(self, run: _Run, index: int, replay: int) -> dict[str, str]:
+    def _reroute_headers(self, run: _Run, index: int, replay: int, step: int) -> dict[str, str]:
+        """A reroute for the step at position ``step``: the hop drops anything past it (drafts) first."""
         hops = run.plan.hops
         return {
             **self._base(run.plan),
             H.NEXT_HOPS: ",".join(h.url for h in hops[index + 1 :]),
             H.REPLAY: str(replay),
             H.SAMPLING: run.sampling,
+            H.POSITION: str(step),
         }
 
     def _replay_tokens(self, run: _Run, tokens: list[int], count: int) -> dict[str, Any]:
@@ -418,6 +468,21 @@ class RouteEngine:
         client = getattr(self._local, "client", None)
         if client is not None:
             client.close()
+
+
+def _tokens_of(answer: dict[str, Any]) -> list[tuple[int, float]]:
+    """The tokens an answer brings, in order, with their logprobs: one, or a verify chunk's."""
+    if "tokens" in answer:
+        return [(int(t), float(lp)) for t, lp in zip(answer["tokens"], answer["logprobs"], strict=True)]
+    return [(int(answer["token"]), float(answer["logprob"]))]
+
+
+def _kept(answer: dict[str, Any], position: int, n: int) -> int:
+    """How many positions the route holds after a step at ``position`` of ``n`` positions."""
+    kept = answer.get("position", position + 1)
+    if not isinstance(kept, int) or not position < kept <= position + n or len(_tokens_of(answer)) != kept - position:
+        raise BadGateway(f"the route answered a {n}-position step at {position} with position {kept!r}")
+    return kept
 
 
 def _hop_ms(answer: dict[str, Any]) -> tuple[float, ...]:

@@ -102,6 +102,8 @@ class GenerationTelemetry:
     finish_reason: str | None = None
     error: str | None = None
     retries: int = 0
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted, and kept by the route
+    accepted_tokens: int = 0
     billing: BillingEstimate | None = None
     events: list[TelemetryEvent] = field(default_factory=list)
     prefill_started_at: float | None = None
@@ -194,6 +196,7 @@ class GenerationTelemetry:
             "billing_units": None if self.billing is None else self.billing.units,
             "route": [hop.as_json() for hop in self.route],
             "retries": self.retries,
+            "speculation": {"drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens},
             "last_event": None if last is None else str(last.type),
             "events": len(self.events),
         }

@@ -297,6 +297,7 @@ def advert_fields(shard: ShardBackend, traffic: Traffic, prober: LatencyProber) 
         "numerics": shard.info.numerics or None,
         "architecture": shard.info.architecture,
         "seam": list(shard.info.seam.shape),
+        "max_verify": shard.info.max_verify,
         "latency_ms": dict(prober.latency_ms),
     }
 

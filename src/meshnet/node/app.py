@@ -218,6 +218,21 @@ class _Node:
             raise SeamMismatch(f"this node takes activations of shape {format_shape(want)}, got {list(data.shape)}")
         return ids, data.reshape(want[1:])
 
+    def drafts(self, request: Request) -> tuple[int, ...]:
+        """The drafted token ids of a verify chunk (``X-Meshnet-Draft``), within this shard's limit."""
+        raw = request.headers.get(H.DRAFT, "")
+        parts = [p.strip() for p in raw.split(",")] if raw.strip() else []
+        if not parts or not all(p.isascii() and p.isdigit() for p in parts):
+            raise InvalidRequest(f"header {H.DRAFT} must list the drafted token ids, comma-separated, got {raw!r}")
+        limit = self.info.max_verify
+        if len(parts) > limit:
+            why = f"at most {limit} per verify chunk" if limit else "none: it cannot drop rejected drafts"
+            raise InvalidRequest(f"{len(parts)} drafted tokens, but node {self.config.node_id} verifies {why}")
+        drafts = tuple(int(p) for p in parts)
+        if self.info.layers.is_tail and max(drafts) >= self.info.n_vocab:
+            raise InvalidRequest(f"drafted token ids must lie in 0..{self.info.n_vocab - 1}")
+        return drafts
+
     def ids_onward(self, tokens: np.ndarray | None) -> bytes | None:
         """The chunk's token ids for the next hop, when this model's every hop reads them."""
         if not self.info.seam.carries_token_ids:
@@ -235,20 +250,42 @@ class _Node:
 
     # -- compute and forward -----------------------------------------------------------------
     async def run(
-        self, sid: SessionId, start: int, tokens: np.ndarray | None, hidden: np.ndarray | None, sizes: tuple[int, ...]
+        self,
+        sid: SessionId,
+        *,
+        start: int,
+        tokens: np.ndarray | None,
+        hidden: np.ndarray | None,
+        sizes: tuple[int, ...],
+        verify: bool = False,
     ) -> tuple[np.ndarray | None, np.ndarray | None, float]:
         loop = asyncio.get_running_loop()
         began = time.perf_counter()
-        out = await loop.run_in_executor(None, lambda: self._compute(sid, start, tokens, hidden, sizes))
+        out = await loop.run_in_executor(
+            None, lambda: self._compute(sid, start=start, tokens=tokens, hidden=hidden, sizes=sizes, verify=verify)
+        )
         return out.hidden, out.logits, 1000 * (time.perf_counter() - began)
 
     def _compute(
-        self, sid: SessionId, start: int, tokens: np.ndarray | None, hidden: np.ndarray | None, sizes: tuple[int, ...]
+        self,
+        sid: SessionId,
+        *,
+        start: int,
+        tokens: np.ndarray | None,
+        hidden: np.ndarray | None,
+        sizes: tuple[int, ...],
+        verify: bool = False,
     ) -> ShardOutput:
         """One compute call per chunk of ``sizes`` (protocol.ledger: a position's KV depends on its
-        chunk); a failure undoes the chunks before it too, so a refused request changes nothing."""
+        chunk); a failure undoes the chunks before it too, so a refused request changes nothing.
+
+        A verify chunk (``sizes`` all ones) runs as one call where the shard measured that a chunk
+        gives one-position steps' bits (``ShardInfo.verify_batched``); the tail then returns the
+        logits of every position."""
+        if verify and self.info.verify_batched:
+            return self.shard.prefill(sid, start, tokens=tokens, hidden=hidden, all_logits=True)
         if len(sizes) == 1:
-            return self.shard.prefill(sid, start, tokens=tokens, hidden=hidden)
+            return self.shard.prefill(sid, start, tokens=tokens, hidden=hidden, all_logits=verify)
         outs: list[ShardOutput] = []
         at = 0
         try:
@@ -262,7 +299,9 @@ class _Node:
                 self.shard.rewind(sid, start)
             raise
         states = [o.hidden for o in outs if o.hidden is not None]
-        return ShardOutput(hidden=np.concatenate(states) if states else None, logits=outs[-1].logits)
+        rows = [o.logits for o in outs if o.logits is not None]
+        logits = np.stack(rows) if verify and rows else outs[-1].logits
+        return ShardOutput(hidden=np.concatenate(states) if states else None, logits=logits)
 
     def record(
         self,
@@ -385,7 +424,14 @@ class _Node:
             del route.ids_log[4 * position :]
 
     async def reroute(
-        self, sid: SessionId, route: _Route, hops: tuple[str, ...], replay: int, sampling: str | None
+        self,
+        sid: SessionId,
+        route: _Route,
+        hops: tuple[str, ...],
+        *,
+        replay: int,
+        sampling: str | None,
+        step: int | None = None,
     ) -> dict[str, Any]:
         """Point the session at new next hops; with ``replay`` > 0, rebuild their KV from the seam log.
 
@@ -395,11 +441,16 @@ class _Node:
         newest position — the interrupted decode step — is then resent through the whole chain
         (``X-Meshnet-Rewind`` lets a hop that already has it drop it first), and its answer — the
         next token — is returned, with this hop's own ledger entry first.
+
+        ``step``: the interrupted step's position. A hop that holds more (the drafts of an
+        interrupted verify chunk) drops them first: the step is resent without drafts.
         """
         if route.forward is not None:
             with contextlib.suppress(Exception):
                 await route.forward  # the failed forward: its outcome is why we are here
         route.next_hops, route.broken, route.broken_hop, route.forward = hops, None, None, None
+        if step is not None and self.shard.store.get(sid).position > step + 1:
+            await self.rewind(sid, route, step + 1)
         position = self.shard.store.get(sid).position
         me = self.describe(route)
         if replay == 0:
@@ -504,16 +555,10 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
         return await _handle(node, sid, request, start=start, tokens=tokens, hidden=hidden, final=final, sizes=sizes)
 
     async def decode_step(request: Request) -> Response:
-        sid = SessionId(request.path_params["session_id"])
-        node.check_model(request)
-        node.check_length(request)
-        raw = request.headers.get(H.POSITION)
-        if raw is None or not (raw.isascii() and raw.isdigit()):
-            raise SeamMismatch(f"header {H.POSITION} must be the step's absolute position, got {raw!r}")
-        tokens, hidden = node.inputs(request, await request.body(), 1)
-        return await _handle(
-            node, sid, request, start=int(raw), tokens=tokens, hidden=hidden, final=True, sizes=(1,), decode=True
-        )
+        return await _step(node, request, verify=False)
+
+    async def verify(request: Request) -> Response:
+        return await _step(node, request, verify=True)
 
     async def reroute(request: Request) -> Response:
         return await _reroute(node, request)
@@ -544,6 +589,8 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
                 "max_positions": info.max_positions,
                 "weight_bytes": info.weight_bytes,
                 "seam": list(info.seam.shape),
+                "max_verify": info.max_verify,
+                "verify_batched": info.verify_batched,
                 "started": node.started,
             }
         )
@@ -556,6 +603,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
     routes = [
         Route("/v1/sessions/{session_id}/prefill", prefill, methods=["POST"]),
         Route("/v1/sessions/{session_id}/decode-step", decode_step, methods=["POST"]),
+        Route("/v1/sessions/{session_id}/verify", verify, methods=["POST"]),
         Route("/v1/sessions/{session_id}/reroute", reroute, methods=["POST"]),
         Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
         Route("/v1/health", health, methods=["GET"]),
@@ -566,6 +614,21 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,
     )
+
+
+async def _step(node: _Node, request: Request, *, verify: bool) -> Response:
+    """``decode-step``: one position; ``verify``: the step's position and its drafts (``X-Meshnet-Draft``)."""
+    sid = SessionId(request.path_params["session_id"])
+    node.check_model(request)
+    node.check_length(request)
+    position = _position(request)
+    drafts = node.drafts(request) if verify else None
+    n = 1 + len(drafts or ())
+    tokens, hidden = node.inputs(request, await request.body(), n)
+    return await _handle(
+        node, sid, request, start=position, tokens=tokens, hidden=hidden, final=True, sizes=(1,) * n, decode=True,
+        drafts=drafts,
+    )  # fmt: skip
 
 
 async def _handle(
@@ -579,9 +642,10 @@ async def _handle(
     final: bool,
     sizes: tuple[int, ...],
     decode: bool = False,
+    drafts: tuple[int, ...] | None = None,
 ) -> Response:
     route = node.session_route(sid, request, start=start)
-    replay = _replay_hops(request)
+    replay = _replay_hops(request, verify=drafts is not None)
     rewind = request.headers.get(H.REWIND) == "1"
     if route.busy:
         raise SessionBusy(f"session {sid} already has a request in flight on this node; send one at a time")
@@ -591,7 +655,9 @@ async def _handle(
             await node.rewind(sid, route, start)
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
         with node.traffic.measure(n, decode=decode):
-            out_hidden, logits, compute_ms = await node.run(sid, start, tokens, hidden, sizes)
+            out_hidden, logits, compute_ms = await node.run(
+                sid, start=start, tokens=tokens, hidden=hidden, sizes=sizes, verify=drafts is not None
+            )
         node.metrics.positions.inc(n)
         frame = None
         if out_hidden is not None:
@@ -603,20 +669,16 @@ async def _handle(
                 return JSONResponse({"replayed": n, "hops": [me]})
             if not final:
                 return JSONResponse({"accepted": n, "hops": [me]}, status_code=202)
-            assert logits is not None and route.sampler is not None
-            token, logprob = route.sampler.sample(logits, position=start + n)
-            return JSONResponse({"token": token, "logprob": logprob, "position": start + n, "hops": [me]})
+            assert logits is not None
+            return JSONResponse(await _sampled(node, sid, route, start=start, n=n, logits=logits, drafts=drafts, me=me))
         assert frame is not None
         ids = node.ids_onward(tokens)
         node.log_frame(route, start, frame, ids)
         if replay == 1:
             return JSONResponse({"replayed": n, "hops": [me]})  # the hops after this one already hold it
-        path = "decode-step" if decode else "prefill"
+        path = ("verify" if drafts is not None else "decode-step") if decode else "prefill"
         headers = {H.POSITION: str(start)} if decode else _prefill_headers(request, route, start, start + n, final)
-        if replay:
-            headers[H.REPLAY] = str(replay - 1)
-        if rewind:
-            headers[H.REWIND] = "1"
+        headers.update(_onward(drafts=drafts, replay=replay, rewind=rewind))
         previous = route.forward
 
         async def send() -> dict[str, Any]:
@@ -634,10 +696,68 @@ async def _handle(
             task.add_done_callback(_consume)
             return JSONResponse({"accepted": n, "hops": [me]}, status_code=202)
         answer = await task
+        if drafts is not None:  # the rejected drafts go here too, as the answer passes back up
+            await _drop_rejected(node, sid, route, answer, start=start, n=n)
+            me = {**me, **route.ledger.describe()}
         answer["hops"] = [me, *answer.get("hops", [])]
         return JSONResponse(answer)
     finally:
         route.busy = False
+
+
+async def _sampled(
+    node: _Node,
+    sid: SessionId,
+    route: _Route,
+    *,
+    start: int,
+    n: int,
+    logits: np.ndarray,
+    drafts: tuple[int, ...] | None,
+    me: dict[str, Any],
+) -> dict[str, Any]:
+    """The tail's answer: the token after the chunk; for a verify chunk, the drafts it keeps and one
+    token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first."""
+    assert route.sampler is not None
+    if drafts is None:
+        token, logprob = route.sampler.sample(logits, position=start + n)
+        return {"token": token, "logprob": logprob, "position": start + n, "hops": [me]}
+    tokens, logprobs = route.sampler.verify(logits, drafts, position=start + 1)
+    kept = start + len(tokens)
+    await node.rewind(sid, route, kept)
+    me = {**me, **route.ledger.describe()}
+    return {
+        "tokens": tokens,
+        "logprobs": logprobs,
+        "position": kept,
+        "drafted": len(drafts),
+        "accepted": len(tokens) - 1,
+        "hops": [me],
+    }
+
+
+async def _drop_rejected(
+    node: _Node, sid: SessionId, route: _Route, answer: dict[str, Any], *, start: int, n: int
+) -> None:
+    """Keep what the verify ``answer`` kept (up to its ``position``) of the chunk of ``n`` at ``start``."""
+    kept, hop = answer.get("position"), route.next_hops[0]
+    if not isinstance(kept, int) or not start < kept <= start + n:
+        error = HopFailed(f"next hop {hop} answered a verify chunk at {start} with position {kept!r}", failed_hop=hop)
+        node.break_session(route, error)
+        raise error
+    await node.rewind(sid, route, kept)
+
+
+def _onward(*, drafts: tuple[int, ...] | None, replay: int, rewind: bool) -> dict[str, str]:
+    """The headers a request passes on beside its position or token range."""
+    headers = {}
+    if drafts is not None:
+        headers[H.DRAFT] = ",".join(map(str, drafts))
+    if replay:
+        headers[H.REPLAY] = str(replay - 1)
+    if rewind:
+        headers[H.REWIND] = "1"
+    return headers
 
 
 async def _reroute(node: _Node, request: Request) -> Response:
@@ -659,16 +779,27 @@ async def _reroute(node: _Node, request: Request) -> Response:
         raise SessionBusy(f"session {sid} has a request in flight on this node; reroute it after that")
     route.busy = True
     try:
-        answer = await node.reroute(sid, route, hops, int(raw), request.headers.get(H.SAMPLING))
+        step = _position(request) if request.headers.get(H.POSITION) is not None else None
+        sampling = request.headers.get(H.SAMPLING)
+        answer = await node.reroute(sid, route, hops, replay=int(raw), sampling=sampling, step=step)
     finally:
         route.busy = False
     return JSONResponse(answer)
 
 
-def _replay_hops(request: Request) -> int:
+def _position(request: Request) -> int:
+    raw = request.headers.get(H.POSITION)
+    if raw is None or not (raw.isascii() and raw.isdigit()):
+        raise SeamMismatch(f"header {H.POSITION} must be the step's absolute position, got {raw!r}")
+    return int(raw)
+
+
+def _replay_hops(request: Request, *, verify: bool = False) -> int:
     raw = request.headers.get(H.REPLAY)
     if raw is None:
         return 0
+    if verify:
+        raise InvalidRequest(f"a verify chunk is never replayed: drop {H.REPLAY}")
     if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise InvalidRequest(f"header {H.REPLAY} must be the number of hops to rebuild (>= 1), got {raw!r}")
     if request.headers.get(H.SAMPLE) == "1":

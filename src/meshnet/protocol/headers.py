@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "CHUNKS",
+    "DRAFT",
     "DTYPE",
     "GENERATION_ID",
     "MODEL",
@@ -40,4 +41,6 @@ REWIND = "X-Meshnet-Rewind"  # "1" on a repair's resent step: a hop already past
 # beside activations: the body starts with this many int32 token ids, one per position of the chunk
 # (models whose later layers read them: DeepSeek-V4's hash-routed MoE, SeamSpec.carries_token_ids)
 TOKEN_IDS = "X-Meshnet-Token-Ids"
+# speculative decoding (POST .../verify): the drafted token ids after the step's own token, comma-separated
+DRAFT = "X-Meshnet-Draft"
 CHUNKS = "X-Meshnet-Chunks"  # prefill: how to split the body into compute calls ("128x2,37,1x3"); default one

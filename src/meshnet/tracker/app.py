@@ -72,6 +72,7 @@ class Registration(BaseModel):
     wire_dtype: str = Field("float32", pattern=r"^(float32|bfloat16|float16)$")  # the activations it sends
     architecture: str | None = Field(None, min_length=1, max_length=64)  # GGUF general.architecture
     seam: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=1, max_length=4)  # per position
+    max_verify: int = Field(0, ge=0, le=1024)  # drafted positions one verify chunk may add (0: no speculation)
 
 
 class _Tracker:
@@ -160,6 +161,7 @@ def _node_json(node: NodeRecord) -> dict[str, Any]:
         "wire_dtype": node.wire_dtype,
         "architecture": node.architecture,
         "seam": list(node.seam) if node.seam is not None else None,
+        "max_verify": node.max_verify,
     }
 
 
@@ -219,6 +221,7 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
             wire_dtype=reg.wire_dtype,
             architecture=reg.architecture,
             seam=tuple(reg.seam) if reg.seam is not None else None,
+            max_verify=reg.max_verify,
         )
         _check_same_model(node, tracker.live_nodes())
         # A node that expired and came back registers afresh (201), like one never seen.

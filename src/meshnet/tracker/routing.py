@@ -118,6 +118,7 @@ class NodeRecord:
     wire_dtype: str = "float32"  # the dtype of the activations it sends onward
     architecture: str | None = None  # GGUF general.architecture (None: an older node did not say)
     seam: tuple[int, ...] | None = None  # per-position shape of what crosses its seams
+    max_verify: int = 0  # drafted positions one verify chunk may add (speculative decoding)
 
 
 @dataclass(frozen=True, slots=True)

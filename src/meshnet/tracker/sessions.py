@@ -106,6 +106,7 @@ def hops_json(chain: Sequence[NodeRecord]) -> list[dict[str, Any]]:
             "layers": str(n.layers),
             "numerics": n.numerics,
             "wire_dtype": n.wire_dtype,
+            "max_verify": n.max_verify,
         }
         for n in chain
     ]
