@@ -24,6 +24,7 @@ BENCHES = {
     "shards": "bench_shards",
     "torch": "bench_torch",
     "route": "bench_route",
+    "speculative": "bench_speculative",
     "routing": "bench_routing",
     "repair": "bench_repair",
     "artifacts": "bench_artifacts",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshnet.backends.shard import F32, I32, ShardBackend
+from meshnet.backends.shard import F32, I32, ShardBackend, verify_chunk
 from meshnet.ids import SessionId, new_session_id
 from meshnet.sampling import Sampler, SamplingParams
 
@@ -49,16 +49,12 @@ def _needs_tokens(shard: ShardBackend) -> bool:
     return shard.info.layers.is_head or shard.info.seam.carries_token_ids
 
 
-def forward_chain(
-    shards: Sequence[ShardBackend], sid: SessionId, start: int, tokens: I32, *, all_logits: bool = False
-) -> F32:
-    """One chunk at absolute ``start`` through every shard; the tail's logits of its last position
-    (of every position with ``all_logits``)."""
+def forward_chain(shards: Sequence[ShardBackend], sid: SessionId, start: int, tokens: I32) -> F32:
+    """One chunk at absolute ``start`` through every shard; the tail's logits of its last position."""
     hidden: F32 | None = None
     logits: F32 | None = None
     for shard in shards:
-        ids = tokens if _needs_tokens(shard) else None
-        out = shard.prefill(sid, start, tokens=ids, hidden=hidden, all_logits=all_logits and shard is shards[-1])
+        out = shard.prefill(sid, start, tokens=tokens if _needs_tokens(shard) else None, hidden=hidden)
         hidden, logits = out.hidden, out.logits
     assert logits is not None, "the last shard of a route is the tail"
     return logits
@@ -117,9 +113,16 @@ class ChainSession:
         return logits
 
     def verify(self, tokens: Sequence[int]) -> F32:
-        """A speculative verify chunk: ``tokens`` in one compute call; the logits of every position."""
+        """A speculative verify chunk through every shard (``verify_chunk``, as a node computes it);
+        the logits of every position."""
         ids = np.asarray(tokens, dtype=np.int32)
-        logits = forward_chain(self.shards, self.sid, self.position, ids, all_logits=True)
+        hidden: F32 | None = None
+        for shard in self.shards:
+            out = verify_chunk(
+                shard, self.sid, self.position, tokens=ids if _needs_tokens(shard) else None, hidden=hidden
+            )
+            hidden, logits = out.hidden, out.logits
+        assert logits is not None, "the last shard of a route is the tail"
         self.position += len(tokens)
         return logits
 

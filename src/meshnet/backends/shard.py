@@ -41,6 +41,7 @@ __all__ = [
     "ShardBase",
     "ShardInfo",
     "ShardOutput",
+    "verify_chunk",
 ]
 
 F32 = npt.NDArray[np.float32]
@@ -319,3 +320,28 @@ class ShardBase(abc.ABC, Generic[S]):
             if header.get(key) != want:
                 raise InvalidRequest(f"snapshot {key} {header.get(key)!r} does not match this shard's {want!r}")
         return header, blob[10 + size :]
+
+
+def verify_chunk(
+    shard: ShardBackend, sid: SessionId, start: int, *, tokens: I32 | None = None, hidden: F32 | None = None
+) -> ShardOutput:
+    """A speculative verify chunk on one shard: every position computed to the bits of a
+    one-position step — in one call where the shard measured that a chunk gives those bits
+    (``ShardInfo.verify_batched``), else one call per position. The tail returns every position's
+    logits (``[n, vocab]``). A failure undoes the positions before it, so a refused chunk changes nothing."""
+    if shard.info.verify_batched:
+        return shard.prefill(sid, start, tokens=tokens, hidden=hidden, all_logits=True)
+    n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
+    outs: list[ShardOutput] = []
+    try:
+        for i in range(n):
+            part_tokens = None if tokens is None else tokens[i : i + 1]
+            part_hidden = None if hidden is None else hidden[i : i + 1]
+            outs.append(shard.prefill(sid, start + i, tokens=part_tokens, hidden=part_hidden, all_logits=True))
+    except BaseException:
+        if outs:
+            shard.rewind(sid, start)
+        raise
+    states = [o.hidden for o in outs if o.hidden is not None]
+    rows = [o.logits for o in outs if o.logits is not None]
+    return ShardOutput(hidden=np.concatenate(states) if states else None, logits=np.concatenate(rows) if rows else None)

@@ -52,7 +52,7 @@ import numpy as np
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep
 from meshnet.errors import BadGateway, EngineError, HopFailed, InvalidRequest, MeshnetError, Overloaded
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
-from meshnet.gateway.speculative import SPECULATIVE_MODES, PromptLookup
+from meshnet.gateway.speculative import SPECULATIVE_MODES, PromptLookup, WalkCosts
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
@@ -115,6 +115,8 @@ class RouteEngine:
             raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
         self.speculative = speculative
         self.draft_tokens = draft_tokens
+        self._costs: dict[tuple[str, ...], WalkCosts] = {}  # per route (its nodes): walk seconds by size
+        self._costs_lock = threading.Lock()
         self.tokenizer = tokenizer
         self.info = tokenizer.info
         self.tracker_url = tracker_url.rstrip("/")
@@ -200,7 +202,7 @@ class RouteEngine:
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
         for begin in range(0, len(tokens), self.prefill_chunk):
             run.add(tokens[begin : begin + self.prefill_chunk])
-        drafter = PromptLookup(self.draft_tokens) if self.speculative == "ngram" else None
+        drafter = PromptLookup(self.draft_tokens, self._walk_costs(plan)) if self.speculative == "ngram" else None
         if drafter is not None:
             drafter.extend(tokens)
         outcome = "failed"
@@ -253,10 +255,16 @@ class RouteEngine:
                 run.usage.add(run.plan.hops, prefill=len(tokens))
             return answer
 
+    def _walk_costs(self, plan: RoutePlan) -> WalkCosts:
+        key = tuple(h.node for h in plan.hops)
+        with self._costs_lock:
+            return self._costs.setdefault(key, WalkCosts())
+
     def _drafts(self, drafter: PromptLookup | None, plan: RoutePlan, length: int) -> list[int]:
         """Tokens to verify after ``length`` tokens: within every hop's limit and the context."""
         if drafter is None:
             return []
+        drafter.costs = self._walk_costs(plan)  # a repaired route has costs of its own
         limit = min(*(h.max_verify for h in plan.hops), self.n_ctx - length)
         return drafter.propose(limit) if limit > 0 else []
 
@@ -276,11 +284,13 @@ class RouteEngine:
         if drafts:
             headers[H.DRAFT] = ",".join(map(str, drafts))
             path = f"/v1/sessions/{run.plan.session_id}/verify"
+        began = time.monotonic()
         try:
             answer = self._post(run.plan.hops[0].url, path, frame.body, headers, below=len(run.plan.hops))
         except HopFailed as exc:
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
             return (yield from self._recover(run, tokens, exc, cancel))
+        self._walk_costs(run.plan).observe(len(chunk), _since(began))
         kept = _kept(answer, position, len(chunk))
         run.ledger.rewind(kept)
         verify_hops(run.ledger, run.plan.hops, answer["hops"])

@@ -1,6 +1,6 @@
 """Drafting for speculative decoding through a route: prompt lookup (n-gram) at the gateway.
 
-A route's time per token is mostly the walk through its hops, not the compute. The gateway
+Over real links a route's time per token is mostly the walk through its hops. The gateway
 guesses the next few tokens, sends them with the step as one *verify chunk*, and the tail keeps
 the longest prefix the model agrees with plus one token of its own (``Sampler.verify``): one walk
 through the route yields up to ``k + 1`` tokens. Every hop drops the rejected positions before
@@ -12,49 +12,118 @@ latest occurrence. It costs nothing per step (an index updated with each token) 
 where the output repeats its input — rewriting, quoting, editing code, extracting fields — which
 is where a model spends most tokens in agent and coding use.
 
-How many to draft adapts to what the route accepts: after a verify that kept ``a`` drafts the
-next proposes up to ``2 * (a + 1)`` (at least ``min_draft``, at most the configured ``k``), so
-text that stops repeating costs a short verify chunk, not a long one.
+How many to draft is decided by what a walk costs and what gets accepted, because a verify chunk
+is not free: every drafted position is computed on every hop (on a CPU, 2 positions in one call
+cost more than two steps). ``WalkCosts`` keeps, per route, the measured time of a walk by the
+number of positions it carries; the drafter keeps the generation's acceptance rate ``q`` (a draft
+is kept with probability ``q``, independently: a chunk of ``d`` drafts yields ``(1 - q^(d+1)) /
+(1 - q)`` tokens on average). Each step takes the draft length — none included — with the most
+tokens per second. A size never measured is assumed to cost what the nearest measured sizes
+suggest (linear between them, flat beyond), and a generation's first match is always verified in
+full, so drafting is tried, measured and then kept only where it pays: on a WAN nearly always, on
+loopback only for text that repeats.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
-__all__ = ["SPECULATIVE_MODES", "PromptLookup"]
+__all__ = ["SPECULATIVE_MODES", "PromptLookup", "WalkCosts"]
 
 SPECULATIVE_MODES = ("off", "ngram")
+_EMA = 0.25  # weight of a new walk-time measurement
+# The acceptance estimate: kept drafts and rejections, fading by this factor per generated token
+# (text changes character: a run of rejections 50 tokens ago says little now), on top of an
+# optimistic prior of 4 kept drafts to 1 rejection (q = 0.8 with no evidence).
+_FADE = 0.97
+_PRIOR_KEPT, _PRIOR_REJECTED = 4.0, 1.0
+
+
+class WalkCosts:
+    """Measured seconds of one walk through a route by the positions it carried (thread-safe: the
+    generations of one route share it)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, positions: int, seconds: float) -> None:
+        with self._lock:
+            old = self._seconds.get(positions)
+            self._seconds[positions] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+
+    def estimate(self, positions: int) -> float | None:
+        """The measured time, else linear between the nearest measured sizes, else the nearest one."""
+        with self._lock:
+            known = dict(self._seconds)
+        if positions in known:
+            return known[positions]
+        below = [n for n in known if n < positions]
+        above = [n for n in known if n > positions]
+        if below and above:
+            a, b = max(below), min(above)
+            return known[a] + (known[b] - known[a]) * (positions - a) / (b - a)
+        if below or above:
+            return known[max(below)] if below else known[min(above)]
+        return None
+
+    def best_drafts(self, available: int, q: float) -> int:
+        """How many of ``available`` drafts to send, each kept with probability ``q``: the most
+        expected tokens per second, 0 (a plain step) included."""
+        plain = self.estimate(1)
+        if plain is None:
+            return available  # nothing measured yet: measure a draft
+        best, best_rate = 0, 1.0 / plain
+        for d in range(1, available + 1):
+            seconds = self.estimate(d + 1)
+            assert seconds is not None
+            tokens = float(d + 1) if q >= 1.0 else (1.0 - q ** (d + 1)) / (1.0 - q)
+            if seconds > 0 and tokens / seconds > best_rate:
+                best, best_rate = d, tokens / seconds
+        return best
 
 
 class PromptLookup:
     """Prompt-lookup drafting for one generation. Not thread-safe: one per generation."""
 
-    def __init__(self, k: int, *, max_ngram: int = 4, min_ngram: int = 2, min_draft: int = 2) -> None:
+    def __init__(self, k: int, costs: WalkCosts | None = None, *, max_ngram: int = 4, min_ngram: int = 3) -> None:
         if k < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError("prompt lookup needs k >= 1 and 1 <= min_ngram <= max_ngram")
         self.k = k
+        self.costs = costs if costs is not None else WalkCosts()
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.min_draft = min(min_draft, k)
-        self._budget = k
         self._tokens: list[int] = []
         # n-gram -> where its latest occurrence's continuation starts (an index into _tokens)
         self._after: dict[tuple[int, ...], int] = {}
         self.drafted = 0  # drafts proposed, and accepted by the route, over the generation
         self.accepted = 0
+        self._verifies = 0  # verify chunks of this generation
+        self._kept = 0.0  # kept drafts and rejections, fading with every token (_FADE)
+        self._rejected = 0.0
 
     def extend(self, tokens: Sequence[int]) -> None:
         """The text grew by ``tokens`` (the prompt first, then every token the route returns)."""
         seq = self._tokens
         for token in tokens:
+            self._kept *= _FADE
+            self._rejected *= _FADE
             end = len(seq)
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end >= n:
                     self._after[tuple(seq[end - n : end])] = end  # that n-gram is followed by ``token``
             seq.append(int(token))
 
-    def propose(self, limit: int) -> list[int]:
-        """Up to ``min(limit, budget)`` drafted tokens to follow the text so far (none when nothing repeats)."""
-        want = min(limit, self._budget)
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that a draft is kept: recent kept drafts against recent rejections."""
+        kept, rejected = self._kept + _PRIOR_KEPT, self._rejected + _PRIOR_REJECTED
+        return kept / (kept + rejected)
+
+    def candidates(self, limit: int) -> list[int]:
+        """Up to ``min(limit, k)`` tokens that followed the latest earlier occurrence of the longest
+        n-gram ending the text so far (none when nothing repeats)."""
+        want = min(limit, self.k)
         seq = self._tokens
         if want < 1:
             return []
@@ -66,8 +135,18 @@ class PromptLookup:
                 return seq[start : start + want]
         return []
 
+    def propose(self, limit: int) -> list[int]:
+        """The drafts worth sending now: the candidates, cut to the length that the route's walk
+        costs and the acceptance so far make the fastest (possibly none)."""
+        found = self.candidates(limit)
+        if not found or not self._verifies:  # this text's first match is verified in full: it measures q
+            return found
+        return found[: self.costs.best_drafts(len(found), self.acceptance)]
+
     def record(self, drafted: int, accepted: int) -> None:
-        """The route kept ``accepted`` of ``drafted`` drafts: size the next draft by it."""
+        """The route kept ``accepted`` of ``drafted`` drafts."""
         self.drafted += drafted
         self.accepted += accepted
-        self._budget = max(self.min_draft, min(self.k, 2 * (accepted + 1)))
+        self._verifies += 1
+        self._kept += accepted
+        self._rejected += accepted < drafted  # at most one rejection per chunk: it ends the chunk

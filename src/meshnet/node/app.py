@@ -41,7 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.backends.shard import ShardBackend, ShardOutput
+from meshnet.backends.shard import ShardBackend, ShardOutput, verify_chunk
 from meshnet.errors import (
     Conflict,
     HopFailed,
@@ -279,13 +279,12 @@ class _Node:
         """One compute call per chunk of ``sizes`` (protocol.ledger: a position's KV depends on its
         chunk); a failure undoes the chunks before it too, so a refused request changes nothing.
 
-        A verify chunk (``sizes`` all ones) runs as one call where the shard measured that a chunk
-        gives one-position steps' bits (``ShardInfo.verify_batched``); the tail then returns the
-        logits of every position."""
-        if verify and self.info.verify_batched:
-            return self.shard.prefill(sid, start, tokens=tokens, hidden=hidden, all_logits=True)
+        A verify chunk (``sizes`` all ones) computes every position to a one-position step's bits,
+        and the tail returns the logits of every position (``shard.verify_chunk``)."""
+        if verify:
+            return verify_chunk(self.shard, sid, start, tokens=tokens, hidden=hidden)
         if len(sizes) == 1:
-            return self.shard.prefill(sid, start, tokens=tokens, hidden=hidden, all_logits=verify)
+            return self.shard.prefill(sid, start, tokens=tokens, hidden=hidden)
         outs: list[ShardOutput] = []
         at = 0
         try:
@@ -299,9 +298,7 @@ class _Node:
                 self.shard.rewind(sid, start)
             raise
         states = [o.hidden for o in outs if o.hidden is not None]
-        rows = [o.logits for o in outs if o.logits is not None]
-        logits = np.stack(rows) if verify and rows else outs[-1].logits
-        return ShardOutput(hidden=np.concatenate(states) if states else None, logits=logits)
+        return ShardOutput(hidden=np.concatenate(states) if states else None, logits=outs[-1].logits)
 
     def record(
         self,
