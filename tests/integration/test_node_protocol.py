@@ -326,7 +326,7 @@ def test_a_verify_chunk_keeps_the_accepted_drafts_and_leaves_the_kv_of_plain_dec
     # bad verify requests: clear 400s, the session untouched
     error(post(middle, sid, chunk, position=6, drafts=[]), 400, "X-Meshnet-Draft")
     error(post(middle, sid, chunk, position=6, drafts=[1, 2, 3, 4]), 400, "shape 1,5,576")
-    error(post(middle, sid, activations(1, 5), position=6, drafts=list(range(9))), 400, "at most 8")
+    error(post(middle, sid, activations(1, 5), position=6, drafts=list(range(13))), 400, "at most 12")
     error(post(middle, sid, chunk, position=6, drafts=[1, 2, 3], extra={"X-Meshnet-Replay": "1"}), 400, "replayed")
     # the tail's own tokens for positions 7 and 8 are control[1] and control[2]: both kept, the
     # wrong third draft is replaced by the tail's token, and position 9 (the wrong draft's) dropped

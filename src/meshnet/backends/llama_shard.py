@@ -57,7 +57,7 @@ _STATE_BYTES = 4  # recurrent (conv and linear-attention) states are f32
 SNAPSHOT_CELL_META_BYTES = 12
 # The most drafted positions one verify chunk adds (speculative decoding): more than a
 # prompt-lookup drafter usually gets accepted, and few enough to measure at load (_batch_matches_steps).
-MAX_VERIFY = 8
+MAX_VERIFY = 12
 
 
 class HeadEmbeddings:

@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,11 @@ def add_swarm_commands(sub: Any) -> None:
         "routes are cut, and route repair keeps such seams in place)",
     )
     node.add_argument("--node-id", help="stable id (default: derived from host, port and layers)")
+    node.add_argument(
+        "--public-url",
+        help="the URL gateways and other nodes reach this node at, advertised to the tracker "
+        "(default http://HOST:PORT; set it behind NAT, a reverse proxy or a link emulator)",
+    )
     add_allow_uncertified(node)
     node.add_argument("--cache-dir", type=Path, default=None, help="where shard files are cut to")
     node.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session's KV is freed")
@@ -111,12 +117,13 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
         "(default ngram; greedy text is the same either way)",
     )
     parser.add_argument(
-        "--draft-tokens", type=int, default=8, help="most tokens drafted per step (default 8; nodes may allow fewer)"
+        "--draft-tokens", type=int, default=12, help="most tokens drafted per step (default 12; nodes may allow fewer)"
     )
 
 
 def run_node(args: argparse.Namespace) -> int:
     setup_logging()
+    _public_url(args.public_url)  # a bad one fails now, not after loading the model
     from meshnet.artifacts.fetch import FetchError
 
     if args.hf is not None:
@@ -168,18 +175,29 @@ def _run_hf_node(args: argparse.Namespace) -> int:
     return _serve_node(args, sock, shard, advert, started=started, seeder=None)
 
 
+def _public_url(raw: str | None) -> str | None:
+    """``--public-url``, checked: ``http://HOST:PORT`` (a path is not allowed: hops append theirs)."""
+    if raw is None:
+        return None
+    parsed = urllib.parse.urlsplit(raw.strip())
+    if parsed.scheme != "http" or not parsed.hostname or parsed.path.strip("/") or parsed.query:
+        raise SystemExit(f"meshnet node: --public-url must look like http://HOST:PORT, got {raw!r}")
+    return f"http://{parsed.netloc}"
+
+
 def _serve_node(
     args: argparse.Namespace, sock: socket.socket, shard: Any, advert: dict[str, Any], *, started: float, seeder: Any
 ) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
+    public = _public_url(args.public_url) or url
     from meshnet.node.app import NodeConfig, create_node_app
 
     info = shard.info
     node_id = args.node_id or f"node-{port}-{info.layers.start}-{info.layers.stop}"
     config = NodeConfig(
         node_id=node_id,
-        url=url,
+        url=public,
         wire_dtype=args.wire_dtype,
         max_body_bytes=int(args.max_body_mb * 2**20),
         hop_timeout_s=args.hop_timeout,
@@ -194,6 +212,8 @@ def _serve_node(
         f"loaded in {time.monotonic() - started:.1f}s",
         flush=True,
     )
+    if public != url:
+        print(f"meshnet: advertised as {public}", flush=True)
     print(f"meshnet: listening on {url}", flush=True)
     try:
         serve_app(create_node_app(shard, config), sock)

@@ -314,8 +314,8 @@ class GenerationService:
             tel.prefill_done = 0
 
     def _on_token(self, tel: GenerationTelemetry, delta: Delta) -> None:
-        if delta.hop_ms:
-            tel.record_hops(delta.hop_ms)
+        if delta.hop_ms and tel.completion_tokens:  # the first token's hop times are the prompt's
+            tel.record_hops(delta.hop_ms, delta.accepted + 1 if delta.drafted else 1)
         if delta.drafted:
             tel.drafted_tokens += delta.drafted
             tel.accepted_tokens += delta.accepted
@@ -328,17 +328,7 @@ class GenerationService:
         tel.emit(EventType.BILLING_ESTIMATE, **tel.billing.as_json())
 
     def _emit_health(self, tel: GenerationTelemetry) -> None:
-        decode_s = (time.monotonic() - tel.decode_started_at) if tel.decode_started_at else 0.0
-        step_ms = 1000 * decode_s / tel.completion_tokens if tel.completion_tokens else None
-        hops = [
-            {
-                **hop.as_json(),
-                "status": "ok",
-                "decode_step_ms": None if step_ms is None else round(step_ms, 3),
-            }
-            for hop in tel.route
-        ]
-        tel.emit(EventType.ROUTE_HEALTH, status="ok", hops=hops)
+        tel.emit(EventType.ROUTE_HEALTH, status="ok", hops=tel.hop_health())
 
     def _complete(self, tel: GenerationTelemetry, finish_reason: str) -> None:
         tel.finish_reason = finish_reason

@@ -107,7 +107,7 @@ class RouteEngine:
         max_retries: int = 3,
         outbox: BillingOutbox | None = None,
         speculative: str = "ngram",
-        draft_tokens: int = 8,
+        draft_tokens: int = 12,
     ) -> None:
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")

@@ -112,7 +112,7 @@ class GenerationTelemetry:
     _token_times: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=_ROLLING_WINDOW))
     _last_progress_at: float = 0.0
     _hop_ms_sum: list[float] = field(default_factory=list)
-    _hop_steps: int = 0
+    _hop_tokens: int = 0
     _subscribers: set[asyncio.Queue[TelemetryEvent | None]] = field(default_factory=set)
 
     # -- recording -------------------------------------------------------------------------
@@ -155,23 +155,25 @@ class GenerationTelemetry:
             return True
         return False
 
-    def record_hops(self, hop_ms: tuple[float, ...]) -> None:
-        """Accumulate one decode step's per-hop compute times (routes report them)."""
+    def record_hops(self, hop_ms: tuple[float, ...], tokens: int = 1) -> None:
+        """Accumulate one decode step's per-hop compute times (routes report them) and the tokens it gave."""
         if len(self._hop_ms_sum) != len(hop_ms):
-            self._hop_ms_sum, self._hop_steps = [0.0] * len(hop_ms), 0
+            self._hop_ms_sum, self._hop_tokens = [0.0] * len(hop_ms), 0
         self._hop_ms_sum = [a + b for a, b in zip(self._hop_ms_sum, hop_ms, strict=True)]
-        self._hop_steps += 1
+        self._hop_tokens += tokens
 
     def hop_health(self) -> list[dict[str, Any]]:
-        """Per hop: status and mean compute time per decode step (the whole step for a local route)."""
-        if self._hop_steps and len(self._hop_ms_sum) == len(self.route):
-            means: list[float | None] = [round(t / self._hop_steps, 3) for t in self._hop_ms_sum]
-        elif self.decode_started_at is not None and self.completion_tokens and len(self.route) == 1:
-            means = [round(1000 * (time.monotonic() - self.decode_started_at) / self.completion_tokens, 3)]
+        """Per hop: status, the mean time per decoded token of the whole route (``decode_step_ms``)
+        and, where the route reports it, the hop's own compute time per decoded token."""
+        decode_s = (time.monotonic() - self.decode_started_at) if self.decode_started_at else 0.0
+        step = round(1000 * decode_s / self.completion_tokens, 3) if self.completion_tokens else None
+        if self._hop_tokens and len(self._hop_ms_sum) == len(self.route):
+            compute: list[float | None] = [round(t / self._hop_tokens, 3) for t in self._hop_ms_sum]
         else:
-            means = [None] * len(self.route)
+            compute = [None] * len(self.route)
         return [
-            {**hop.as_json(), "status": "ok", "decode_step_ms": ms} for hop, ms in zip(self.route, means, strict=True)
+            {**hop.as_json(), "status": "ok", "decode_step_ms": step, "compute_ms_per_token": ms}
+            for hop, ms in zip(self.route, compute, strict=True)
         ]
 
     # -- reading ---------------------------------------------------------------------------
