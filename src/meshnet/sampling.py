@@ -25,21 +25,26 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Sampler", "SamplingParams"]
+__all__ = ["MAX_TOP_LOGPROBS", "Alternatives", "Sampler", "SamplingParams"]
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 Logits = npt.NDArray[np.float32]
+Alternatives = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """``temperature == 0`` means greedy (argmax, deterministic); ``top_k == 0`` disables top-k;
-    ``logit_bias``: ``(token id, bias)`` pairs added to the logits before any choice."""
+    ``logit_bias``: ``(token id, bias)`` pairs added to the logits before any choice;
+    ``top_logprobs``: how many most likely tokens (and their logprobs) to report beside each choice."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         # JSON gives lists: keep an immutable, hashable, validated form
@@ -57,6 +62,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            limit = MAX_TOP_LOGPROBS
+            raise ValueError(f"top_logprobs must be an integer within [0, {limit}], got {self.top_logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
@@ -77,6 +85,18 @@ class Sampler:
         temperature). A seeded draw at a known position is a function of the seed and the position alone."""
         token = self._choose(self._biased(logits), position)
         return token, _logprob(logits, token)
+
+    def alternatives(self, logits: Logits) -> Alternatives:
+        """The ``top_logprobs`` most likely tokens under the model (before bias and temperature, like
+        the logprob of the choice), most likely first; ``()`` when none were asked for."""
+        n = self.params.top_logprobs
+        if not n:
+            return ()
+        n = min(n, logits.shape[0])
+        best = np.argpartition(logits, -n)[-n:]
+        best = best[np.argsort(-logits[best], kind="stable")]
+        log_z = _log_z(logits)
+        return tuple((int(t), float(logits[t]) - log_z) for t in best)
 
     def verify(self, logits: Logits, drafts: Sequence[int], position: int) -> tuple[list[int], list[float]]:
         """Check ``drafts`` (proposed tokens for positions ``position``, ``position + 1``, ...) against
@@ -152,7 +172,10 @@ class Sampler:
 
 
 def _logprob(logits: Logits, token: int) -> float:
+    return float(logits[token]) - _log_z(logits)
+
+
+def _log_z(logits: Logits) -> float:
     # float32 keeps this ~30 µs for a 50K vocabulary: it runs on every decode step.
     top = float(np.max(logits))
-    log_z = top + float(np.log(np.sum(np.exp(logits - np.float32(top)), dtype=np.float64)))
-    return float(logits[token]) - log_z
+    return top + float(np.log(np.sum(np.exp(logits - np.float32(top)), dtype=np.float64)))

@@ -200,3 +200,23 @@ def test_speculative_decoding_gives_serves_text_with_drafts_accepted(swarm: Proc
         for _ in range(2)
     ]
     assert sampled[0] == sampled[1] and sampled[0]
+
+
+def test_logprobs_on_the_route_are_serves(swarm: Proc, server: Proc, model_id: str) -> None:
+    """The tail reports each token's logprob and top alternatives: the same as the whole model's,
+    through plain steps and through verify chunks (the copy-heavy prompt drafts)."""
+    for prompt in (PROMPTS[1], f"Repeat this text exactly:\n\n{COPY_TEXT}"):
+        answers = []
+        for url in (swarm.url, server.url):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
+            out = client.chat.completions.create(
+                model=model_id, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=24,
+                logprobs=True, top_logprobs=3,
+            )  # fmt: skip
+            answers.append(out.choices[0].logprobs.content)
+        route, serve = answers
+        assert [e.token for e in route] == [e.token for e in serve] and len(route) == 24
+        assert [e.logprob for e in route] == pytest.approx([e.logprob for e in serve], abs=1e-4)
+        for r, s in zip(route, serve, strict=True):
+            assert [a.token for a in r.top_logprobs] == [a.token for a in s.top_logprobs]
+            assert r.top_logprobs[0].token == r.token and len(r.top_logprobs) == 3

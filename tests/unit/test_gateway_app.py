@@ -588,3 +588,35 @@ def test_immediate_eos_gives_an_empty_reply_with_valid_events():
         events = _events(client, "gen-empty")
         _check_events(events, "gen-empty")
         assert "meshnet_generations_active 0.0" in client.get("/metrics").text
+
+
+def test_chat_logprobs_streaming_and_not_in_openai_shape(client: TestClient):
+    body = _chat(client, logprobs=True, top_logprobs=2).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == REPLY  # one entry per decoded token, EOS not included
+    first = content[0]
+    assert first["token"] == "H" and first["bytes"] == [72] and first["logprob"] == pytest.approx(0.0, abs=1e-6)
+    assert [a["token"] for a in first["top_logprobs"]][:1] == ["H"] and len(first["top_logprobs"]) == 2
+    assert first["top_logprobs"][1]["logprob"] < -50  # the fake model is sure of its choice
+    _, chunks = _stream(
+        client,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+    )
+    streamed = [
+        e
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for e in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert streamed == content
+    assert _chat(client).json()["choices"][0]["logprobs"] is None  # not asked: null, as OpenAI
+
+
+def test_completion_logprobs_in_the_legacy_shape(client: TestClient):
+    logprobs = _completion(client, logprobs=1, max_tokens=5).json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == list(REPLY[:5])
+    assert logprobs["text_offset"] == [0, 1, 2, 3, 4]
+    assert all(lp == pytest.approx(0.0, abs=1e-6) for lp in logprobs["token_logprobs"])
+    assert [list(top) for top in logprobs["top_logprobs"]] == [[c] for c in REPLY[:5]]
+    _error(_completion(client, logprobs=6), 400, param="logprobs")

@@ -116,8 +116,8 @@ def test_non_object_body(raw):
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 3}, "frequency_penalty"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
@@ -153,7 +153,7 @@ def test_missing_messages_and_model():
     ("fields", "param"),
     [
         ({"echo": True}, "echo"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 6}, "logprobs"),
         ({"suffix": "x"}, "suffix"),
         ({"logit_bias": {"42": -100.5}}, "logit_bias"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -197,3 +197,15 @@ def test_logit_bias_becomes_sorted_sampling_pairs():
     req = parse_body(_chat(logit_bias={"7": -100, " 3": 2.5}), ChatCompletionRequest)
     req.check_supported()
     assert req.sampling.logit_bias == ((3, 2.5), (7, -100.0))
+
+
+def test_logprobs_requests_ask_the_sampler_for_alternatives():
+    chat = parse_body(_chat(logprobs=True, top_logprobs=3), ChatCompletionRequest)
+    assert chat.wants_logprobs and chat.sampling.top_logprobs == 3
+    plain = parse_body(_chat(logprobs=True), ChatCompletionRequest)
+    assert plain.wants_logprobs and plain.sampling.top_logprobs == 0
+    assert not parse_body(_chat(), ChatCompletionRequest).wants_logprobs
+    text = parse_body(_completion(logprobs=2), CompletionRequest)
+    assert text.wants_logprobs and text.sampling.top_logprobs == 2
+    zero = parse_body(_completion(logprobs=0), CompletionRequest)
+    assert zero.wants_logprobs and zero.sampling.top_logprobs == 0

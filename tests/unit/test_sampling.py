@@ -257,3 +257,15 @@ def test_seeded_verify_is_reproducible_and_rows_must_match_the_drafts():
     assert Sampler(params).verify(rows, [1, 2, 3], position=20) == first
     with pytest.raises(ValueError, match="needs 3 rows"):
         Sampler(params).verify(rows, [1, 2], position=20)
+
+
+def test_alternatives_are_the_most_likely_tokens_under_the_model():
+    logits = _logits(4)
+    sampler = Sampler(SamplingParams(temperature=0.7, top_logprobs=3, logit_bias=((0, -100.0),)))
+    top = sampler.alternatives(logits)
+    want = np.argsort(-logits)[:3]
+    assert [t for t, _ in top] == [int(t) for t in want]  # the model's, not the biased ones
+    assert [lp for _, lp in top] == pytest.approx([_log_softmax64(logits)[t] for t in want], abs=1e-5)
+    assert Sampler(SamplingParams()).alternatives(logits) == ()
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=21)

@@ -17,7 +17,7 @@ from typing import Protocol
 from meshnet.ids import new_route_id, new_session_id
 from meshnet.layers import LayerRange
 from meshnet.routes import Hop, RoutePlan
-from meshnet.sampling import Sampler
+from meshnet.sampling import Alternatives, Sampler
 
 __all__ = ["EngineStep", "ModelInfo", "PrefillProgress", "RouteChange", "TextEngine", "TokenStep", "local_plan"]
 
@@ -66,6 +66,7 @@ class TokenStep:
     hop_ms: tuple[float, ...] = ()
     drafted: int = 0
     accepted: int = 0
+    top: Alternatives = ()  # the most likely tokens at this position, when the request asked (top_logprobs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,7 +109,7 @@ class FakeEngine:
                 logits[target] = 30.0
                 token, logprob = sampler.sample(logits, position=position)
                 time.sleep(self.step_delay_s)
-                yield TokenStep(token=token, logprob=logprob)
+                yield TokenStep(token=token, logprob=logprob, top=sampler.alternatives(logits))
                 step += 1
                 position += 1
         finally:

@@ -112,8 +112,9 @@ class LlamaFullEngine:
         while not cancel.is_set():
             if llm.n_tokens >= self.n_ctx:
                 return  # the caller sees the context end as finish_reason "length"
-            token, logprob = sampler.sample(self._last_logits(), position=llm.n_tokens)
-            yield TokenStep(token=token, logprob=logprob)
+            logits = self._last_logits()
+            token, logprob = sampler.sample(logits, position=llm.n_tokens)
+            yield TokenStep(token=token, logprob=logprob, top=sampler.alternatives(logits))
             self._eval([token])
 
     def _eval(self, tokens: Sequence[int]) -> None:

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from meshnet.gateway.generation import (
     Heartbeat,
     StreamItem,
 )
+from meshnet.gateway.logprobs import LogprobsShape
 from meshnet.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, TelemetryHub
@@ -307,7 +308,8 @@ async def _serve(
             return error_response(exc, {GENERATION_ID: str(gid)})
         raise
     headers = {GENERATION_ID: str(gid)}
-    shape = _Shape(kind, tel, state.engine.info.model_id, int(time.time()))
+    logprobs = LogprobsShape(kind, state.engine.token_bytes) if body.wants_logprobs else None
+    shape = _Shape(kind, tel, state.engine.info.model_id, int(time.time()), logprobs)
     items = state.service.stream(dataclasses.replace(gen, plan=plan), tel)
     if body.stream:
         return StreamingResponse(
@@ -325,6 +327,7 @@ class _Shape:
     tel: GenerationTelemetry
     model: str
     created: int
+    logprobs: LogprobsShape | None = None  # when the request asked for logprobs
 
     @property
     def id(self) -> str:
@@ -334,7 +337,16 @@ class _Shape:
         p, c = self.tel.prompt_tokens, self.tel.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    def chunk(self, text: str | None, finish_reason: str | None, *, first: bool = False) -> dict[str, Any]:
+    def _logprobs(self, deltas: Sequence[Delta]) -> dict[str, Any] | None:
+        if self.logprobs is None or not deltas:
+            return None
+        return self.logprobs.build([(d.token, d.logprob, d.top) for d in deltas])
+
+    def chunk(
+        self, text: str | None, finish_reason: str | None, *, first: bool = False, tokens: Sequence[Delta] = ()
+    ) -> dict[str, Any]:
+        """A stream chunk releasing ``text``, with the logprobs of ``tokens`` (those whose text it releases)."""
+        logprobs = self._logprobs(tokens)
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
@@ -342,12 +354,12 @@ class _Shape:
             choice: dict[str, Any] = {
                 "index": 0,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
         return {
             "id": self.id,
@@ -358,17 +370,20 @@ class _Shape:
             "meshnet": self.tel.snapshot(),
         }
 
-    def final(self, text: str, finish_reason: str) -> dict[str, Any]:
+    def final(self, text: str, finish_reason: str, tokens: Sequence[Delta] = ()) -> dict[str, Any]:
+        logprobs = self._logprobs(tokens)
+        if self.logprobs is not None and logprobs is None:
+            logprobs = self.logprobs.build([])
         if self.kind == "chat":
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
         return {
             "id": self.id,
@@ -391,16 +406,19 @@ async def _sse_chunks(
 ) -> AsyncIterator[bytes]:
     # The first chunk goes out at once: the client sees the route accepted before any compute.
     yield _sse(shape.chunk("", None, first=True))
+    held: list[Delta] = []  # tokens whose text is not out yet: their logprobs go with it
     try:
         async for item in items:
             if isinstance(item, Heartbeat):
                 yield _sse(shape.chunk(None, None))
             elif isinstance(item, Delta):
+                held.append(item)
                 if item.text:
-                    yield _sse(shape.chunk(item.text, None))
+                    yield _sse(shape.chunk(item.text, None, tokens=held))
+                    held = []
             elif isinstance(item, Finished):
-                if item.text:
-                    yield _sse(shape.chunk(item.text, None))
+                if item.text or held:
+                    yield _sse(shape.chunk(item.text, None, tokens=held))
                 yield _sse(shape.chunk(None, _client_reason(item.finish_reason)))
                 if include_usage:
                     yield _sse({**shape.chunk(None, None), "choices": [], "usage": shape.usage()})
@@ -427,6 +445,7 @@ async def _collect(
 ) -> Response:
     """Non-streaming: gather the text; stop early if the client hangs up."""
     parts: list[str] = []
+    deltas: list[Delta] = []
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:
         async for item in items:
@@ -434,9 +453,11 @@ async def _collect(
                 break  # leaving the loop closes the stream, which cancels the worker
             if isinstance(item, Delta):
                 parts.append(item.text)
+                deltas.append(item)
             elif isinstance(item, Finished):
                 parts.append(item.text)
-                return JSONResponse(shape.final("".join(parts), _client_reason(item.finish_reason)), headers=headers)
+                final = shape.final("".join(parts), _client_reason(item.finish_reason), deltas)
+                return JSONResponse(final, headers=headers)
             elif isinstance(item, Failed):
                 return error_response(item.error, headers)
     finally:

@@ -24,7 +24,7 @@ from meshnet.errors import EngineError, MeshnetError, Overloaded, RouteInconsist
 from meshnet.gateway.metrics import GatewayMetrics
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, Phase, TelemetryHub
 from meshnet.routes import RoutePlan
-from meshnet.sampling import Sampler, SamplingParams
+from meshnet.sampling import Alternatives, Sampler, SamplingParams
 from meshnet.tracker.billing import estimate
 
 __all__ = [
@@ -61,6 +61,7 @@ class Delta:
     hop_ms: tuple[float, ...] = ()
     drafted: int = 0  # speculative decoding: drafts verified with this token's step, and kept
     accepted: int = 0
+    top: Alternatives = ()  # the most likely tokens at this position (top_logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +139,7 @@ def run_worker(
                     return
                 produced += 1
                 text, stopped = stops.feed(decoder.decode(engine.token_bytes(step.token)))
-                report(Delta(text, step.token, step.logprob, step.hop_ms, step.drafted, step.accepted))
+                report(Delta(text, step.token, step.logprob, step.hop_ms, step.drafted, step.accepted, step.top))
                 if stopped:
                     report(Finished("stop", ""))
                     return

@@ -89,8 +89,23 @@ class _GenerationParams(_Strict):
     def sampling(self) -> SamplingParams:
         bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, logit_bias=bias
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            logit_bias=bias,
+            top_logprobs=self.alternatives,
         )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the response carries ``logprobs``."""
+        return False
+
+    @property
+    def alternatives(self) -> int:
+        """How many most likely tokens to report beside each decoded one."""
+        return 0
 
     @property
     def include_usage(self) -> bool:
@@ -129,10 +144,8 @@ class ChatCompletionRequest(_GenerationParams):
         super().check_supported()
         if not self.messages:
             raise InvalidRequest("messages must hold at least one message", param="messages")
-        if self.logprobs:
-            raise InvalidRequest("logprobs are not supported yet", param="logprobs")
-        if self.top_logprobs:
-            raise InvalidRequest("top_logprobs are not supported yet", param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise InvalidRequest(f"{name} (function calling) are not supported yet; leave them out", param=name)
@@ -144,11 +157,19 @@ class ChatCompletionRequest(_GenerationParams):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    @property
+    def alternatives(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
 
 class CompletionRequest(_GenerationParams):
     prompt: str | list[str] | list[int]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's: alternatives per token, at most 5
     suffix: str | None = None
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for legacy completions
 
@@ -156,8 +177,6 @@ class CompletionRequest(_GenerationParams):
         super().check_supported()
         if self.echo:
             raise InvalidRequest("echo is not supported", param="echo")
-        if self.logprobs:
-            raise InvalidRequest("logprobs are not supported yet", param="logprobs")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
         if isinstance(self.prompt, list):
@@ -169,6 +188,14 @@ class CompletionRequest(_GenerationParams):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    @property
+    def alternatives(self) -> int:
+        return self.logprobs or 0
 
 
 RequestT = TypeVar("RequestT", bound=_GenerationParams)

@@ -60,7 +60,7 @@ from meshnet.protocol import headers as H
 from meshnet.protocol.ledger import ChunkLedger, format_chunks, pack_chunks, verify_hops
 from meshnet.protocol.wire import encode_tensor, format_shape
 from meshnet.routes import Hop, RoutePlan, hop_timeout_s
-from meshnet.sampling import Sampler
+from meshnet.sampling import Alternatives, Sampler
 
 __all__ = ["RouteEngine", "Tokenizer"]
 
@@ -215,9 +215,10 @@ class RouteEngine:
                     drafter.record(drafted, accepted)
                 run.streamed = True
                 full = False
-                for i, (token, logprob) in enumerate(steps):
+                for i, (token, logprob, top) in enumerate(steps):
                     first = i == 0
-                    yield TokenStep(token, logprob, _hop_ms(answer) if first else (), drafted * first, accepted * first)
+                    hop_ms = _hop_ms(answer) if first else ()
+                    yield TokenStep(token, logprob, hop_ms, drafted * first, accepted * first, top)
                     if len(tokens) + 1 > self.n_ctx:
                         full = True
                         break
@@ -480,11 +481,18 @@ class RouteEngine:
             client.close()
 
 
-def _tokens_of(answer: dict[str, Any]) -> list[tuple[int, float]]:
-    """The tokens an answer brings, in order, with their logprobs: one, or a verify chunk's."""
+def _tokens_of(answer: dict[str, Any]) -> list[tuple[int, float, Alternatives]]:
+    """The tokens an answer brings, in order, with their logprobs and (when asked) the most likely
+    tokens at each position: one token, or a verify chunk's."""
     if "tokens" in answer:
-        return [(int(t), float(lp)) for t, lp in zip(answer["tokens"], answer["logprobs"], strict=True)]
-    return [(int(answer["token"]), float(answer["logprob"]))]
+        tops = answer.get("tops") or [()] * len(answer["tokens"])
+        rows = zip(answer["tokens"], answer["logprobs"], tops, strict=True)
+        return [(int(t), float(lp), _alternatives(top)) for t, lp, top in rows]
+    return [(int(answer["token"]), float(answer["logprob"]), _alternatives(answer.get("top") or ()))]
+
+
+def _alternatives(raw: Sequence[Sequence[Any]]) -> Alternatives:
+    return tuple((int(t), float(lp)) for t, lp in raw)
 
 
 def _kept(answer: dict[str, Any], position: int, n: int) -> int:

@@ -716,16 +716,20 @@ async def _sampled(
     """The tail's answer: the token after the chunk; for a verify chunk, the drafts it keeps and one
     token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first."""
     assert route.sampler is not None
+    sampler = route.sampler
     if drafts is None:
-        token, logprob = route.sampler.sample(logits, position=start + n)
-        return {"token": token, "logprob": logprob, "position": start + n, "hops": [me]}
-    tokens, logprobs = route.sampler.verify(logits, drafts, position=start + 1)
+        token, logprob = sampler.sample(logits, position=start + n)
+        top = {"top": sampler.alternatives(logits)} if sampler.params.top_logprobs else {}
+        return {"token": token, "logprob": logprob, **top, "position": start + n, "hops": [me]}
+    tokens, logprobs = sampler.verify(logits, drafts, position=start + 1)
     kept = start + len(tokens)
     await node.rewind(sid, route, kept)
     me = {**me, **route.ledger.describe()}
+    tops = {"tops": [sampler.alternatives(row) for row in logits[: len(tokens)]]} if sampler.params.top_logprobs else {}
     return {
         "tokens": tokens,
         "logprobs": logprobs,
+        **tops,
         "position": kept,
         "drafted": len(drafts),
         "accepted": len(tokens) - 1,
