@@ -220,3 +220,23 @@ def test_logprobs_on_the_route_are_serves(swarm: Proc, server: Proc, model_id: s
         for r, s in zip(route, serve, strict=True):
             assert [a.token for a in r.top_logprobs] == [a.token for a in s.top_logprobs]
             assert r.top_logprobs[0].token == r.token and len(r.top_logprobs) == 3
+
+
+def test_n_choices_on_the_route_through_the_official_client(swarm: Proc, server: Proc, model_id: str) -> None:
+    """``n`` choices run as generations of their own (each its own session on the route): greedy,
+    every choice is serve's text; seeded, choice i draws from seed + i, so the request repeats."""
+    client = openai.OpenAI(base_url=f"{swarm.url}/v1", api_key="unused", max_retries=0, timeout=180)
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    out = client.chat.completions.create(model=model_id, messages=messages, temperature=0, max_tokens=N_TOKENS, n=2)
+    assert [c.index for c in out.choices] == [0, 1]
+    expected = chat(server.url, model_id, PROMPTS[2])
+    assert [c.message.content for c in out.choices] == [expected, expected]
+
+    def seeded() -> list[str | None]:
+        out = client.chat.completions.create(
+            model=model_id, messages=messages, temperature=0.9, seed=3, max_tokens=16, n=3
+        )
+        return [c.message.content for c in out.choices]
+
+    sampled = [seeded(), seeded()]
+    assert sampled[0] == sampled[1] and len(set(sampled[0])) > 1

@@ -70,7 +70,8 @@ def _stream(client: TestClient, path: str, body: dict[str, Any], headers: dict[s
     chunks = [json.loads(d) for d in data[:-1]]
     for chunk in chunks:
         assert isinstance(chunk["meshnet"], dict)
-        assert chunk["meshnet"]["generation_id"] == resp.headers[GENERATION_ID]
+        # each choice's own generation: the proposed id, then ID.1, ID.2, ... (n > 1)
+        assert chunk["meshnet"]["generation_id"].removesuffix(".1") == resp.headers[GENERATION_ID]
     return resp, chunks
 
 
@@ -545,7 +546,7 @@ def test_wrong_method_is_an_openai_shaped_405(client: TestClient):
         (json.dumps({"model": MODEL, "messages": MESSAGES, "temperature": 3}).encode(), "temperature"),
         (json.dumps({"model": MODEL, "messages": MESSAGES, "top_p": 0}).encode(), "top_p"),
         (json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}).encode(), "max_tokens"),
-        (json.dumps({"model": MODEL, "messages": MESSAGES, "n": 2}).encode(), "n"),
+        (json.dumps({"model": MODEL, "messages": MESSAGES, "n": 9}).encode(), "n"),
         (json.dumps({"model": MODEL, "messages": MESSAGES, "stop": list("abcde")}).encode(), "stop"),
         (json.dumps({"model": MODEL, "messages": []}).encode(), "messages"),
         (
@@ -620,3 +621,33 @@ def test_completion_logprobs_in_the_legacy_shape(client: TestClient):
     assert all(lp == pytest.approx(0.0, abs=1e-6) for lp in logprobs["token_logprobs"])
     assert [list(top) for top in logprobs["top_logprobs"]] == [[c] for c in REPLY[:5]]
     _error(_completion(client, logprobs=6), 400, param="logprobs")
+
+
+def test_n_choices_streaming_and_not(client: TestClient):
+    resp = _chat(client, n=3, headers={GENERATION_ID: "gen-three"})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["id"] == "chatcmpl-gen-three"
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == REPLY and c["finish_reason"] == "stop" for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 3 * len(REPLY.encode())  # every choice counts
+    assert [m["generation_id"] for m in body["meshnet_choices"]] == ["gen-three", "gen-three.1", "gen-three.2"]
+    assert client.get("/v1/generations/gen-three.2").json()["phase"] == "completed"  # each has its telemetry
+    options = {"include_usage": True}
+    request = {"model": MODEL, "prompt": "Once upon", "n": 2, "max_tokens": 64, "temperature": 0}
+    _, chunks = _stream(client, "/v1/completions", {**request, "stream_options": options})
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        assert chunk["id"] == chunks[0]["id"]
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == {0: REPLY, 1: REPLY}
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 * len(REPLY.encode())
+    _error(_chat(client, n=9), 400, param="n")
+
+
+def test_seeded_choices_differ_and_repeat(client: TestClient, engine: FakeEngine):
+    def seeds() -> list[dict[str, Any]]:
+        return _chat(client, n=2, seed=5, temperature=1.0).json()["choices"]
+
+    assert seeds() == seeds()  # choice i draws from seed + i: reproducible

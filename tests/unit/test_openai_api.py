@@ -112,7 +112,7 @@ def test_non_object_body(raw):
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"n": 0}, "n"),
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 3}, "frequency_penalty"),
@@ -160,7 +160,7 @@ def test_missing_messages_and_model():
         ({"prompt": []}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
     ],
 )
 def test_completion_field_errors_name_the_param(fields, param):

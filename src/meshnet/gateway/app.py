@@ -43,6 +43,7 @@ from meshnet.ids import GenerationId, new_generation_id, parse_generation_id
 from meshnet.models.families import certification
 from meshnet.protocol.headers import GENERATION_ID
 from meshnet.routes import RoutePlan
+from meshnet.sampling import SamplingParams
 from meshnet.tracker.billing import FORMULA
 
 __all__ = ["GatewayState", "create_app"]
@@ -294,30 +295,68 @@ async def _serve(
     *,
     kind: str,
 ) -> Response:
+    """Run the request's ``n`` choices, each a generation of its own (its own route, telemetry and
+    id: the proposed or new one, then ``ID.1``, ``ID.2``...; a seeded choice ``i`` uses seed + i)."""
     gid = _generation_id(request)
-    state.hub.check_free(gid)
+    gids = [gid, *(GenerationId(f"{gid}.{i}") for i in range(1, body.n))]
+    for one in gids:
+        state.hub.check_free(one)
+    headers = {GENERATION_ID: str(gid)}
+    shapes: list[_Shape] = []
+    streams: list[AsyncIterator[StreamItem]] = []
+    try:
+        for index, one in enumerate(gids):
+            choice = gen if index == 0 else dataclasses.replace(gen, sampling=_seeded(gen.sampling, index))
+            shape, items = await _start(state, body, choice, one, kind=kind, index=index)
+            shapes.append(shape)
+            streams.append(items)
+    except MeshnetError as exc:
+        for shape, items in zip(shapes, streams, strict=True):
+            await _abandon(state, shape, items, "another choice of the request could not start")
+        if state.hub.known(gid):
+            return error_response(exc, headers)
+        raise
+    if body.stream:
+        return StreamingResponse(
+            _sse_chunks(state, shapes, streams, body.include_usage),
+            media_type="text/event-stream",
+            headers={**headers, **_SSE_HEADERS},
+        )
+    return await _collect(state, shapes, streams, request, headers)
+
+
+async def _start(
+    state: GatewayState,
+    body: ChatCompletionRequest | CompletionRequest,
+    gen: GenerationRequest,
+    gid: GenerationId,
+    *,
+    kind: str,
+    index: int,
+) -> tuple[_Shape, AsyncIterator[StreamItem]]:
+    """Plan a route for one choice, open its telemetry and queue it."""
     # Planning may ask a tracker over the network: off the event loop.
     size = {"prompt_tokens": len(gen.prompt_tokens), "max_tokens": gen.max_tokens}
     plan = await asyncio.get_running_loop().run_in_executor(None, lambda: state.engine.plan(**size))
     try:
         tel = _open_telemetry(state, gid, plan, len(gen.prompt_tokens))
         state.service.admit(tel)
-    except MeshnetError as exc:
+    except MeshnetError:
         state.engine.release(plan)
-        if state.hub.known(gid):
-            return error_response(exc, {GENERATION_ID: str(gid)})
         raise
-    headers = {GENERATION_ID: str(gid)}
     logprobs = LogprobsShape(kind, state.engine.token_bytes) if body.wants_logprobs else None
-    shape = _Shape(kind, tel, state.engine.info.model_id, int(time.time()), logprobs)
-    items = state.service.stream(dataclasses.replace(gen, plan=plan), tel)
-    if body.stream:
-        return StreamingResponse(
-            _sse_chunks(state, shape, items, body.include_usage),
-            media_type="text/event-stream",
-            headers={**headers, **_SSE_HEADERS},
-        )
-    return await _collect(state, shape, items, request, headers)
+    shape = _Shape(kind, tel, state.engine.info.model_id, int(time.time()), logprobs, index)
+    return shape, state.service.stream(dataclasses.replace(gen, plan=plan), tel)
+
+
+def _seeded(sampling: SamplingParams, index: int) -> SamplingParams:
+    return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + index)
+
+
+async def _abandon(state: GatewayState, shape: _Shape, items: AsyncIterator[StreamItem], reason: str) -> None:
+    await items.aclose()  # type: ignore[attr-defined]
+    if not shape.tel.finished:
+        state.service.abandon(shape.tel, reason)
 
 
 # -- response shapes ------------------------------------------------------------------------------
@@ -328,10 +367,12 @@ class _Shape:
     model: str
     created: int
     logprobs: LogprobsShape | None = None  # when the request asked for logprobs
+    index: int = 0  # the choice (n > 1); every choice's chunks carry the first choice's response id
 
     @property
     def id(self) -> str:
-        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.tel.generation_id
+        first = self.tel.generation_id.removesuffix(f".{self.index}") if self.index else self.tel.generation_id
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + first
 
     def usage(self) -> dict[str, int]:
         p, c = self.tel.prompt_tokens, self.tel.completion_tokens
@@ -352,14 +393,14 @@ class _Shape:
             if text and not first:
                 delta["content"] = text
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": self.index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
         return {
             "id": self.id,
@@ -370,30 +411,35 @@ class _Shape:
             "meshnet": self.tel.snapshot(),
         }
 
-    def final(self, text: str, finish_reason: str, tokens: Sequence[Delta] = ()) -> dict[str, Any]:
+    def choice(self, text: str, finish_reason: str, tokens: Sequence[Delta] = ()) -> dict[str, Any]:
+        """This choice in a non-streamed response."""
         logprobs = self._logprobs(tokens)
         if self.logprobs is not None and logprobs is None:
             logprobs = self.logprobs.build([])
         if self.kind == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-            obj = "text_completion"
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(),
-            "meshnet": self.tel.snapshot(),
-        }
+            message = {"role": "assistant", "content": text}
+            return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _final(shapes: Sequence[_Shape], choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """A non-streamed response: every choice; usage adds the choices up (each prefilled the prompt)."""
+    first = shapes[0]
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for shape in shapes:
+        for key, value in shape.usage().items():
+            usage[key] += value
+    extra = {"meshnet_choices": [s.tel.snapshot() for s in shapes]} if len(shapes) > 1 else {}
+    return {
+        "id": first.id,
+        "object": "chat.completion" if first.kind == "chat" else "text_completion",
+        "created": first.created,
+        "model": first.model,
+        "choices": choices,
+        "usage": usage,
+        "meshnet": first.tel.snapshot(),
+        **extra,
+    }
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -402,34 +448,66 @@ def _sse(data: dict[str, Any] | str) -> bytes:
 
 
 async def _sse_chunks(
-    state: GatewayState, shape: _Shape, items: AsyncIterator[StreamItem], include_usage: bool
+    state: GatewayState, shapes: Sequence[_Shape], streams: Sequence[AsyncIterator[StreamItem]], include_usage: bool
 ) -> AsyncIterator[bytes]:
-    # The first chunk goes out at once: the client sees the route accepted before any compute.
-    yield _sse(shape.chunk("", None, first=True))
-    held: list[Delta] = []  # tokens whose text is not out yet: their logprobs go with it
+    """The choices' chunks as they come (each carries its choice's index), then usage and [DONE]."""
+    # The first chunks go out at once: the client sees the routes accepted before any compute.
+    for shape in shapes:
+        yield _sse(shape.chunk("", None, first=True))
+    held: list[list[Delta]] = [[] for _ in shapes]  # tokens whose text is not out yet: their logprobs go with it
     try:
-        async for item in items:
+        async for index, item in _merged(streams):
+            shape = shapes[index]
             if isinstance(item, Heartbeat):
                 yield _sse(shape.chunk(None, None))
             elif isinstance(item, Delta):
-                held.append(item)
+                held[index].append(item)
                 if item.text:
-                    yield _sse(shape.chunk(item.text, None, tokens=held))
-                    held = []
+                    yield _sse(shape.chunk(item.text, None, tokens=held[index]))
+                    held[index] = []
             elif isinstance(item, Finished):
-                if item.text or held:
-                    yield _sse(shape.chunk(item.text, None, tokens=held))
+                if item.text or held[index]:
+                    yield _sse(shape.chunk(item.text, None, tokens=held[index]))
                 yield _sse(shape.chunk(None, _client_reason(item.finish_reason)))
-                if include_usage:
-                    yield _sse({**shape.chunk(None, None), "choices": [], "usage": shape.usage()})
             elif isinstance(item, Failed):
                 yield _sse(error_body(item.error))
                 return
+        if include_usage:
+            yield _sse({**shapes[0].chunk(None, None), "choices": [], "usage": _final(shapes, [])["usage"]})
         yield _sse("[DONE]")
     finally:
-        await items.aclose()  # type: ignore[attr-defined]
-        if not shape.tel.finished:
-            state.service.abandon(shape.tel, "the client disconnected")
+        for shape, items in zip(shapes, streams, strict=True):
+            await _abandon(state, shape, items, "the client disconnected")
+
+
+async def _merged(streams: Sequence[AsyncIterator[StreamItem]]) -> AsyncIterator[tuple[int, StreamItem]]:
+    """``(choice index, item)`` from every stream as they come; ends when every stream ended."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, StreamItem | None]] = asyncio.Queue()
+
+    async def pump(index: int, items: AsyncIterator[StreamItem]) -> None:
+        try:
+            async for item in items:
+                await queue.put((index, item))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, items)) for i, items in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, got = await queue.get()
+            if got is None:
+                running -= 1
+            else:
+                yield index, got
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _client_reason(reason: str) -> str:
@@ -438,33 +516,35 @@ def _client_reason(reason: str) -> str:
 
 async def _collect(
     state: GatewayState,
-    shape: _Shape,
-    items: AsyncIterator[StreamItem],
+    shapes: Sequence[_Shape],
+    streams: Sequence[AsyncIterator[StreamItem]],
     request: Request,
     headers: dict[str, str],
 ) -> Response:
-    """Non-streaming: gather the text; stop early if the client hangs up."""
-    parts: list[str] = []
-    deltas: list[Delta] = []
+    """Non-streaming: gather every choice's text; stop early if the client hangs up."""
+    parts: list[list[str]] = [[] for _ in shapes]
+    deltas: list[list[Delta]] = [[] for _ in shapes]
+    choices: dict[int, dict[str, Any]] = {}
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:
-        async for item in items:
+        async for index, item in _merged(streams):
             if watcher.done():
-                break  # leaving the loop closes the stream, which cancels the worker
+                break  # leaving the loop closes the streams, which cancels the workers
             if isinstance(item, Delta):
-                parts.append(item.text)
-                deltas.append(item)
+                parts[index].append(item.text)
+                deltas[index].append(item)
             elif isinstance(item, Finished):
-                parts.append(item.text)
-                final = shape.final("".join(parts), _client_reason(item.finish_reason), deltas)
-                return JSONResponse(final, headers=headers)
+                parts[index].append(item.text)
+                reason = _client_reason(item.finish_reason)
+                choices[index] = shapes[index].choice("".join(parts[index]), reason, deltas[index])
+                if len(choices) == len(shapes):
+                    return JSONResponse(_final(shapes, [choices[i] for i in range(len(shapes))]), headers=headers)
             elif isinstance(item, Failed):
                 return error_response(item.error, headers)
     finally:
         watcher.cancel()
-        await items.aclose()  # type: ignore[attr-defined]
-        if not shape.tel.finished:
-            state.service.abandon(shape.tel, "the client disconnected")
+        for shape, items in zip(shapes, streams, strict=True):
+            await _abandon(state, shape, items, "the client disconnected")
     return error_response(InvalidRequest("the client disconnected"), headers)
 
 

@@ -22,6 +22,7 @@ __all__ = [
 ]
 
 MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 8  # n: each choice is a generation of its own (its own route and prefill)
 
 
 class _Strict(BaseModel):
@@ -43,7 +44,7 @@ class _GenerationParams(_Strict):
     seed: int | None = None
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     # OpenAI's: token id (a string) -> bias in [-100, 100], added to that token's logit
@@ -60,8 +61,6 @@ class _GenerationParams(_Strict):
         return value
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequest("only n=1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
                 raise InvalidRequest(f"{name} is not supported yet; leave it at 0", param=name)
