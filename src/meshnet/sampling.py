@@ -19,6 +19,7 @@ mass on the drafted token): keep draft ``d`` with probability ``p(d)``; on a rej
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +38,9 @@ Alternatives = tuple[tuple[int, float], ...]  # (token id, logprob), most likely
 class SamplingParams:
     """``temperature == 0`` means greedy (argmax, deterministic); ``top_k == 0`` disables top-k;
     ``logit_bias``: ``(token id, bias)`` pairs added to the logits before any choice;
-    ``top_logprobs``: how many most likely tokens (and their logprobs) to report beside each choice."""
+    ``top_logprobs``: how many most likely tokens (and their logprobs) to report beside each choice;
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, within [-2, 2]): subtracted from the logit
+    of every token already generated — once, and once per occurrence — before any choice."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -45,6 +48,11 @@ class SamplingParams:
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # The position of the first generated token: a route's tail sees every position's token id
+    # and counts those from here for the penalties (docs/protocol.md).
+    generated_from: int = 0
 
     def __post_init__(self) -> None:
         # JSON gives lists: keep an immutable, hashable, validated form
@@ -65,12 +73,22 @@ class SamplingParams:
         if not (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             limit = MAX_TOP_LOGPROBS
             raise ValueError(f"top_logprobs must be an integer within [0, {limit}], got {self.top_logprobs!r}")
+        if not isinstance(self.generated_from, int) or self.generated_from < 0:
+            raise ValueError(f"generated_from must be a position (>= 0), got {self.generated_from!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be within [-2, 2], got {getattr(self, name)}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether choices depend on the tokens generated so far (their counts: ``Sampler.generated``)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 class Sampler:
@@ -79,11 +97,14 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
+        # The tokens generated so far and how often each occurs, for the penalties: the caller
+        # reports them (``generated``), since only it knows which tokens were kept.
+        self.generated: collections.Counter[int] = collections.Counter()
 
     def sample(self, logits: Logits, position: int | None = None) -> tuple[int, float]:
         """Return ``(token_id, logprob)`` for the token at ``position``; the logprob is the model's (before
         temperature). A seeded draw at a known position is a function of the seed and the position alone."""
-        token = self._choose(self._biased(logits), position)
+        token = self._choose(self._biased(logits, self.generated), position)
         return token, _logprob(logits, token)
 
     def alternatives(self, logits: Logits) -> Alternatives:
@@ -106,10 +127,12 @@ class Sampler:
             want = len(drafts) + 1
             raise ValueError(f"verifying {len(drafts)} drafts needs {want} rows of logits, got {logits.shape}")
         tokens: list[int] = []
+        counts = collections.Counter(self.generated)  # each row sees the drafts kept before it
         for i, row in enumerate(logits):
             draft = drafts[i] if i < len(drafts) else None
-            token = self._check(self._biased(row), draft, position + i)
+            token = self._check(self._biased(row, counts), draft, position + i)
             tokens.append(token)
+            counts[token] += 1
             if token != draft:
                 break
         return tokens, [_logprob(logits[i], t) for i, t in enumerate(tokens)]
@@ -136,14 +159,22 @@ class Sampler:
             return self._rng
         return np.random.default_rng([p.seed, position] if stream == 0 else [p.seed, position, stream])
 
-    def _biased(self, logits: Logits) -> Logits:
-        if not self.params.logit_bias:
+    def _biased(self, logits: Logits, counts: collections.Counter[int]) -> Logits:
+        """``logits`` with the logit bias added and the penalties for the ``counts`` of generated tokens taken off."""
+        p = self.params
+        penalize = p.penalized and counts
+        if not p.logit_bias and not penalize:
             return logits
         biased = logits.copy()
-        for token, value in self.params.logit_bias:
+        for token, value in p.logit_bias:
             if token >= biased.shape[0]:
                 raise ValueError(f"logit_bias names token {token}, outside the vocabulary of {biased.shape[0]}")
             biased[token] += np.float32(value)
+        if penalize:
+            ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+            n = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+            keep = ids < biased.shape[0]
+            biased[ids[keep]] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * n[keep]
         return biased
 
     def _choose(self, logits: Logits, position: int | None) -> int:

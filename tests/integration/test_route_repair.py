@@ -1,11 +1,13 @@
 """kill -9 of a serving node, mid-decode and mid-prefill: the stream completes with the same greedy text.
 
-A swarm with two or more candidates for every range. Mid-decode the middle dies: route repair rebuilds
-the other middle from the head's seam log and generation goes on; the head dies: the gateway
-rebuilds the other head from the token ids. Mid-prefill the tail dies: a fresh route without it
-prefills from scratch. The official
-``openai`` client streams through both and sees nothing but the tokens; telemetry shows each retry.
-Then, with no candidate left, a third kill fails the stream with a stated reason, never a hang.
+A swarm with two or more candidates for every range (a spare for each test that kills one).
+Mid-decode the middle dies: route repair rebuilds another middle from the head's seam log and
+generation goes on — also under speculative decoding; the tail dies under presence/frequency
+penalties: the new tail gets the token ids too and penalizes the same tokens; the head dies: the
+gateway rebuilds another head from the token ids. Mid-prefill the tail dies: a fresh route
+without it prefills from scratch. The official ``openai`` client streams through all of them and
+sees nothing but the tokens; telemetry shows each retry. Then, with no candidate left, a kill
+fails the stream with a stated reason, never a hang.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "--hop-timeout",
             "4",
         ]
-        layout = [("head-a", "0:10"), ("head-b", "0:10"), ("mid-a", "10:20"), ("mid-b", "10:20"),
-                  ("mid-c", "10:20"), ("tail-a", "20:30"), ("tail-b", "20:30"), ("tail-c", "20:30")]  # fmt: skip
+        layout = [("head-a", "0:10"), ("head-b", "0:10"), ("mid-a", "10:20"), ("mid-b", "10:20"), ("mid-c", "10:20"),
+                  ("mid-d", "10:20"), ("tail-a", "20:30"), ("tail-b", "20:30"), ("tail-c", "20:30"),
+                  ("tail-d", "20:30")]  # fmt: skip
         nodes = {
             name: stack.enter_context(meshnet_process(["node", "--layers", layers, "--node-id", name, *args]))
             for name, layers in layout
@@ -70,12 +73,12 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         yield {"tracker": tracker, "gateway": gateway, "nodes": nodes}
 
 
-def stream(gateway: Proc, prompt: str, gid: str, max_tokens: int, on_chunk: Any = None) -> str:
+def stream(gateway: Proc, prompt: str, gid: str, max_tokens: int, on_chunk: Any = None, **params: Any) -> str:
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)
     text = ""
     chunks = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        extra_headers={"X-Meshnet-Generation-Id": gid},
+        extra_headers={"X-Meshnet-Generation-Id": gid}, **params,
     )  # fmt: skip
     for n, chunk in enumerate(chunks):
         if chunk.choices:
@@ -143,6 +146,26 @@ def test_kill_9_of_the_middle_during_speculative_decoding_is_repaired_with_ident
     assert len(retries) == 1 and retries[0]["kind"] == "repair" and retries[0]["failed_node"] == killed[0]
     snapshot = httpx.get(f"{gateway.url}/v1/generations/gen-spec-repair", timeout=10).json()
     assert snapshot["speculation"]["accepted_tokens"] >= 16, snapshot["speculation"]
+
+
+def test_a_repaired_tail_applies_the_penalties_of_the_whole_generation(swarm: dict[str, Any]) -> None:
+    """With presence/frequency penalties the tail counts the generated tokens, whose ids travel beside
+    the activations. The tail dies mid-decode: the middle replays its seam log with those ids into a
+    new tail, which then penalizes exactly what the old one did."""
+    gateway = swarm["gateway"]
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.7}
+    expected = stream(gateway, PROMPT, "gen-penalty-baseline", 40, **penalties)
+    assert expected != stream(gateway, PROMPT, "gen-penalty-none", 40)
+    killed: list[str] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 20 and not killed:
+            killed.append(serving(swarm["gateway"], "gen-penalty-repair", "20:30"))
+            kill(swarm, killed[0])
+
+    assert stream(gateway, PROMPT, "gen-penalty-repair", 40, on_chunk, **penalties) == expected
+    retries = [e for e in events(gateway, "gen-penalty-repair") if e["type"] == "route.retry"]
+    assert len(retries) == 1 and retries[0]["kind"] == "repair"
 
 
 def test_kill_9_of_the_head_mid_decode_is_repaired_from_the_token_ids(swarm: dict[str, Any]) -> None:

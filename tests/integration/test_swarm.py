@@ -240,3 +240,21 @@ def test_n_choices_on_the_route_through_the_official_client(swarm: Proc, server:
 
     sampled = [seeded(), seeded()]
     assert sampled[0] == sampled[1] and len(set(sampled[0])) > 1
+
+
+def test_penalties_on_the_route_are_serves(swarm: Proc, server: Proc, model_id: str) -> None:
+    """Presence and frequency penalties need the tokens generated so far where the logits are: the
+    token ids travel to the tail beside the activations. Greedy text equals serve's, through plain
+    steps and verify chunks, and the penalties do change it."""
+    for prompt in (PROMPTS[0], f"Repeat this text exactly:\n\n{COPY_TEXT}"):
+        texts = []
+        for url in (swarm.url, server.url):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
+            out = client.chat.completions.create(
+                model=model_id, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=N_TOKENS,
+                presence_penalty=0.6, frequency_penalty=0.8,
+            )  # fmt: skip
+            texts.append(out.choices[0].message.content)
+        assert texts[0] == texts[1]
+        if prompt == PROMPTS[0]:  # a story repeats words the penalties push down (a copy keeps its text)
+            assert texts[0] != chat(server.url, model_id, prompt)

@@ -114,7 +114,7 @@ def test_non_object_body(raw):
         ({"n": 0}, "n"),
         ({"n": 9}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": 3}, "frequency_penalty"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -269,3 +269,34 @@ def test_alternatives_are_the_most_likely_tokens_under_the_model():
     assert Sampler(SamplingParams()).alternatives(logits) == ()
     with pytest.raises(ValueError, match="top_logprobs"):
         SamplingParams(top_logprobs=21)
+
+
+def test_penalties_lower_the_logits_of_generated_tokens_once_and_per_occurrence():
+    logits = np.zeros(8, dtype=np.float32)
+    logits[3] = 1.0
+    sampler = Sampler(SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.4))
+    assert sampler.sample(logits)[0] == 3
+    sampler.generated.update([3, 3])  # 1 - 0.5 - 2 * 0.4 = -0.3 < 0: token 3 loses the argmax
+    token, logprob = sampler.sample(logits)
+    assert token == 0
+    assert logprob == pytest.approx(_log_softmax64(logits)[0], abs=1e-6)  # the model's logprob, unpenalized
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=2.5)
+
+
+def test_a_penalized_verify_picks_what_step_by_step_sampling_picks():
+    rng = np.random.default_rng(9)
+    rows = rng.normal(0.0, 1.0, (6, 16)).astype(np.float32)
+    rows[:, 5] += 3.0  # token 5 leads every row until its penalties pile up
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.5)
+    stepper = Sampler(params)
+    stepper.generated.update([5])
+    steps = []
+    for row in rows:
+        token = stepper.sample(row)[0]
+        steps.append(token)
+        stepper.generated[token] += 1
+    verifier = Sampler(params)
+    verifier.generated.update([5])
+    tokens, _ = verifier.verify(rows, steps[:5], position=0)  # the drafts are exactly what steps chose
+    assert tokens == steps and len(set(steps)) > 1

@@ -110,6 +110,7 @@ class FakeEngine:
                 token, logprob = sampler.sample(logits, position=position)
                 time.sleep(self.step_delay_s)
                 yield TokenStep(token=token, logprob=logprob, top=sampler.alternatives(logits))
+                sampler.generated[token] += 1
                 step += 1
                 position += 1
         finally:

@@ -115,6 +115,7 @@ class LlamaFullEngine:
             logits = self._last_logits()
             token, logprob = sampler.sample(logits, position=llm.n_tokens)
             yield TokenStep(token=token, logprob=logprob, top=sampler.alternatives(logits))
+            sampler.generated[token] += 1
             self._eval([token])
 
     def _eval(self, tokens: Sequence[int]) -> None:

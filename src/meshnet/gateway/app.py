@@ -238,7 +238,7 @@ def _gen_request(
         )
     return GenerationRequest(
         prompt_tokens=tuple(tokens),
-        sampling=sampling,
+        sampling=dataclasses.replace(sampling, generated_from=n),
         max_tokens=limit if limit is not None else cap - n,
         stop=body.stop_sequences,
     )

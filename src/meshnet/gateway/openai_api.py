@@ -61,9 +61,6 @@ class _GenerationParams(_Strict):
         return value
 
     def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise InvalidRequest(f"{name} is not supported yet; leave it at 0", param=name)
         for key, value in (self.logit_bias or {}).items():
             if not key.strip().isdigit():
                 raise InvalidRequest(f"logit_bias keys are token ids (digit strings), got {key!r}", param="logit_bias")
@@ -94,6 +91,8 @@ class _GenerationParams(_Strict):
             seed=self.seed,
             logit_bias=bias,
             top_logprobs=self.alternatives,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
         )
 
     @property

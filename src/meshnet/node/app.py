@@ -26,6 +26,7 @@ the shard backend; everything else runs on the event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -120,6 +121,10 @@ class _Route:
     log_dtype: str = ""
     # beside it, for a model whose every hop reads the token ids: the ids of positions 0.., int32
     ids_log: bytearray = field(default_factory=bytearray)
+    # Token ids travel beside the activations to the tail (``carry_ids``) when its choices depend
+    # on the tokens generated so far (presence/frequency penalties); the tail keeps them by position.
+    carry_ids: bool = False
+    ids_seen: list[int] = field(default_factory=list)
 
 
 class _Node:
@@ -161,7 +166,9 @@ class _Node:
             if not route_id:
                 raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
             sends = not self.info.layers.is_tail
-            route = _Route(route_id, self.next_hops(request), self._sampler(request), ChunkLedger(sends))
+            params = self._params(request)
+            sampler = Sampler(params) if self.info.layers.is_tail else None
+            route = _Route(route_id, self.next_hops(request), sampler, ChunkLedger(sends), carry_ids=params.penalized)
             if self.info.layers.is_tail or self.config.seam_log_bytes <= 0:
                 route.log = None
             self.shard.open_session(sid)
@@ -182,13 +189,12 @@ class _Node:
             raise InvalidRequest(f"node {self.config.node_id} ({self.info.layers}) needs {H.NEXT_HOPS}")
         return hops
 
-    def _sampler(self, request: Request) -> Sampler | None:
-        if not self.info.layers.is_tail:
-            return None
+    def _params(self, request: Request) -> SamplingParams:
+        """The session's sampling parameters: the tail samples with them; every hop reads whether
+        the token ids must travel to the tail (penalties)."""
         raw = request.headers.get(H.SAMPLING)
         try:
-            params = SamplingParams(**json.loads(raw)) if raw else SamplingParams(temperature=0.0)
-            return Sampler(params)
+            return SamplingParams(**json.loads(raw)) if raw else SamplingParams(temperature=0.0)
         except (ValueError, TypeError) as exc:
             raise InvalidRequest(f"{H.SAMPLING} must be JSON sampling parameters: {exc}") from None
 
@@ -233,18 +239,34 @@ class _Node:
             raise InvalidRequest(f"drafted token ids must lie in 0..{self.info.n_vocab - 1}")
         return drafts
 
-    def ids_onward(self, tokens: np.ndarray | None) -> bytes | None:
-        """The chunk's token ids for the next hop, when this model's every hop reads them."""
-        if not self.info.seam.carries_token_ids:
+    def ids_onward(self, route: _Route, tokens: np.ndarray | None) -> bytes | None:
+        """The chunk's token ids for the next hop, when this model's every hop reads them or the
+        session's tail counts them (``carry_ids``)."""
+        if not (self.info.seam.carries_token_ids or route.carry_ids):
             return None
-        assert tokens is not None  # inputs() required them
+        assert tokens is not None  # _handle required them
         return token_ids_prefix(tokens)
+
+    def carried_ids(self, route: _Route, tokens: np.ndarray | None, start: int) -> np.ndarray | None:
+        """Check that a session whose ids travel got them; the ids the shard itself computes from."""
+        info = self.info
+        if route.carry_ids and tokens is None and not info.layers.is_head:
+            raise SeamMismatch(
+                f"this session's token ids travel to the tail (penalties): send the chunk's ids first in the body, "
+                f"with {H.TOKEN_IDS}"
+            )
+        if route.carry_ids and info.layers.is_tail and tokens is not None:
+            del route.ids_seen[start:]
+            route.ids_seen.extend(int(t) for t in tokens)
+        return tokens if info.layers.is_head or info.seam.carries_token_ids else None
 
     def _token_ids(self, raw: str, body: bytes, n: int) -> tuple[np.ndarray, bytes]:
         if self.info.layers.is_head:
             raise SeamMismatch(f"the head takes its token ids as the body: drop {H.TOKEN_IDS}")
         ids, rest = split_token_ids(body, raw, n)
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.info.n_vocab):
+        # checked where they are used: a shard that reads them, or the tail (a middle shard may hold no vocabulary)
+        used = self.info.seam.carries_token_ids or self.info.layers.is_tail
+        if used and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.info.n_vocab):
             raise SeamMismatch(f"token ids must lie in 0..{self.info.n_vocab - 1}")
         return ids, rest
 
@@ -419,6 +441,7 @@ class _Node:
         if route.ids_log:
             self.log_bytes -= len(route.ids_log) - 4 * position
             del route.ids_log[4 * position :]
+        del route.ids_seen[position:]
 
     async def reroute(
         self,
@@ -461,7 +484,7 @@ class _Node:
             )
         row = len(route.log) // position
         seam = self.info.seam.shape
-        with_ids = self.info.seam.carries_token_ids
+        with_ids = self.info.seam.carries_token_ids or route.carry_ids
         if with_ids and len(route.ids_log) != 4 * position:
             raise Conflict(f"session {sid} has no complete token-id log on this node; it needs a fresh prefill",
                            code="no_seam_log")  # fmt: skip
@@ -651,9 +674,10 @@ async def _handle(
         if rewind:
             await node.rewind(sid, route, start)
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
+        own = node.carried_ids(route, tokens, start)
         with node.traffic.measure(n, decode=decode):
             out_hidden, logits, compute_ms = await node.run(
-                sid, start=start, tokens=tokens, hidden=hidden, sizes=sizes, verify=drafts is not None
+                sid, start=start, tokens=own, hidden=hidden, sizes=sizes, verify=drafts is not None
             )
         node.metrics.positions.inc(n)
         frame = None
@@ -669,7 +693,7 @@ async def _handle(
             assert logits is not None
             return JSONResponse(await _sampled(node, sid, route, start=start, n=n, logits=logits, drafts=drafts, me=me))
         assert frame is not None
-        ids = node.ids_onward(tokens)
+        ids = node.ids_onward(route, tokens)
         node.log_frame(route, start, frame, ids)
         if replay == 1:
             return JSONResponse({"replayed": n, "hops": [me]})  # the hops after this one already hold it
@@ -717,6 +741,9 @@ async def _sampled(
     token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first."""
     assert route.sampler is not None
     sampler = route.sampler
+    if route.carry_ids:  # the generated tokens before the first one this answer picks
+        before = start + n - len(drafts or ())
+        sampler.generated = collections.Counter(route.ids_seen[sampler.params.generated_from : before])
     if drafts is None:
         token, logprob = sampler.sample(logits, position=start + n)
         top = {"top": sampler.alternatives(logits)} if sampler.params.top_logprobs else {}
