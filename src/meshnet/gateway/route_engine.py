@@ -64,6 +64,8 @@ from meshnet.sampling import Alternatives, Sampler
 
 __all__ = ["RouteEngine", "Tokenizer"]
 
+_ROUTES_COSTED = 256  # routes whose walk times the drafter remembers
+
 
 class Tokenizer(Protocol):
     info: ModelInfo
@@ -257,9 +259,14 @@ class RouteEngine:
             return answer
 
     def _walk_costs(self, plan: RoutePlan) -> WalkCosts:
+        """The measured walk times of ``plan``'s route (the most recently used routes are kept)."""
         key = tuple(h.node for h in plan.hops)
         with self._costs_lock:
-            return self._costs.setdefault(key, WalkCosts())
+            costs = self._costs.pop(key, None) or WalkCosts()
+            self._costs[key] = costs  # most recent last
+            while len(self._costs) > _ROUTES_COSTED:
+                del self._costs[next(iter(self._costs))]
+            return costs
 
     def _drafts(self, drafter: PromptLookup | None, plan: RoutePlan, length: int) -> list[int]:
         """Tokens to verify after ``length`` tokens: within every hop's limit and the context."""

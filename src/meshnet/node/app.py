@@ -19,6 +19,15 @@ their KV without answering a token), then resends the interrupted step with
 ``X-Meshnet-Rewind`` so a hop that already computed it drops it first. Nothing upstream
 recomputes, and no KV crosses the network.
 
+Speculative decoding (``verify``): a decode step with drafted tokens after it
+(``X-Meshnet-Draft``) computes every position as a one-position step would
+(``shard.verify_chunk``); the tail keeps the drafts its sampler agrees with plus one token of its
+own, and every hop drops the rejected positions as the answer passes it back.
+
+Penalties: when the session's sampling parameters set a presence or frequency penalty, the token
+ids travel beside the activations to the tail (and into the seam logs), which counts the
+generated ones before each choice.
+
 Concurrency: one request per session at a time (a second gets 409); compute is serialized by
 the shard backend; everything else runs on the event loop.
 """
