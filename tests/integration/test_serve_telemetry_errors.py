@@ -162,7 +162,7 @@ BAD_REQUESTS = [
     ),
     (
         "/v1/chat/completions",
-        {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": 3},
+        {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": 9},
         400,
         "n",
     ),
