@@ -66,11 +66,18 @@ class RawLlama:
 
 def _stream(url: str, model: str, prompt: str, max_tokens: int, gid: str | None = None) -> tuple[list[float], dict]:
     """Stream a completion; return the arrival times of text chunks and the final telemetry."""
+    _, times, final = stream_text(url, model, prompt, max_tokens, gid)
+    return times, final
+
+
+def stream_text(
+    url: str, model: str, prompt: str, max_tokens: int, gid: str | None = None, timeout_s: float = 300
+) -> tuple[str, list[float], dict]:
+    """Stream a greedy completion; return its text, the arrival times of text chunks and the final telemetry."""
     headers = {"X-Meshnet-Generation-Id": gid} if gid else {}
-    times: list[float] = []
-    final: dict = {}
+    text, times, final = "", [], {}
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=300) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=timeout_s) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -78,8 +85,9 @@ def _stream(url: str, model: str, prompt: str, max_tokens: int, gid: str | None 
             chunk = json.loads(line[6:])
             final = chunk["meshnet"]
             if chunk["choices"] and chunk["choices"][0]["text"]:
+                text += chunk["choices"][0]["text"]
                 times.append(time.perf_counter())
-    return times, final
+    return text, times, final
 
 
 def _first_event_latency(url: str, model: str, n: int) -> tuple[list[float], list[float]]:

@@ -10,15 +10,15 @@ first token) of a greedy stream; the greedy text of both gateways must be identi
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 
 import httpx
 from tests.procs import meshnet_process
 
-from benchmarks.bench_serve import DECODE_PROMPT
+from benchmarks.bench_serve import DECODE_PROMPT, stream_text
 from benchmarks.common import Section, median
 
 CORES = os.cpu_count() or 2
@@ -34,24 +34,30 @@ PASSAGE = (
 COPY_PROMPT = f"Text: {PASSAGE}\nThe same text, copied word for word: {PASSAGE[:40]}"
 
 
-def _stream(url: str, model: str, prompt: str) -> tuple[str, list[float], dict]:
-    body = {"model": model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "stream": True}
-    text, times, final = "", [], {}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            final = chunk["meshnet"]
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                text += chunk["choices"][0]["text"]
-                times.append(time.perf_counter())
-    return text, times, final
-
-
 def _rate(tokens: int, times: list[float]) -> float:
     return (tokens - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+
+
+def two_gateway_swarm(
+    stack: contextlib.ExitStack, tmp: str, node_args: Sequence[list[str]]
+) -> tuple[dict[str, str], str]:
+    """A tracker, one node per ``node_args`` and two gateways on them, ``--speculative off`` and
+    ``ngram``; returns the gateways' URLs by mode and the model id."""
+    tracker = stack.enter_context(meshnet_process(["tracker", "--port", "0", "--db", f"sqlite:///{tmp}/t.db"]))
+    for args in node_args:
+        stack.enter_context(meshnet_process(["node", *args, "--tracker", tracker.url], ready_timeout_s=120))
+    deadline = time.monotonic() + 60
+    while len(httpx.get(f"{tracker.url}/v1/nodes", timeout=10).json()["nodes"]) < len(node_args):
+        assert time.monotonic() < deadline, "nodes never registered"
+        time.sleep(0.2)
+    gateways = {
+        mode: stack.enter_context(
+            meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--speculative", mode])
+        ).url
+        for mode in ("off", "ngram")
+    }
+    model = httpx.get(f"{gateways['off']}/v1/models", timeout=10).json()["data"][0]["id"]
+    return gateways, model
 
 
 def run() -> Section:
@@ -62,30 +68,17 @@ def run() -> Section:
         f"two gateways on one swarm; {TOKENS} greedy tokens, median of {ROUNDS} alternating rounds)",
     )
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        tracker = stack.enter_context(meshnet_process(["tracker", "--port", "0", "--db", f"sqlite:///{tmp}/t.db"]))
-        for layers in ("0:10", "10:20", "20:30"):
-            args = ["node", "--layers", layers, "--threads", str(threads), "--tracker", tracker.url]
-            stack.enter_context(meshnet_process(args, ready_timeout_s=120))
-        deadline = time.monotonic() + 60
-        while len(httpx.get(f"{tracker.url}/v1/nodes", timeout=10).json()["nodes"]) < 3:
-            assert time.monotonic() < deadline, "nodes never registered"
-            time.sleep(0.2)
-        gateways = {
-            mode: stack.enter_context(
-                meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--speculative", mode])
-            ).url
-            for mode in ("off", "ngram")
-        }
-        model = httpx.get(f"{gateways['off']}/v1/models", timeout=10).json()["data"][0]["id"]
+        nodes = [["--layers", layers, "--threads", str(threads)] for layers in ("0:10", "10:20", "20:30")]
+        gateways, model = two_gateway_swarm(stack, tmp, nodes)
         for url in gateways.values():
-            _stream(url, model, "warm up")
+            stream_text(url, model, "warm up", TOKENS)
         rates: dict[tuple[str, str], list[float]] = {}
         texts: dict[tuple[str, str], set[str]] = {}
         spec: dict[str, list[tuple[int, int]]] = {"copy": [], "story": []}
         for _ in range(ROUNDS):
             for kind, prompt in (("copy", COPY_PROMPT), ("story", DECODE_PROMPT)):
                 for mode, url in gateways.items():
-                    text, times, final = _stream(url, model, prompt)
+                    text, times, final = stream_text(url, model, prompt, TOKENS)
                     rates.setdefault((kind, mode), []).append(_rate(final["completion_tokens"], times))
                     texts.setdefault((kind, mode), set()).add(text)
                     if mode == "ngram":

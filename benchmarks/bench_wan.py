@@ -21,10 +21,10 @@ import tempfile
 import time
 
 import httpx
-from tests.procs import meshnet_process
 from tests.wan import delay_proxy
 
-from benchmarks.bench_speculative import COPY_PROMPT
+from benchmarks.bench_serve import stream_text
+from benchmarks.bench_speculative import COPY_PROMPT, two_gateway_swarm
 from benchmarks.common import Section, median
 
 CORES = os.cpu_count() or 2
@@ -38,23 +38,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _stream(url: str, model: str, gid: str) -> tuple[str, list[float], dict]:
-    body = {"model": model, "prompt": COPY_PROMPT, "max_tokens": TOKENS, "temperature": 0, "stream": True}
-    text, times, final = "", [], {}
-    headers = {"X-Meshnet-Generation-Id": gid}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            final = chunk["meshnet"]
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                text += chunk["choices"][0]["text"]
-                times.append(time.perf_counter())
-    return text, times, final
 
 
 def _compute_ms(url: str, gid: str) -> float:
@@ -78,24 +61,13 @@ def run() -> Section:
         f"copy-heavy request, median of {ROUNDS} alternating rounds)",
     )
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        tracker = stack.enter_context(meshnet_process(["tracker", "--port", "0", "--db", f"sqlite:///{tmp}/t.db"]))
+        nodes = []
         for layers in LAYOUT:
             port = _free_port()
             proxy = stack.enter_context(delay_proxy(port, ONE_WAY_S))
-            args = ["node", "--layers", layers, "--threads", str(threads), "--tracker", tracker.url]
-            args += ["--port", str(port), "--public-url", f"http://127.0.0.1:{proxy.port}"]
-            stack.enter_context(meshnet_process(args, ready_timeout_s=120))
-        deadline = time.monotonic() + 60
-        while len(httpx.get(f"{tracker.url}/v1/nodes", timeout=10).json()["nodes"]) < len(LAYOUT):
-            assert time.monotonic() < deadline, "nodes never registered"
-            time.sleep(0.2)
-        gateways = {
-            mode: stack.enter_context(
-                meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--speculative", mode])
-            ).url
-            for mode in ("off", "ngram")
-        }
-        model = httpx.get(f"{gateways['off']}/v1/models", timeout=10).json()["data"][0]["id"]
+            nodes.append(["--layers", layers, "--threads", str(threads), "--port", str(port),
+                          "--public-url", f"http://127.0.0.1:{proxy.port}"])  # fmt: skip
+        gateways, model = two_gateway_swarm(stack, tmp, nodes)
         ms: dict[str, list[float]] = {"off": [], "ngram": []}
         compute: list[float] = []
         texts: dict[str, set[str]] = {"off": set(), "ngram": set()}
@@ -103,7 +75,7 @@ def run() -> Section:
         for i in range(ROUNDS + 1):  # the first round warms both gateways' route costs up
             for mode, url in gateways.items():
                 gid = f"wan-{mode}-{i}-{time.time_ns()}"
-                text, times, final = _stream(url, model, gid)
+                text, times, final = stream_text(url, model, COPY_PROMPT, TOKENS, gid, timeout_s=600)
                 if i == 0:
                     continue
                 ms[mode].append(1000 * (times[-1] - times[0]) / (final["completion_tokens"] - 1))

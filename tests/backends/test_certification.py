@@ -32,6 +32,7 @@ from tests.certify.parity import (
     route,
     transformers_gap,
     verify_matches_decoding,
+    whole_info,
 )
 
 pytestmark = pytest.mark.real
@@ -244,10 +245,7 @@ def test_a_certified_family_splits_bit_identically(arch: str, shard_cache: Path)
     assert rewind_replays_exactly(gguf, cuts[-1], shard_cache)
     # Speculative decoding: where the shards take verify chunks, a chunk of drafts computes what
     # one-position steps do, and dropping the rejected drafts leaves the KV of a run that never drafted.
-    whole = LlamaShard(gguf, config=CONFIG)
-    verifies = whole.info.max_verify > 0
-    whole.close()
-    if verifies:
+    if whole_info(gguf).max_verify:
         assert verify_matches_decoding(gguf, cuts[-1], shard_cache)
     # The whole GGUF against transformers on the same weights: a converter or kernel difference
     # would show here, not be mistaken for (or hidden by) a split bug.

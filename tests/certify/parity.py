@@ -18,7 +18,7 @@ import numpy as np
 
 from meshnet.backends.chain import ChainSession
 from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
-from meshnet.backends.shard import F32, ShardBackend
+from meshnet.backends.shard import F32, ShardBackend, ShardInfo
 
 STEPS = 20
 PROMPT_LEN = 37
@@ -137,14 +137,20 @@ def transformers_gap(gguf: Path, hf_dir: Path) -> float:
     return float(np.max(np.abs(ours - theirs)) / max(1e-9, float(np.max(np.abs(theirs)))))
 
 
+def whole_info(gguf: Path) -> ShardInfo:
+    """What the whole GGUF in one context is (layers, vocabulary, whether it verifies drafts)."""
+    whole = LlamaShard(gguf, config=CONFIG)
+    try:
+        return whole.info
+    finally:
+        whole.close()
+
+
 def rewind_replays_exactly(gguf: Path, cuts: Sequence[int], cache: Path) -> bool:
     """On a route: decode, rewind every shard one step (what route repair does to a hop that already
     holds the resent step), decode the same token again: the logits must be bit-identical."""
-    whole = LlamaShard(gguf, config=CONFIG)
-    try:
-        total, n_vocab = whole.info.layers.total, whole.info.n_vocab
-    finally:
-        whole.close()
+    info = whole_info(gguf)
+    total, n_vocab = info.layers.total, info.n_vocab
     shards = route(gguf, cuts, total, cache)
     try:
         session = ChainSession(shards)
@@ -168,11 +174,8 @@ def verify_matches_decoding(gguf: Path, cuts: Sequence[int], cache: Path, drafts
     """Speculative decoding on a route: a verify chunk of ``drafts + 1`` positions gives every row
     the bits one-position steps give, and after dropping the rejected rows the session decodes
     exactly as one that never drafted (its KV is the same)."""
-    whole = LlamaShard(gguf, config=CONFIG)
-    try:
-        total, n_vocab = whole.info.layers.total, whole.info.n_vocab
-    finally:
-        whole.close()
+    info = whole_info(gguf)
+    total, n_vocab = info.layers.total, info.n_vocab
     shards = route(gguf, cuts, total, cache)
     try:
         plain, spec = ChainSession(shards), ChainSession(shards)
