@@ -23,6 +23,7 @@ import abc
 import json
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -41,6 +42,7 @@ __all__ = [
     "ShardBase",
     "ShardInfo",
     "ShardOutput",
+    "compute_chunks",
     "verify_chunk",
 ]
 
@@ -322,6 +324,39 @@ class ShardBase(abc.ABC, Generic[S]):
         return header, blob[10 + size :]
 
 
+def compute_chunks(
+    shard: ShardBackend,
+    sid: SessionId,
+    start: int,
+    sizes: Sequence[int],
+    *,
+    tokens: I32 | None = None,
+    hidden: F32 | None = None,
+    all_logits: bool = False,
+) -> ShardOutput:
+    """One compute call per chunk of ``sizes`` (a position's KV depends on the chunk it was computed
+    in, protocol.ledger). A failure undoes the chunks before it too, so a refused request changes
+    nothing. The tail returns the last position's logits, or every chunk's with ``all_logits``."""
+    if len(sizes) == 1:
+        return shard.prefill(sid, start, tokens=tokens, hidden=hidden, all_logits=all_logits)
+    outs: list[ShardOutput] = []
+    at = 0
+    try:
+        for size in sizes:
+            part_tokens = None if tokens is None else tokens[at : at + size]
+            part_hidden = None if hidden is None else hidden[at : at + size]
+            outs.append(shard.prefill(sid, start + at, tokens=part_tokens, hidden=part_hidden, all_logits=all_logits))
+            at += size
+    except BaseException:
+        if at:
+            shard.rewind(sid, start)
+        raise
+    states = [o.hidden for o in outs if o.hidden is not None]
+    rows = [o.logits for o in outs if o.logits is not None]
+    logits = (np.concatenate(rows) if rows else None) if all_logits else outs[-1].logits
+    return ShardOutput(hidden=np.concatenate(states) if states else None, logits=logits)
+
+
 def verify_chunk(
     shard: ShardBackend, sid: SessionId, start: int, *, tokens: I32 | None = None, hidden: F32 | None = None
 ) -> ShardOutput:
@@ -329,19 +364,6 @@ def verify_chunk(
     one-position step — in one call where the shard measured that a chunk gives those bits
     (``ShardInfo.verify_batched``), else one call per position. The tail returns every position's
     logits (``[n, vocab]``). A failure undoes the positions before it, so a refused chunk changes nothing."""
-    if shard.info.verify_batched:
-        return shard.prefill(sid, start, tokens=tokens, hidden=hidden, all_logits=True)
     n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
-    outs: list[ShardOutput] = []
-    try:
-        for i in range(n):
-            part_tokens = None if tokens is None else tokens[i : i + 1]
-            part_hidden = None if hidden is None else hidden[i : i + 1]
-            outs.append(shard.prefill(sid, start + i, tokens=part_tokens, hidden=part_hidden, all_logits=True))
-    except BaseException:
-        if outs:
-            shard.rewind(sid, start)
-        raise
-    states = [o.hidden for o in outs if o.hidden is not None]
-    rows = [o.logits for o in outs if o.logits is not None]
-    return ShardOutput(hidden=np.concatenate(states) if states else None, logits=np.concatenate(rows) if rows else None)
+    sizes = (n,) if shard.info.verify_batched else (1,) * n
+    return compute_chunks(shard, sid, start, sizes, tokens=tokens, hidden=hidden, all_logits=True)

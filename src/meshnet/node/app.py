@@ -51,7 +51,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.backends.shard import ShardBackend, ShardOutput, verify_chunk
+from meshnet.backends.shard import ShardBackend, ShardOutput, compute_chunks, verify_chunk
 from meshnet.errors import (
     Conflict,
     HopFailed,
@@ -307,29 +307,12 @@ class _Node:
         sizes: tuple[int, ...],
         verify: bool = False,
     ) -> ShardOutput:
-        """One compute call per chunk of ``sizes`` (protocol.ledger: a position's KV depends on its
-        chunk); a failure undoes the chunks before it too, so a refused request changes nothing.
-
-        A verify chunk (``sizes`` all ones) computes every position to a one-position step's bits,
-        and the tail returns the logits of every position (``shard.verify_chunk``)."""
+        """One compute call per chunk of ``sizes`` (``shard.compute_chunks``); a verify chunk (``sizes``
+        all ones) computes every position to a one-position step's bits, and the tail returns the
+        logits of every position (``shard.verify_chunk``)."""
         if verify:
             return verify_chunk(self.shard, sid, start, tokens=tokens, hidden=hidden)
-        if len(sizes) == 1:
-            return self.shard.prefill(sid, start, tokens=tokens, hidden=hidden)
-        outs: list[ShardOutput] = []
-        at = 0
-        try:
-            for size in sizes:
-                part_tokens = None if tokens is None else tokens[at : at + size]
-                part_hidden = None if hidden is None else hidden[at : at + size]
-                outs.append(self.shard.prefill(sid, start + at, tokens=part_tokens, hidden=part_hidden))
-                at += size
-        except BaseException:
-            if at:
-                self.shard.rewind(sid, start)
-            raise
-        states = [o.hidden for o in outs if o.hidden is not None]
-        return ShardOutput(hidden=np.concatenate(states) if states else None, logits=outs[-1].logits)
+        return compute_chunks(self.shard, sid, start, sizes, tokens=tokens, hidden=hidden)
 
     def record(
         self,
