@@ -283,9 +283,11 @@ def _faults(
     return done
 
 
-def run_chaos(swarm: Swarm, *, seed: int, generations: int, log: Any = print) -> Report:
-    """``generations`` faulted generations on ``swarm``; every outcome classified (see the module doc)."""
+def run_chaos(swarm: Swarm, *, seed: int, generations: int, budget_s: float | None = None, log: Any = print) -> Report:
+    """``generations`` faulted generations on ``swarm``, fewer when ``budget_s`` seconds have passed
+    before the next one would start; every outcome classified (see the module doc)."""
     rng = random.Random(seed)
+    deadline = time.monotonic() + budget_s if budget_s is not None else None
     log(f"chaos: seed {seed} (replay with --seed {seed})")
     expected: dict[int, str] = {}
     span: dict[int, float] = {}
@@ -296,13 +298,19 @@ def run_chaos(swarm: Swarm, *, seed: int, generations: int, log: Any = print) ->
         log(f"chaos: prompt {i} takes {span[i]:.2f}s undisturbed")
     report = Report(seed)
     for index in range(generations):
+        if deadline is not None and time.monotonic() > deadline:
+            log(f"chaos: time budget of {budget_s:.0f}s spent after {index} generations")
+            break
+        began = time.monotonic()
         swarm.settle()
+        settled = time.monotonic() - began
         which = rng.randrange(len(PROMPTS))
         outcome = _one(swarm, index, which, f"chaos-{seed}-{index}", expected[which], span[which], rng.random())
         report.outcomes.append(outcome)
         log(
             f"chaos #{index}: prompt {which}, {', '.join(outcome.faults) or 'no fault landed'}; "
-            f"retries {outcome.retries}; {outcome.result} {outcome.detail[:160]} ({outcome.seconds:.1f}s)"
+            f"retries {outcome.retries}; {outcome.result} {outcome.detail[:160]} "
+            f"({outcome.seconds:.1f}s, {settled:.1f}s to settle before)"
         )
     return report
 
