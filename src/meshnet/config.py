@@ -18,6 +18,7 @@ class ServeConfig:
     batch: int = 512
     model_id: str | None = None
     max_queue: int = 64
+    max_body_mb: float = 16.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -30,3 +31,5 @@ class ServeConfig:
             raise ValueError(f"--batch must be >= 1, got {self.batch}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if not 0 < self.max_body_mb <= 4096:
+            raise ValueError(f"--max-body-mb must be within (0, 4096], got {self.max_body_mb}")

@@ -6,6 +6,8 @@ with the status from ``MeshnetError.status`` and ``Retry-After`` when the error 
 
 from __future__ import annotations
 
+import ipaddress
+import urllib.parse
 from typing import Any
 
 import httpx
@@ -13,9 +15,61 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from meshnet.errors import InvalidRequest, MeshnetError, NotFound
+from meshnet.errors import InvalidRequest, MeshnetError, NotFound, PayloadTooLarge
 
-__all__ = ["EXCEPTION_HANDLERS", "error_body", "error_field", "error_message", "error_response"]
+__all__ = [
+    "EXCEPTION_HANDLERS",
+    "error_body",
+    "error_field",
+    "error_message",
+    "error_response",
+    "read_body",
+    "service_url",
+]
+
+
+async def read_body(request: Request, limit: int, who: str) -> bytes:
+    """The request body, refused with a 413 past ``limit`` bytes: first by its ``Content-Length``
+    (before reading anything), then while it streams in, so a chunked upload that declares no
+    length cannot fill the memory either. ``who`` names the server in the message."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds {who}'s limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body exceeds {who}'s limit of {limit} bytes (streamed past it)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def service_url(raw: str) -> str:
+    """``raw`` as a service's base URL, ``http(s)://HOST:PORT`` and nothing else (hops append their
+    paths), or ``ValueError`` saying what to fix: a host every peer can dial (never ``0.0.0.0`` or
+    ``::``, which only mean "every interface" to the one that binds them), an explicit port, no
+    credentials, path, query or fragment."""
+    try:
+        parsed = urllib.parse.urlsplit(raw.strip())
+        port = parsed.port
+    except ValueError as exc:
+        raise ValueError(f"{raw!r} is not a URL: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"{raw!r} must look like http://HOST:PORT")
+    if port is None or port == 0:
+        raise ValueError(f"{raw!r} needs an explicit port (http://HOST:PORT)")
+    if parsed.username is not None or parsed.path.strip("/") or parsed.query or parsed.fragment:
+        raise ValueError(f"{raw!r} must be only scheme, host and port (no user, path, query or fragment)")
+    try:
+        unspecified = ipaddress.ip_address(parsed.hostname).is_unspecified
+    except ValueError:
+        unspecified = False  # a DNS name
+    if unspecified:
+        raise ValueError(
+            f"{raw!r} names the wildcard address {parsed.hostname}, which no peer can dial: advertise this "
+            "machine's reachable address instead"
+        )
+    return f"{parsed.scheme}://{parsed.netloc}"
 
 
 def error_body(error: MeshnetError) -> dict[str, Any]:

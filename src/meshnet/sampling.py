@@ -26,9 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MAX_TOP_LOGPROBS", "Alternatives", "Sampler", "SamplingParams"]
+__all__ = ["GREEDY_BELOW", "MAX_TOP_LOGPROBS", "Alternatives", "Sampler", "SamplingParams"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+# A temperature below this samples greedily: logits divided by ~1e-310 overflow to inf and the
+# probabilities to NaN, and far above the overflow such a distribution is the argmax anyway (vLLM's eps).
+GREEDY_BELOW = 1e-5
 
 Logits = npt.NDArray[np.float32]
 Alternatives = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
@@ -36,8 +39,8 @@ Alternatives = tuple[tuple[int, float], ...]  # (token id, logprob), most likely
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """``temperature == 0`` means greedy (argmax, deterministic); ``top_k == 0`` disables top-k;
-    ``logit_bias``: ``(token id, bias)`` pairs added to the logits before any choice;
+    """``temperature`` 0 (or below ``GREEDY_BELOW``) means greedy (argmax, deterministic);
+    ``top_k == 0`` disables top-k; ``logit_bias``: ``(token id, bias)`` pairs added to the logits before any choice;
     ``top_logprobs``: how many most likely tokens (and their logprobs) to report beside each choice;
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, within [-2, 2]): subtracted from the logit
     of every token already generated — once, and once per occurrence — before any choice."""
@@ -83,7 +86,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

@@ -48,7 +48,7 @@ def post(
     route: str = "rte-test",
     tail_url: str | None = None,
     extra: dict[str, str] | None = None,
-    body: bytes | None = None,
+    body: bytes | Iterator[bytes] | None = None,
     sample: bool = True,
     drafts: list[int] | None = None,
 ) -> httpx.Response:
@@ -116,6 +116,9 @@ def test_every_bad_input_gets_a_clear_4xx_and_the_session_continues(middle: Proc
     error(post(middle, sid, nxt, position=5), 409, "rewind")
     error(post(middle, sid, nxt, position=6, extra={"X-Meshnet-Position": "six"}), 400, "X-Meshnet-Position")
     error(post(middle, sid, activations(500, 3), start=6, sample=False), 413, "exceeds this node's limit")
+    big = activations(500, 3).tobytes()  # the same body chunked, with no Content-Length to refuse it by
+    chunked = (big[i : i + 65536] for i in range(0, len(big), 65536))
+    error(post(middle, sid, activations(500, 3), start=6, sample=False, body=chunked), 413, "streamed past it")
     error(post(middle, sid, activations(300, 3), start=6, sample=False, dtype="bfloat16"), 400, "capped at 256")
     error(post(middle, "ghost", nxt, position=9), 410, "restarted or the session expired")
     no_range = post(middle, sid, nxt, start=6, extra={"X-Meshnet-Token-Range": ""})

@@ -47,6 +47,18 @@ def test_greedy_ignores_seed_and_filters():
         assert Sampler(params).sample(logits)[0] == expected
 
 
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-6])
+def test_a_vanishing_temperature_is_greedy_never_nan(temperature: float):
+    """Dividing logits by a subnormal temperature overflows to inf and the probabilities to NaN: such
+    a request once failed the tail and took its route down. Below the floor it is the argmax."""
+    logits = _logits(3)
+    params = SamplingParams(temperature=temperature, seed=1)
+    assert params.greedy
+    assert Sampler(params).sample(logits)[0] == int(np.argmax(logits))
+    just_above = Sampler(SamplingParams(temperature=2e-5, seed=1))
+    assert just_above.sample(logits)[0] == int(np.argmax(logits))  # finite: sampled, and the argmax
+
+
 def test_seeded_sampling_is_reproducible():
     logits = _logits(3)
     params = SamplingParams(temperature=1.5, seed=42)

@@ -50,6 +50,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch", type=int, default=512, help="prefill chunk / llama.cpp batch (default 512)")
     serve.add_argument("--model-id", help="model id clients use (default: the GGUF file name)")
     serve.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait (default 64)")
+    serve.add_argument(
+        "--max-body-mb", type=float, default=16.0, help="largest API request body accepted (MiB, default 16)"
+    )
 
     shard = sub.add_parser("shard", help="layer-range shard files")
     shard_sub = shard.add_subparsers(dest="shard_command", required=True, metavar="ACTION")

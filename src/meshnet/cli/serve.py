@@ -99,6 +99,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             batch=args.batch,
             model_id=args.model_id,
             max_queue=args.max_queue,
+            max_body_mb=args.max_body_mb,
         )
     except ValueError as exc:
         raise SystemExit(f"meshnet serve: {exc}") from None
@@ -135,7 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"meshnet serve: llama.cpp could not load {config.gguf}: {exc}", file=sys.stderr)
         return 2
     info = engine.info
-    app = create_app(engine, max_queue=config.max_queue)
+    app = create_app(engine, max_queue=config.max_queue, max_body_bytes=int(config.max_body_mb * 2**20))
     print(
         f"meshnet: {info.model_id} ({info.architecture}, {info.quantization}, {info.n_layers} layers) "
         f"loaded in {time.monotonic() - started:.1f}s; context cap {engine.n_ctx} tokens, "

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import socket
 import sys
 import time
-import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from meshnet.cli.artifacts import add_fetch_arguments, fetch_node_shard
 from meshnet.cli.serve import (
@@ -21,6 +21,7 @@ from meshnet.cli.serve import (
     setup_logging,
 )
 from meshnet.errors import MeshnetError
+from meshnet.httputil import service_url
 from meshnet.layers import LayerRange
 
 __all__ = ["add_swarm_commands", "default_cache_dir", "run_gateway", "run_node", "run_tracker"]
@@ -98,6 +99,9 @@ def add_swarm_commands(sub: Any) -> None:
     gateway.add_argument("--max-concurrency", type=int, default=4, help="generations in flight (default 4)")
     gateway.add_argument("--prefill-chunk", type=int, default=128, help="tokens per prefill chunk (default 128)")
     gateway.add_argument("--max-queue", type=int, default=64)
+    gateway.add_argument(
+        "--max-body-mb", type=float, default=16.0, help="largest API request body accepted (MiB, default 16)"
+    )
     add_speculative(gateway)
     gateway.add_argument(
         "--hop-timeout",
@@ -123,7 +127,7 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
 
 def run_node(args: argparse.Namespace) -> int:
     setup_logging()
-    _public_url(args.public_url)  # a bad one fails now, not after loading the model
+    _check_advertisable(args.host, _public_url(args.public_url))  # a bad one fails now, not after loading the model
     from meshnet.artifacts.fetch import FetchError
 
     if args.hf is not None:
@@ -176,13 +180,32 @@ def _run_hf_node(args: argparse.Namespace) -> int:
 
 
 def _public_url(raw: str | None) -> str | None:
-    """``--public-url``, checked: ``http://HOST:PORT`` (a path is not allowed: hops append theirs)."""
+    """``--public-url``, checked: ``http(s)://HOST:PORT`` that peers can dial (hops append their paths)."""
     if raw is None:
         return None
-    parsed = urllib.parse.urlsplit(raw.strip())
-    if parsed.scheme != "http" or not parsed.hostname or parsed.path.strip("/") or parsed.query:
-        raise SystemExit(f"meshnet node: --public-url must look like http://HOST:PORT, got {raw!r}")
-    return f"http://{parsed.netloc}"
+    try:
+        return service_url(raw)
+    except ValueError as exc:
+        _usage_error(f"meshnet node: --public-url {exc}")
+
+
+def _usage_error(message: str) -> NoReturn:
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _check_advertisable(host: str, public_url: str | None) -> None:
+    """A node bound to every interface cannot advertise the address it bound: it needs ``--public-url``."""
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        wildcard = False
+    if wildcard and public_url is None:
+        _usage_error(
+            f"meshnet node: --host {host} listens on every interface, and http://{host}:PORT is not an address "
+            "other hosts can reach; give --public-url http://THIS-MACHINE'S-ADDRESS:PORT (what the tracker hands "
+            "to gateways and the hop before this one)"
+        )
 
 
 def _serve_node(
@@ -313,7 +336,10 @@ def run_gateway(args: argparse.Namespace) -> int:
     print(f"meshnet: OpenAI API on {url}/v1", flush=True)
     print(f"meshnet: listening on {url}", flush=True)
     try:
-        serve_app(create_app(engine, max_queue=args.max_queue, swarm_tracker=args.tracker), sock)
+        app = create_app(
+            engine, max_queue=args.max_queue, swarm_tracker=args.tracker, max_body_bytes=int(args.max_body_mb * 2**20)
+        )
+        serve_app(app, sock)
     finally:
         engine.close()
         vocab.close()

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -38,7 +39,7 @@ from meshnet.gateway.logprobs import LogprobsShape
 from meshnet.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, TelemetryHub
-from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response
+from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response, read_body
 from meshnet.ids import GenerationId, new_generation_id, parse_generation_id
 from meshnet.models.families import certification
 from meshnet.protocol.headers import GENERATION_ID
@@ -49,6 +50,7 @@ from meshnet.tracker.billing import FORMULA
 __all__ = ["GatewayState", "create_app"]
 
 PRODUCT_CONTEXT_CAP = 131072
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20  # an API request body past this is a 413 (--max-body-mb)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _EVENTS_KEEPALIVE_S = 5.0
 _MAX_ANNOUNCE_WAIT_S = 30.0
@@ -63,9 +65,16 @@ class GatewayState:
     template: ChatTemplate
     started: int
     tracker: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
-def create_app(engine: TextEngine, *, max_queue: int = 64, swarm_tracker: str | None = None) -> Starlette:
+def create_app(
+    engine: TextEngine,
+    *,
+    max_queue: int = 64,
+    swarm_tracker: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> Starlette:
     """Compose a gateway around one engine; the caller owns the engine's lifetime."""
     hub = TelemetryHub()
     metrics = GatewayMetrics()
@@ -78,6 +87,7 @@ def create_app(engine: TextEngine, *, max_queue: int = 64, swarm_tracker: str | 
         template=ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token),
         started=int(time.time()),
         tracker=swarm_tracker.rstrip("/") if swarm_tracker else None,
+        max_body_bytes=max_body_bytes,
     )
 
     @contextlib.asynccontextmanager
@@ -170,19 +180,23 @@ async def list_models(state: GatewayState, _: Request) -> Response:
 
 
 async def chat_completions(state: GatewayState, request: Request) -> Response:
-    body = parse_body(await request.body(), ChatCompletionRequest)
+    body = parse_body(await read_body(request, state.max_body_bytes, "the gateway"), ChatCompletionRequest)
     _check_model(state, body.model)
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
-    text = state.template.render(messages)
-    # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
-    bos = state.engine.info.bos_token
-    add_special = not (bos and text.startswith(bos))
-    tokens = state.engine.tokenize(text, add_special=add_special)
+
+    def prompt_tokens() -> list[int]:
+        text = state.template.render(messages)
+        # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
+        bos = state.engine.info.bos_token
+        return state.engine.tokenize(text, add_special=not (bos and text.startswith(bos)))
+
+    # A long prompt takes a while to render and tokenize: off the event loop, so other streams keep flowing.
+    tokens = await run_in_threadpool(prompt_tokens)
     return await _serve(state, request, body, _gen_request(state, body, tokens), kind="chat")
 
 
 async def completions(state: GatewayState, request: Request) -> Response:
-    body = parse_body(await request.body(), CompletionRequest)
+    body = parse_body(await read_body(request, state.max_body_bytes, "the gateway"), CompletionRequest)
     _check_model(state, body.model)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -194,7 +208,7 @@ async def completions(state: GatewayState, request: Request) -> Response:
         text = prompt if isinstance(prompt, str) else str(prompt[0])
         if not text:
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        tokens = state.engine.tokenize(text, add_special=True)
+        tokens = await run_in_threadpool(state.engine.tokenize, text, add_special=True)
     return await _serve(state, request, body, _gen_request(state, body, tokens), kind="text")
 
 

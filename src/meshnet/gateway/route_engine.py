@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import threading
 import time
 from collections.abc import Generator, Sequence
@@ -65,6 +66,7 @@ from meshnet.sampling import Alternatives, Sampler
 __all__ = ["RouteEngine", "Tokenizer"]
 
 _ROUTES_COSTED = 256  # routes whose walk times the drafter remembers
+_LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
 
 
 class Tokenizer(Protocol):
@@ -295,6 +297,7 @@ class RouteEngine:
         began = time.monotonic()
         try:
             answer = self._post(run.plan.hops[0].url, path, frame.body, headers, below=len(run.plan.hops))
+            self._check_tokens(answer, run.plan)
         except HopFailed as exc:
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
             return (yield from self._recover(run, tokens, exc, cancel))
@@ -354,6 +357,7 @@ class RouteEngine:
                 cleared = self._post(new_hops[i].url, path, b"", headers, below=len(new_hops) - i)
                 above.insert(0, (cleared.get("hops") or [{}])[0])
             answer["hops"] = [*above, *answer.get("hops", [])]
+        self._check_tokens(answer, run.plan)
         verify_hops(run.ledger, run.plan.hops, answer["hops"])  # the repaired route holds what the old one did
         run.usage.add(new_hops[first : first + count], prefill=position)
         run.usage.add(new_hops, decode=1)
@@ -405,6 +409,24 @@ class RouteEngine:
         run.failed_nodes.add(hop.node)
         return hop
 
+    def _check_tokens(self, answer: dict[str, Any], plan: RoutePlan) -> None:
+        """The tokens an answer brings must be ids of this vocabulary with finite logprobs: anything else
+        (a faulty or malicious tail, or a hop that altered the answer on its way back) is a failed tail,
+        repaired like one — never a token id handed to the detokenizer, which aborts on one it lacks."""
+        tail, n_vocab = plan.hops[-1], self.info.n_vocab
+        try:
+            rows = _tokens_of(answer)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HopFailed(f"the tail {tail.node} answered a malformed step ({exc!r})", failed_hop=tail.url) from None
+        for token, logprob, top in rows:
+            for t, lp in ((token, logprob), *top):
+                if not 0 <= t < n_vocab or not math.isfinite(lp) or lp > _LOGPROB_SLACK:
+                    raise HopFailed(
+                        f"the tail {tail.node} answered token {t} with logprob {lp}: not a token of this model's "
+                        f"vocabulary [0, {n_vocab}) with a logprob <= 0",
+                        failed_hop=tail.url,
+                    )
+
     def _report_failure(self, hop: Hop, reason: str) -> None:
         with contextlib.suppress(MeshnetError):  # reliability bookkeeping only; a new route is what matters
             self._tracker("POST", f"/v1/nodes/{hop.node}/failures", json={"reason": reason})
@@ -427,6 +449,8 @@ class RouteEngine:
                 headers[H.SAMPLE] = "1"
             answer = self._post(run.plan.hops[0].url, path, body, headers, below=len(run.plan.hops))
             yield PrefillProgress(done=end, total=total)
+        if answer is not None:
+            self._check_tokens(answer, run.plan)
         return answer
 
     def _chunk_requests(

@@ -64,7 +64,7 @@ from meshnet.errors import (
     SessionGone,
     SessionNotFound,
 )
-from meshnet.httputil import EXCEPTION_HANDLERS, error_field, error_message
+from meshnet.httputil import EXCEPTION_HANDLERS, error_field, error_message, read_body
 from meshnet.ids import SessionId
 from meshnet.node.advert import (
     LatencyProber,
@@ -161,6 +161,10 @@ class _Node:
             raise PayloadTooLarge(
                 f"body of {declared} bytes exceeds this node's limit of {self.config.max_body_bytes} bytes"
             )
+
+    async def body(self, request: Request) -> bytes:
+        """The body, refused past the limit as it streams in too (a chunked upload declares no length)."""
+        return await read_body(request, self.config.max_body_bytes, "this node")
 
     def session_route(self, sid: SessionId, request: Request, *, start: int) -> _Route:
         route = self.routes.get(sid)
@@ -561,7 +565,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
         node.check_model(request)
         node.check_length(request)
         start, stop = parse_range(request.headers.get(H.TOKEN_RANGE))
-        tokens, hidden = node.inputs(request, await request.body(), stop - start)
+        tokens, hidden = node.inputs(request, await node.body(request), stop - start)
         sizes = parse_chunks(request.headers.get(H.CHUNKS), stop - start)
         final = request.headers.get(H.SAMPLE) == "1"
         return await _handle(node, sid, request, start=start, tokens=tokens, hidden=hidden, final=final, sizes=sizes)
@@ -636,7 +640,7 @@ async def _step(node: _Node, request: Request, *, verify: bool) -> Response:
     position = _position(request)
     drafts = node.drafts(request) if verify else None
     n = 1 + len(drafts or ())
-    tokens, hidden = node.inputs(request, await request.body(), n)
+    tokens, hidden = node.inputs(request, await node.body(request), n)
     return await _handle(
         node, sid, request, start=position, tokens=tokens, hidden=hidden, final=True, sizes=(1,) * n, decode=True,
         drafts=drafts,

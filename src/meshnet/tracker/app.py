@@ -12,20 +12,20 @@ import time
 from dataclasses import asdict, replace
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet.errors import InvalidRequest, ModelMismatch
-from meshnet.httputil import EXCEPTION_HANDLERS
+from meshnet.httputil import EXCEPTION_HANDLERS, read_body, service_url
 from meshnet.layers import LayerRange
 from meshnet.models.families import family_of_model_type
 from meshnet.tracker.db import TrackerDB
 from meshnet.tracker.reliability import Reliability
 from meshnet.tracker.routing import Hardware, NodeRecord
-from meshnet.tracker.sessions import SessionsApi, parse_body
+from meshnet.tracker.sessions import MAX_BODY_BYTES, SessionsApi, parse_body
 
 __all__ = ["create_tracker_app"]
 
@@ -33,37 +33,47 @@ NODE_TTL_S = 15.0  # three missed 5 s heartbeats
 WARM_WINDOW_S = 600.0  # a node that computed anything this recently still has its weights paged in
 MAX_PROBE_TARGETS = 16  # next-hop URLs handed to a node per heartbeat, for it to measure latency to
 _RECORD_KEEP_S = 86_400.0  # reliability records of nodes gone this long are forgotten
+# What a node may advertise: finite and physically plausible. A speed of 1e-300 positions/s made
+# every route estimate infinite (and each route request a 500); 1e12 would win every route.
+MIN_TPS, MAX_TPS = 1e-3, 1e7  # positions per second of one layer range (0 = not measured yet)
+MAX_LATENCY_MS = 600_000.0
+MAX_BYTES = 2**50  # 1 PiB: memory, KV and weight sizes
+_Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 
 
 class HardwareAdvert(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     cpu: str | None = Field(None, max_length=256)
-    logical_cores: int | None = Field(None, ge=1)
-    threads: int | None = Field(None, ge=1)
-    ram_total_bytes: int | None = Field(None, ge=0)
-    ram_available_bytes: int | None = Field(None, ge=0)
+    logical_cores: int | None = Field(None, ge=1, le=65_536)
+    threads: int | None = Field(None, ge=1, le=65_536)
+    ram_total_bytes: _Bytes | None = None
+    ram_available_bytes: _Bytes | None = None
     gpu: str | None = Field(None, max_length=256)
 
 
 class Registration(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     node_id: str = Field(min_length=1, max_length=128)
-    url: str = Field(pattern=r"^https?://")
+    url: str = Field(max_length=300)
     model: str = Field(min_length=1)
     layers: str
     total_layers: int = Field(ge=1)
     backend: str = "llama.cpp"
-    kv_bytes_free: int = Field(0, ge=0)
+    kv_bytes_free: _Bytes = 0
     # The advertisement (docs/tracker.md); every field is optional so an older node still registers.
     quantization: str | None = Field(None, max_length=64)
     hardware: HardwareAdvert = Field(default_factory=lambda: HardwareAdvert.model_validate({}))
-    prefill_tps: float = Field(0.0, ge=0)  # positions/s of this layer range; 0 = not measured yet
-    decode_tps: float = Field(0.0, ge=0)
-    queue_depth: int = Field(0, ge=0)
-    kv_bytes_per_token: int = Field(0, ge=0)
-    latency_ms: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict, max_length=4 * MAX_PROBE_TARGETS)
-    idle_s: float | None = Field(None, ge=0)  # since it last computed anything; None = never
-    weight_bytes: int = Field(0, ge=0)
+    # positions/s of this layer range; 0 = not measured yet
+    prefill_tps: float = Field(0.0, ge=0, le=MAX_TPS, allow_inf_nan=False)
+    decode_tps: float = Field(0.0, ge=0, le=MAX_TPS, allow_inf_nan=False)
+    queue_depth: int = Field(0, ge=0, le=1_000_000)
+    kv_bytes_per_token: _Bytes = 0
+    latency_ms: dict[str, Annotated[float, Field(ge=0, le=MAX_LATENCY_MS, allow_inf_nan=False)]] = Field(
+        default_factory=dict, max_length=4 * MAX_PROBE_TARGETS
+    )
+    # since it last computed anything; None = never
+    idle_s: float | None = Field(None, ge=0, le=1e10, allow_inf_nan=False)
+    weight_bytes: _Bytes = 0
     heartbeat_s: float = Field(5.0, gt=0, le=NODE_TTL_S)
     manifest: str | None = Field(None, max_length=512)
     files: list[str] = Field(default_factory=list, max_length=100_000)
@@ -73,6 +83,18 @@ class Registration(BaseModel):
     architecture: str | None = Field(None, min_length=1, max_length=64)  # GGUF general.architecture
     seam: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=1, max_length=4)  # per position
     max_verify: int = Field(0, ge=0, le=1024)  # drafted positions one verify chunk may add (0: no speculation)
+
+    @field_validator("url")
+    @classmethod
+    def _reachable(cls, url: str) -> str:
+        return service_url(url)
+
+    @field_validator("prefill_tps", "decode_tps")
+    @classmethod
+    def _measured(cls, tps: float) -> float:
+        if 0 < tps < MIN_TPS:
+            raise ValueError(f"a measured speed is at least {MIN_TPS:g} positions/s (0 = not measured yet)")
+        return tps
 
 
 class _Tracker:
@@ -192,14 +214,14 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
     tracker = _Tracker(db)
 
     async def register(request: Request) -> Response:
-        reg = parse_body(Registration, await request.body())
+        reg = parse_body(Registration, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         try:
             layers = LayerRange.parse(reg.layers, reg.total_layers)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="layers") from None
         node = NodeRecord(
             node_id=reg.node_id,
-            url=reg.url.rstrip("/"),
+            url=reg.url,
             model=reg.model,
             layers=layers,
             backend=reg.backend,

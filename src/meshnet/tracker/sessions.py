@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet.errors import Conflict, InvalidRequest, NotFound, Overloaded
+from meshnet.httputil import read_body
 from meshnet.ids import new_route_id, new_session_id
 from meshnet.layers import LayerRange
 from meshnet.tracker.billing import FORMULA
@@ -86,6 +87,7 @@ class BillingReport(BaseModel):
 
 
 SchemaT = TypeVar("SchemaT", bound=BaseModel)
+MAX_BODY_BYTES = 8 * 2**20  # a registration with 100,000 file names fits; anything past it is refused
 
 
 def parse_body(schema: type[SchemaT], raw: bytes) -> SchemaT:
@@ -139,7 +141,7 @@ class SessionsApi:
         return session
 
     async def open_session(self, request: Request) -> Response:
-        req = parse_body(SessionRequest, await request.body())
+        req = parse_body(SessionRequest, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         self.db.expire_sessions(SESSION_IDLE_S)
         defaults = RouteRequest()
         expected = RouteRequest(
@@ -187,7 +189,7 @@ class SessionsApi:
 
     async def repair(self, request: Request) -> Response:
         sid = request.path_params["session_id"]
-        req = parse_body(RepairRequest, await request.body())
+        req = parse_body(RepairRequest, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         session = self.load(sid)
         if session["status"] != "open":
             raise Conflict(f"session {sid} is {session['status']}; open a new one")
@@ -210,13 +212,13 @@ class SessionsApi:
 
     async def report_failure(self, request: Request) -> Response:
         node_id = request.path_params["node_id"]
-        req = parse_body(FailureReport, await request.body())
+        req = parse_body(FailureReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         self.registry.record_failure(node_id, req.reason or "reported failed")
         self.registry.suspend(node_id)
         return JSONResponse({"recorded": node_id})
 
     async def record_billing(self, request: Request) -> Response:
-        req = parse_body(BillingReport, await request.body())
+        req = parse_body(BillingReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         session = self.load(req.session_id)
         if session["route_id"] != req.route_id:
             raise Conflict(f"session {req.session_id} is on route {session['route_id']}, not {req.route_id}")
