@@ -7,22 +7,18 @@ advertises a speed no honest node has, so the tracker puts it on the route.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from tests.asgi import serve_in_thread
 from tests.procs import meshnet_process
 
 pytestmark = pytest.mark.real
@@ -59,25 +55,6 @@ class LyingTail:
                     data["token"] = OUT_OF_VOCABULARY
                 body, self.lied = json.dumps(data).encode(), True
         return Response(body, status_code=answer.status_code, media_type=answer.headers.get("content-type"))
-
-
-@contextlib.contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the lying tail did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 def wait_nodes(tracker: str, names: set[str]) -> dict[str, dict[str, Any]]:

@@ -194,11 +194,81 @@ def test_repair_refuses_a_node_off_the_route_and_a_closed_session(client: TestCl
 
 def test_a_failure_report_suspends_the_node_and_new_sessions_avoid_it(client: TestClient):
     swarm(client, ("b2", "10:20"))
-    assert client.post("/v1/nodes/b/failures", json={"reason": "connection refused"}).status_code == 200
+    sid = next(s["session_id"] for s in iter(lambda: open_session(client), None) if s["hops"][1]["node_id"] == "b")
+    report = {"reason": "connection refused", "session_id": sid}
+    assert client.post("/v1/nodes/b/failures", json=report).status_code == 200
     for _ in range(3):
         assert "b" not in [h["node_id"] for h in open_session(client)["hops"]]
     response = client.post("/v1/sessions", json={"model": MODEL, "exclude": ["b2"]})
     assert response.status_code == 503 and "10:20" in response.json()["error"]["message"]
+
+
+def test_failure_reports_count_only_for_a_node_on_the_named_open_session_and_once(client: TestClient):
+    """A report loop used to suspend any node and push its reliability to nothing."""
+    swarm(client)
+    session = open_session(client)
+    sid = session["session_id"]
+    missing = client.post("/v1/nodes/b/failures", json={"reason": "x"})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "session_id"
+    register(client, "elsewhere", "0:10")
+    stranger = client.post("/v1/nodes/zzz/failures", json={"session_id": sid})
+    assert stranger.status_code == 400 and "not on session" in stranger.json()["error"]["message"]
+    assert client.post("/v1/nodes/b/failures", json={"session_id": "ses-nope"}).status_code == 404
+    first = client.post("/v1/nodes/b/failures", json={"session_id": sid})
+    assert first.status_code == 200 and first.json()["duplicate"] is False
+    register(client, "b", "10:20")  # its next heartbeat brings it back
+    for _ in range(5):
+        again = client.post("/v1/nodes/b/failures", json={"session_id": sid})
+        assert again.status_code == 200 and again.json()["duplicate"] is True
+    assert "b" in {n["node_id"] for n in client.get("/v1/nodes").json()["nodes"]}  # not suspended again
+    assert client.delete(f"/v1/sessions/{sid}").status_code == 200
+    closed = client.post("/v1/nodes/c/failures", json={"session_id": sid})
+    assert closed.status_code == 409 and "closed" in closed.json()["error"]["message"]
+
+
+def test_a_repair_naming_a_node_off_the_route_suspends_nothing(client: TestClient):
+    swarm(client, ("b2", "10:20"))
+    session = open_session(client)
+    outsider = "b2" if session["hops"][1]["node_id"] == "b" else "b"
+    sid = session["session_id"]
+    response = client.post(f"/v1/sessions/{sid}/repair", json={"failed_node": outsider})
+    assert response.status_code == 400
+    assert outsider in {n["node_id"] for n in client.get("/v1/nodes").json()["nodes"]}
+
+
+def test_billing_takes_only_members_of_the_route_bounded_counts_and_not_long_after_close(client: TestClient):
+    swarm(client, ("b2", "10:20"))
+    session = open_session(client)
+    stranger = work(session)
+    stranger["records"][0] = {**stranger["records"][0], "node_id": "elsewhere"}
+    response = client.post("/v1/billing", json=stranger)
+    assert response.status_code == 400 and "never served layers" in response.json()["error"]["message"]
+    wrong_layers = work(session)
+    wrong_layers["records"][0] = {**wrong_layers["records"][0], "layers": "0:30"}
+    assert client.post("/v1/billing", json=wrong_layers).status_code == 400
+    huge = work(session, prefill=2**40)
+    assert client.post("/v1/billing", json=huge).status_code == 400
+    # A repaired session bills the replaced hop too: it computed the positions before the failure.
+    sid, middle = session["session_id"], session["hops"][1]["node_id"]
+    repaired = client.post(f"/v1/sessions/{sid}/repair", json={"failed_node": middle, "position": 4})
+    assert repaired.status_code == 200, repaired.text
+    both = work(session)
+    both["records"].append({**both["records"][1], "node_id": repaired.json()["hops"][1]["node_id"]})
+    assert client.post("/v1/billing", json=both).status_code == 201
+    assert {r["node_id"] for r in client.get(f"/v1/billing?session_id={sid}").json()["records"]} == {
+        "a", "b", "b2", "c"
+    }  # fmt: skip
+    late = open_session(client)
+    assert client.delete(f"/v1/sessions/{late['session_id']}").status_code == 200
+    import meshnet.tracker.sessions as sessions_module
+
+    grace = sessions_module.BILLING_GRACE_S
+    try:
+        sessions_module.BILLING_GRACE_S = -1.0  # as if the grace had passed
+        response = client.post("/v1/billing", json=work(late))
+        assert response.status_code == 409 and "billed within" in response.json()["error"]["message"]
+    finally:
+        sessions_module.BILLING_GRACE_S = grace
 
 
 def test_a_database_of_an_older_tracker_gets_the_new_columns_and_index(db_url: str):

@@ -102,6 +102,13 @@ def add_swarm_commands(sub: Any) -> None:
     gateway.add_argument(
         "--max-body-mb", type=float, default=16.0, help="largest API request body accepted (MiB, default 16)"
     )
+    gateway.add_argument(
+        "--billing-spool",
+        type=Path,
+        default=None,
+        help="where billing records wait until the tracker took them, so a restart loses none "
+        "(default: ~/.cache/meshnet/billing/<hash of the tracker URL>)",
+    )
     add_speculative(gateway)
     gateway.add_argument(
         "--hop-timeout",
@@ -312,6 +319,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     from meshnet.backends.llama_vocab import LlamaVocab
     from meshnet.gateway import create_app
+    from meshnet.gateway.billing_outbox import BillingOutbox
     from meshnet.gateway.route_engine import RouteEngine
 
     try:
@@ -330,7 +338,10 @@ def run_gateway(args: argparse.Namespace) -> int:
         timeout_s=args.hop_timeout,
         speculative=args.speculative,
         draft_tokens=args.draft_tokens,
+        outbox=BillingOutbox(args.tracker, spool_dir=args.billing_spool),
     )
+    if engine.outbox.recovered:
+        print(f"meshnet: delivering {engine.outbox.recovered} billing record(s) an earlier gateway left", flush=True)
     url = f"http://{host}:{port}"
     print(f"meshnet: gateway for {vocab.info.model_id} over tracker {args.tracker}; context cap {cap}", flush=True)
     print(f"meshnet: OpenAI API on {url}/v1", flush=True)

@@ -7,17 +7,28 @@ transaction and treats a resent record as a duplicate, so the outbox can retry f
 that is down or restarting gets the record when it is back (retries with backoff, for at most
 ``give_up_s``), and nothing a client saw complete goes unbilled.
 
+Each record is also written to a spool directory (one JSON file per session, written atomically)
+before it is queued, and removed once the tracker answered: a gateway that restarts — or is
+killed — delivers what its predecessor had not (``spool_dir``; by default one directory per
+tracker URL under ``~/.cache/meshnet/billing``). A record resent this way is a duplicate at the
+tracker at worst, never a second bill.
+
 Threading: ``submit`` is called from gateway worker threads; one daemon thread delivers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +36,7 @@ import httpx
 from meshnet.httputil import error_message
 from meshnet.routes import Hop, RoutePlan
 
-__all__ = ["BillingOutbox", "Usage"]
+__all__ = ["BillingOutbox", "Usage", "default_spool_dir"]
 
 _log = logging.getLogger("meshnet.gateway")
 
@@ -57,8 +68,24 @@ class Usage:
         ]
 
 
+def default_spool_dir(tracker_url: str) -> Path:
+    """Where a gateway of ``tracker_url``'s swarm keeps undelivered billing records by default."""
+    digest = hashlib.sha256(tracker_url.rstrip("/").encode()).hexdigest()[:16]
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshnet" / "billing" / digest
+
+
 class BillingOutbox:
-    def __init__(self, tracker_url: str, *, give_up_s: float = 600.0, timeout_s: float = 10.0) -> None:
+    """``give_up_s`` (wall clock, counted from the record's creation) stays inside the tracker's
+    billing grace after a session ends (an hour), so a spooled record is still taken when it arrives."""
+
+    def __init__(
+        self,
+        tracker_url: str,
+        *,
+        give_up_s: float = 3000.0,
+        timeout_s: float = 10.0,
+        spool_dir: Path | None = None,
+    ) -> None:
         self.tracker_url = tracker_url.rstrip("/")
         self.give_up_s = give_up_s
         self._timeout = timeout_s
@@ -68,6 +95,9 @@ class BillingOutbox:
         self._stop = threading.Event()
         self.delivered = 0
         self.dropped = 0
+        self.spool = spool_dir if spool_dir is not None else default_spool_dir(self.tracker_url)
+        self.spool.mkdir(parents=True, exist_ok=True)
+        self.recovered = self._recover()
         self._thread = threading.Thread(target=self._run, name="meshnet-billing", daemon=True)
         self._thread.start()
 
@@ -75,17 +105,48 @@ class BillingOutbox:
         records = usage.records()
         if not records:
             return  # nothing was computed (e.g. refused before prefill)
+        body = {"session_id": plan.session_id, "route_id": plan.route_id, "outcome": outcome, "records": records}
+        self._enqueue({**body, "_created": time.time()}, spooled=False)
+
+    def _enqueue(self, item: dict[str, Any], *, spooled: bool) -> None:
+        if not spooled:
+            path = self.spool / f"{item['session_id']}.json"
+            tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+            try:  # write-then-rename: a crash leaves the old file or the new one, never half of one
+                tmp.write_text(json.dumps(item))
+                os.replace(tmp, path)
+            except OSError as exc:
+                _log.error("billing record for %s not spooled (%s): it is lost if this gateway stops first",
+                           item["session_id"], exc)  # fmt: skip
         with self._lock:
             self._pending += 1
-        self._queue.put(
-            {
-                "session_id": plan.session_id,
-                "route_id": plan.route_id,
-                "outcome": outcome,
-                "records": records,
-                "_deadline": time.monotonic() + self.give_up_s,
-            }
-        )
+        self._queue.put(item)
+
+    def _recover(self) -> int:
+        """Queue what an earlier gateway of this swarm spooled and never delivered."""
+        count = 0
+        for path in sorted(self.spool.glob("*.json")):
+            try:
+                item = json.loads(path.read_text())
+                if not isinstance(item, dict) or "session_id" not in item or "records" not in item:
+                    raise ValueError("not a billing record")
+            except (OSError, ValueError) as exc:
+                _log.error("unreadable billing spool file %s set aside: %s", path, exc)
+                with contextlib.suppress(OSError):
+                    path.rename(path.with_suffix(".bad"))
+                continue
+            self._enqueue(item, spooled=True)
+            count += 1
+        for tmp in self.spool.glob("*.tmp"):  # a write cut short: its record was never queued
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        if count:
+            _log.warning("delivering %d billing record(s) left undelivered by an earlier gateway", count)
+        return count
+
+    def _done(self, item: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            (self.spool / f"{item['session_id']}.json").unlink()
 
     @property
     def pending(self) -> int:
@@ -102,7 +163,12 @@ class BillingOutbox:
     def close(self, flush_s: float = 5.0) -> None:
         self.wait_idle(flush_s)
         if self.pending:
-            _log.warning("%d billing record(s) not delivered to %s before shutdown", self.pending, self.tracker_url)
+            _log.warning(
+                "%d billing record(s) not delivered to %s before shutdown; the next gateway delivers them from %s",
+                self.pending,
+                self.tracker_url,
+                self.spool,
+            )
         self._stop.set()
         self._queue.put(None)
         self._thread.join(timeout=flush_s)
@@ -114,12 +180,16 @@ class BillingOutbox:
                 item = self._queue.get()
                 if item is None:
                     return
-                self._deliver(client, item)
+                if self._deliver(client, item):
+                    self._done(item)
                 with self._lock:
                     self._pending -= 1
 
-    def _deliver(self, client: httpx.Client, item: dict[str, Any]) -> None:
+    def _deliver(self, client: httpx.Client, item: dict[str, Any]) -> bool:
+        """Deliver ``item``; True once it is settled (taken, refused for good, or given up on), False if
+        the gateway stopped first (its spool file stays for the next one)."""
         body = {k: v for k, v in item.items() if not k.startswith("_")}
+        deadline = time.monotonic() + self.give_up_s - max(0.0, time.time() - float(item.get("_created", time.time())))
         delay, warned = 0.25, False
         while not self._stop.is_set():
             try:
@@ -130,18 +200,19 @@ class BillingOutbox:
                         self.dropped += 1
                     else:
                         self.delivered += 1
-                    return
+                    return True
                 why = error_message(response)
             except httpx.HTTPError as exc:
                 why = f"{type(exc).__name__}: {exc}"
-            if time.monotonic() + delay > item["_deadline"]:
+            if time.monotonic() + delay > deadline:
                 _log.error(
                     "billing record for %s dropped after %gs of retries: %s", body["session_id"], self.give_up_s, why
                 )
                 self.dropped += 1
-                return
+                return True
             if not warned:
                 _log.warning("tracker unreachable for billing (%s); retrying", why)
                 warned = True
             self._stop.wait(delay)
             delay = min(5.0, delay * 2)
+        return False

@@ -251,7 +251,7 @@ class RouteEngine:
             except HopFailed as exc:
                 began = time.monotonic()
                 failed = self._failed_hop(run, exc)
-                self._report_failure(failed, exc.message)
+                self._report_failure(run.plan, failed, exc.message)
                 self._fresh_route(run, tokens)
                 yield RouteChange("reroute", exc.message, failed.node, run.plan, run.retries, 0, _since(began))
                 continue
@@ -427,9 +427,10 @@ class RouteEngine:
                         failed_hop=tail.url,
                     )
 
-    def _report_failure(self, hop: Hop, reason: str) -> None:
+    def _report_failure(self, plan: RoutePlan, hop: Hop, reason: str) -> None:
         with contextlib.suppress(MeshnetError):  # reliability bookkeeping only; a new route is what matters
-            self._tracker("POST", f"/v1/nodes/{hop.node}/failures", json={"reason": reason})
+            body = {"reason": reason, "session_id": plan.session_id}
+            self._tracker("POST", f"/v1/nodes/{hop.node}/failures", json=body)
 
     # -- the wire ----------------------------------------------------------------------------
     def _base(self, plan: RoutePlan) -> dict[str, str]:

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from meshnet.tracker.billing import bill
 
-__all__ = ["BillingRow", "TrackerDB"]
+__all__ = ["BillingRow", "TrackerDB", "member"]
 
 _metadata = sa.MetaData()
 _sessions = sa.Table(
@@ -35,6 +35,8 @@ _sessions = sa.Table(
     sa.Column("updated", sa.Float, nullable=False, server_default="0"),
     sa.Column("repairs", sa.Integer, nullable=False, server_default="0"),
     sa.Column("ended_reason", sa.Text, nullable=True),
+    # Every "NODE_ID LAYERS" that was ever on the route (repairs add to it): whose work may be billed.
+    sa.Column("members", sa.Text, nullable=False, server_default="[]"),
     # Every session open expires idle open sessions; closed ones stay (billing, audit), so the
     # expiry must not scan them all.
     sa.Index("sessions_status_updated", "status", "updated"),
@@ -69,6 +71,15 @@ class BillingRow:
     n_layers: int
     prefill_tokens: int
     decode_tokens: int
+
+
+def _members(hops: Sequence[dict[str, Any]], before: Sequence[str]) -> list[str]:
+    return sorted({*before, *(member(h["node_id"], h["layers"]) for h in hops)})
+
+
+def member(node_id: str, layers: str) -> str:
+    """How a session's ``members`` name a node that served a layer range of it."""
+    return f"{node_id} {layers}"
 
 
 class TrackerDB:
@@ -109,6 +120,7 @@ class TrackerDB:
     # -- sessions ------------------------------------------------------------------------------
     def save_session(self, session: dict[str, Any]) -> None:
         row = {**session, "hops": json.dumps(session["hops"]), "status": "open", "updated": session["created"]}
+        row["members"] = json.dumps(_members(session["hops"], []))
         with self._engine.begin() as conn:
             conn.execute(sa.insert(_sessions).values(**row))
 
@@ -117,15 +129,27 @@ class TrackerDB:
             row = conn.execute(sa.select(_sessions).where(_sessions.c.session_id == session_id)).mappings().first()
         if row is None:
             return None
-        return {**row, "hops": json.loads(row["hops"])}
+        hops = json.loads(row["hops"])
+        # A session written by an older tracker has no members column value: its current hops are all it knows.
+        return {**row, "hops": hops, "members": json.loads(row["members"]) or _members(hops, [])}
 
     def repin_session(self, session_id: str, hops: list[dict[str, Any]]) -> None:
-        """A repaired route: the session's new hops (route id and session stay)."""
+        """A repaired route: the session's new hops (route id and session stay); the replaced hops stay
+        members (their work is billed)."""
         with self._engine.begin() as conn:
+            row = conn.execute(
+                sa.select(_sessions.c.hops, _sessions.c.members).where(_sessions.c.session_id == session_id)
+            ).first()
+            before = (json.loads(row.members) or _members(json.loads(row.hops), [])) if row is not None else []
             conn.execute(
                 sa.update(_sessions)
                 .where(_sessions.c.session_id == session_id)
-                .values(hops=json.dumps(hops), repairs=_sessions.c.repairs + 1, updated=time.time())
+                .values(
+                    hops=json.dumps(hops),
+                    members=json.dumps(_members(hops, before)),
+                    repairs=_sessions.c.repairs + 1,
+                    updated=time.time(),
+                )
             )
 
     def end_session(self, session_id: str, status: str, reason: str) -> bool:

@@ -29,7 +29,7 @@ from meshnet.httputil import read_body
 from meshnet.ids import new_route_id, new_session_id
 from meshnet.layers import LayerRange
 from meshnet.tracker.billing import FORMULA
-from meshnet.tracker.db import BillingRow, TrackerDB
+from meshnet.tracker.db import BillingRow, TrackerDB, member
 from meshnet.tracker.repair import PinnedHop, equivalent_nodes, plan_repair
 from meshnet.tracker.routing import NodeRecord, RouteRequest, select_routes
 
@@ -68,14 +68,22 @@ class RepairRequest(BaseModel):
 class FailureReport(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     reason: str = Field("", max_length=4096)
+    # The open session whose route the node failed on: a report about any other node is refused.
+    session_id: str = Field(min_length=1, max_length=64)
+
+
+# Positions one node may bill for one session: a 1M-token context recomputed by 15 repairs fits.
+MAX_BILLED_TOKENS = 2**24
+BILLING_GRACE_S = 3600.0  # a session's work may be billed this long after it closed (the outbox retries)
+_REPORTS_KEPT = 100_000  # (session, node) failure reports remembered, so each counts once
 
 
 class NodeWork(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     node_id: str = Field(min_length=1, max_length=128)
     layers: str = Field(min_length=3, max_length=32)
-    prefill_tokens: int = Field(ge=0)
-    decode_tokens: int = Field(ge=0)
+    prefill_tokens: int = Field(ge=0, le=MAX_BILLED_TOKENS)
+    decode_tokens: int = Field(ge=0, le=MAX_BILLED_TOKENS)
 
 
 class BillingReport(BaseModel):
@@ -133,6 +141,7 @@ class SessionsApi:
     def __init__(self, registry: NodeRegistry, db: TrackerDB) -> None:
         self.registry = registry
         self.db = db
+        self._reported: dict[tuple[str, str], None] = {}  # insertion-ordered: the oldest go first
 
     def load(self, session_id: str) -> dict[str, Any]:
         session = self.db.load_session(session_id)
@@ -193,11 +202,11 @@ class SessionsApi:
         session = self.load(sid)
         if session["status"] != "open":
             raise Conflict(f"session {sid} is {session['status']}; open a new one")
+        pinned = pinned_hops(session)
+        if req.failed_node not in {h.node_id for h in pinned}:  # checked first: nothing is recorded otherwise
+            raise InvalidRequest(f"node {req.failed_node} is not on session {sid}'s route", param="failed_node")
         self.registry.record_failure(req.failed_node, req.reason or "failed during decode")
         self.registry.suspend(req.failed_node)
-        pinned = pinned_hops(session)
-        if req.failed_node not in {h.node_id for h in pinned}:
-            raise InvalidRequest(f"node {req.failed_node} is not on session {sid}'s route", param="failed_node")
         fix = plan_repair(
             pinned,
             req.failed_node,
@@ -211,23 +220,48 @@ class SessionsApi:
         return JSONResponse({"session_id": sid, "route_id": session["route_id"], "hops": hops, "replaced": replaced})
 
     async def report_failure(self, request: Request) -> Response:
+        """A hop failed outside a repair. Only a node on the named open session's route can be reported,
+        and once per session: a report loop cannot push a node's reliability down, nor suspend a node
+        that no session of the reporter uses."""
         node_id = request.path_params["node_id"]
         req = parse_body(FailureReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
+        session = self.load(req.session_id)
+        if session["status"] != "open":
+            raise Conflict(f"session {req.session_id} is {session['status']}: report failures while it is open")
+        if node_id not in {h["node_id"] for h in session["hops"]}:
+            raise InvalidRequest(f"node {node_id} is not on session {req.session_id}'s route", param="session_id")
+        key = (req.session_id, node_id)
+        if key in self._reported:
+            return JSONResponse({"recorded": node_id, "duplicate": True})
+        self._reported[key] = None
+        while len(self._reported) > _REPORTS_KEPT:
+            del self._reported[next(iter(self._reported))]
         self.registry.record_failure(node_id, req.reason or "reported failed")
         self.registry.suspend(node_id)
-        return JSONResponse({"recorded": node_id})
+        return JSONResponse({"recorded": node_id, "duplicate": False})
 
     async def record_billing(self, request: Request) -> Response:
         req = parse_body(BillingReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         session = self.load(req.session_id)
         if session["route_id"] != req.route_id:
             raise Conflict(f"session {req.session_id} is on route {session['route_id']}, not {req.route_id}")
-        rows, total = [], _total_layers(session)
+        ended_s = time.time() - float(session["updated"])
+        if session["status"] != "open" and ended_s > BILLING_GRACE_S:
+            raise Conflict(
+                f"session {req.session_id} ended {ended_s:.0f}s ago; its work is billed within "
+                f"{BILLING_GRACE_S:.0f}s of its end"
+            )
+        rows, total, members = [], _total_layers(session), set(session["members"])
         for work in req.records:
             try:
                 layers = LayerRange.parse(work.layers, total)
             except ValueError as exc:
                 raise InvalidRequest(f"records: {exc}", param="records.layers") from None
+            if member(work.node_id, str(layers)) not in members:
+                raise InvalidRequest(
+                    f"records: node {work.node_id} never served layers {layers} of session {req.session_id}",
+                    param="records.node_id",
+                )
             rows.append(BillingRow(work.node_id, str(layers), len(layers), work.prefill_tokens, work.decode_tokens))
         fresh = self.db.record_billing(session, req.outcome, rows)
         self.db.end_session(req.session_id, "closed", f"billed ({req.outcome})")
