@@ -651,3 +651,16 @@ def test_seeded_choices_differ_and_repeat(client: TestClient, engine: FakeEngine
         return _chat(client, n=2, seed=5, temperature=1.0).json()["choices"]
 
     assert seeds() == seeds()  # choice i draws from seed + i: reproducible
+
+
+def test_a_body_past_the_limit_is_a_413_declared_or_streamed(engine: FakeEngine):
+    """The gateway refuses a huge request before reading it, and while a chunked one streams in."""
+    with TestClient(create_app(engine, max_body_bytes=4096)) as small:
+        text = "x" * 8000
+        body = json.dumps({"model": engine.info.model_id, "prompt": text, "max_tokens": 1}).encode()
+        declared = small.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert declared.status_code == 413 and "limit of 4096 bytes" in declared.json()["error"]["message"]
+        chunked = small.post("/v1/completions", content=iter([body[:3000], body[3000:]]))
+        assert chunked.status_code == 413 and "streamed past it" in chunked.json()["error"]["message"]
+        fits = small.post("/v1/completions", json={"model": engine.info.model_id, "prompt": "hi", "max_tokens": 1})
+        assert fits.status_code == 200, fits.text

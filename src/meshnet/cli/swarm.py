@@ -314,6 +314,9 @@ def run_gateway(args: argparse.Namespace) -> int:
     if args.draft_tokens < 1:
         print(f"meshnet gateway: --draft-tokens must be at least 1, got {args.draft_tokens}", file=sys.stderr)
         return 2
+    if not 0 < args.max_body_mb <= 4096:
+        print(f"meshnet gateway: --max-body-mb must be within (0, 4096], got {args.max_body_mb}", file=sys.stderr)
+        return 2
     gguf = resolve_gguf(args.gguf, "gateway")
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
