@@ -19,22 +19,30 @@ from meshnet.errors import InvalidRequest, MeshnetError, NotFound, PayloadTooLar
 
 __all__ = [
     "EXCEPTION_HANDLERS",
+    "check_declared_length",
     "error_body",
     "error_field",
     "error_message",
     "error_response",
+    "is_wildcard",
     "read_body",
     "service_url",
 ]
+
+
+def check_declared_length(request: Request, limit: int, who: str) -> None:
+    """A 413 for a body whose ``Content-Length`` is past ``limit``, before any of it is read;
+    ``who`` names the server in the message."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds {who}'s limit of {limit} bytes")
 
 
 async def read_body(request: Request, limit: int, who: str) -> bytes:
     """The request body, refused with a 413 past ``limit`` bytes: first by its ``Content-Length``
     (before reading anything), then while it streams in, so a chunked upload that declares no
     length cannot fill the memory either. ``who`` names the server in the message."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body of {declared} bytes exceeds {who}'s limit of {limit} bytes")
+    check_declared_length(request, limit, who)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -42,6 +50,15 @@ async def read_body(request: Request, limit: int, who: str) -> bytes:
             raise PayloadTooLarge(f"body exceeds {who}'s limit of {limit} bytes (streamed past it)")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` is ``0.0.0.0`` / ``::``: "every interface" to the one that binds it, no
+    address a peer can dial (a DNS name never is)."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def service_url(raw: str) -> str:
@@ -60,11 +77,7 @@ def service_url(raw: str) -> str:
         raise ValueError(f"{raw!r} needs an explicit port (http://HOST:PORT)")
     if parsed.username is not None or parsed.path.strip("/") or parsed.query or parsed.fragment:
         raise ValueError(f"{raw!r} must be only scheme, host and port (no user, path, query or fragment)")
-    try:
-        unspecified = ipaddress.ip_address(parsed.hostname).is_unspecified
-    except ValueError:
-        unspecified = False  # a DNS name
-    if unspecified:
+    if is_wildcard(parsed.hostname):
         raise ValueError(
             f"{raw!r} names the wildcard address {parsed.hostname}, which no peer can dial: advertise this "
             "machine's reachable address instead"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import socket
 import sys
@@ -21,7 +20,7 @@ from meshnet.cli.serve import (
     setup_logging,
 )
 from meshnet.errors import MeshnetError
-from meshnet.httputil import service_url
+from meshnet.httputil import is_wildcard, service_url
 from meshnet.layers import LayerRange
 
 __all__ = ["add_swarm_commands", "default_cache_dir", "run_gateway", "run_node", "run_tracker"]
@@ -203,11 +202,7 @@ def _usage_error(message: str) -> NoReturn:
 
 def _check_advertisable(host: str, public_url: str | None) -> None:
     """A node bound to every interface cannot advertise the address it bound: it needs ``--public-url``."""
-    try:
-        wildcard = ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        wildcard = False
-    if wildcard and public_url is None:
+    if is_wildcard(host) and public_url is None:
         _usage_error(
             f"meshnet node: --host {host} listens on every interface, and http://{host}:PORT is not an address "
             "other hosts can reach; give --public-url http://THIS-MACHINE'S-ADDRESS:PORT (what the tracker hands "

@@ -57,14 +57,13 @@ from meshnet.errors import (
     HopFailed,
     InvalidRequest,
     MeshnetError,
-    PayloadTooLarge,
     SeamMismatch,
     SessionBroken,
     SessionBusy,
     SessionGone,
     SessionNotFound,
 )
-from meshnet.httputil import EXCEPTION_HANDLERS, error_field, error_message, read_body
+from meshnet.httputil import EXCEPTION_HANDLERS, check_declared_length, error_field, error_message, read_body
 from meshnet.ids import SessionId
 from meshnet.node.advert import (
     LatencyProber,
@@ -155,12 +154,8 @@ class _Node:
             raise Conflict(f"this node serves model {self.info.model_id!r}, the request is for {model!r}")
 
     def check_length(self, request: Request) -> None:
-        """Refuse an oversized body from its Content-Length, before reading it into memory."""
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.config.max_body_bytes:
-            raise PayloadTooLarge(
-                f"body of {declared} bytes exceeds this node's limit of {self.config.max_body_bytes} bytes"
-            )
+        """Refuse an oversized body from its Content-Length, before the headers are parsed or it is read."""
+        check_declared_length(request, self.config.max_body_bytes, "this node")
 
     async def body(self, request: Request) -> bytes:
         """The body, refused past the limit as it streams in too (a chunked upload declares no length)."""

@@ -77,6 +77,12 @@ def _members(hops: Sequence[dict[str, Any]], before: Sequence[str]) -> list[str]
     return sorted({*before, *(member(h["node_id"], h["layers"]) for h in hops)})
 
 
+def _stored_members(raw: str, hops: Sequence[dict[str, Any]]) -> list[str]:
+    """A session's stored members; one written by an older tracker has none stored, and its current
+    hops are all it knows."""
+    return list(json.loads(raw)) or _members(hops, [])
+
+
 def member(node_id: str, layers: str) -> str:
     """How a session's ``members`` name a node that served a layer range of it."""
     return f"{node_id} {layers}"
@@ -130,8 +136,7 @@ class TrackerDB:
         if row is None:
             return None
         hops = json.loads(row["hops"])
-        # A session written by an older tracker has no members column value: its current hops are all it knows.
-        return {**row, "hops": hops, "members": json.loads(row["members"]) or _members(hops, [])}
+        return {**row, "hops": hops, "members": _stored_members(row["members"], hops)}
 
     def repin_session(self, session_id: str, hops: list[dict[str, Any]]) -> None:
         """A repaired route: the session's new hops (route id and session stay); the replaced hops stay
@@ -140,7 +145,7 @@ class TrackerDB:
             row = conn.execute(
                 sa.select(_sessions.c.hops, _sessions.c.members).where(_sessions.c.session_id == session_id)
             ).first()
-            before = (json.loads(row.members) or _members(json.loads(row.hops), [])) if row is not None else []
+            before = _stored_members(row.members, json.loads(row.hops)) if row is not None else []
             conn.execute(
                 sa.update(_sessions)
                 .where(_sessions.c.session_id == session_id)
