@@ -15,6 +15,11 @@ speculative sampling's acceptance rule for a deterministic drafter (the draft di
 mass on the drafted token): keep draft ``d`` with probability ``p(d)``; on a rejection draw from
 ``p`` with ``d`` removed. Every kept token is then distributed exactly as ``p`` (the distribution
 ``sample`` draws from), so speculation never changes what the user samples from.
+
+A grammar (``SamplingParams.grammar``, GBNF text; ``meshnet.grammar``) restricts every choice to
+the tokens it allows; the sampler asks it about the token it would pick and masks only when that one
+is refused. Its state follows the generated tokens the caller reports (``set_history`` / ``advance``),
+like the penalties.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +39,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 # probabilities to NaN, and far above the overflow such a distribution is the argmax anyway (vLLM's eps).
 GREEDY_BELOW = 1e-5
 
+if TYPE_CHECKING:
+    from meshnet.grammar import TokenGrammar
+
 Logits = npt.NDArray[np.float32]
 Alternatives = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
@@ -43,7 +52,8 @@ class SamplingParams:
     ``top_k == 0`` disables top-k; ``logit_bias``: ``(token id, bias)`` pairs added to the logits before any choice;
     ``top_logprobs``: how many most likely tokens (and their logprobs) to report beside each choice;
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, within [-2, 2]): subtracted from the logit
-    of every token already generated — once, and once per occurrence — before any choice."""
+    of every token already generated — once, and once per occurrence — before any choice;
+    ``grammar``: GBNF text every generated token must follow ("" for none), compiled by whoever samples."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -56,6 +66,7 @@ class SamplingParams:
     # The position of the first generated token: a route's tail sees every position's token id
     # and counts those from here for the penalties (docs/protocol.md).
     generated_from: int = 0
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         # JSON gives lists: keep an immutable, hashable, validated form
@@ -83,6 +94,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be within [-2, 2], got {getattr(self, name)}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.grammar, str):
+            raise ValueError(f"grammar must be GBNF text, got {type(self.grammar).__name__}")
+        from meshnet.grammar import MAX_GRAMMAR_BYTES
+
+        if len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"grammar is longer than {MAX_GRAMMAR_BYTES} bytes")
 
     @property
     def greedy(self) -> bool:
@@ -93,21 +110,49 @@ class SamplingParams:
         """Whether choices depend on the tokens generated so far (their counts: ``Sampler.generated``)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether the sampler must know the tokens generated so far (penalties, grammar state): on a
+        route, the token ids then travel to the tail."""
+        return self.penalized or bool(self.grammar)
+
 
 class Sampler:
     """Draws tokens for one generation. Not thread-safe: one sampler per generation."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, grammar: TokenGrammar | None = None) -> None:
+        if bool(params.grammar) != (grammar is not None):
+            raise ValueError("a sampler needs its parameters' grammar compiled (and only then a grammar)")
         self.params = params
+        self.grammar = grammar
         self._rng = np.random.default_rng(params.seed)
-        # The tokens generated so far and how often each occurs, for the penalties: the caller
-        # reports them (``generated``), since only it knows which tokens were kept.
+        # How often each generated token occurs, for the penalties: the caller reports the tokens
+        # (``set_history`` / ``advance``), since only it knows which were kept.
         self.generated: collections.Counter[int] = collections.Counter()
+
+    def set_history(self, tokens: Sequence[int]) -> None:
+        """The tokens generated so far (all of them, in order): the penalties and the grammar follow them."""
+        self.generated = collections.Counter(tokens)
+        if self.grammar is not None:
+            self.grammar.sync(tokens)
+
+    def advance(self, token: int) -> None:
+        """One more generated token (the one just sampled, kept)."""
+        self.generated[token] += 1
+        if self.grammar is not None:
+            self.grammar.accept(token)
+
+    def close(self) -> None:
+        if self.grammar is not None:
+            self.grammar.close()
 
     def sample(self, logits: Logits, position: int | None = None) -> tuple[int, float]:
         """Return ``(token_id, logprob)`` for the token at ``position``; the logprob is the model's (before
         temperature). A seeded draw at a known position is a function of the seed and the position alone."""
-        token = self._choose(self._biased(logits, self.generated), position)
+        biased = self._biased(logits, self.generated)
+        token = self._choose(biased, position)
+        if self.grammar is not None and not self.grammar.allows(token):
+            token = self._constrained(biased, position)
         return token, _logprob(logits, token)
 
     def alternatives(self, logits: Logits) -> Alternatives:
@@ -133,9 +178,19 @@ class Sampler:
         counts = collections.Counter(self.generated)  # each row sees the drafts kept before it
         for i, row in enumerate(logits):
             draft = drafts[i] if i < len(drafts) else None
-            token = self._check(self._biased(row, counts), draft, position + i)
+            biased = self._biased(row, counts)
+            if self.grammar is None:
+                token = self._check(biased, draft, position + i)
+            elif self.params.greedy:
+                token = self._choose(biased, position + i)
+                if not self.grammar.allows(token):
+                    token = self.grammar.best(biased)
+            else:
+                token = self._check(self.grammar.mask(biased), draft, position + i)
             tokens.append(token)
             counts[token] += 1
+            if self.grammar is not None:
+                self.grammar.accept(token)  # the next row is checked after it
             if token != draft:
                 break
         return tokens, [_logprob(logits[i], t) for i, t in enumerate(tokens)]
@@ -180,11 +235,19 @@ class Sampler:
             biased[ids[keep]] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * n[keep]
         return biased
 
-    def _choose(self, logits: Logits, position: int | None) -> int:
+    def _choose(self, logits: Logits, position: int | None, stream: int = 0) -> int:
         if self.params.greedy:
             return int(np.argmax(logits))
         candidates, probs = self._distribution(logits)
-        return int(candidates[self._rng_for(position).choice(probs.shape[0], p=probs)])
+        return int(candidates[self._rng_for(position, stream).choice(probs.shape[0], p=probs)])
+
+    def _constrained(self, logits: Logits, position: int | None) -> int:
+        """The choice when the grammar refused the unconstrained one: the most likely allowed token,
+        or a fresh draw (its own stream) from the distribution restricted to the allowed tokens."""
+        assert self.grammar is not None
+        if self.params.greedy:
+            return self.grammar.best(logits)
+        return self._choose(self.grammar.mask(logits), position, stream=3)
 
     def _distribution(self, logits: Logits) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
         """The candidate tokens and their probabilities after temperature, top-k and top-p."""

@@ -118,12 +118,37 @@ def test_non_object_body(raw):
         ({"frequency_penalty": 3}, "frequency_penalty"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"}, "tool_choice"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "grammar"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),  # no tool_call_id
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{"}}]}
+                ]
+            },
+            "messages",
+        ),
         ({"logit_bias": {"x": 5}}, "logit_bias"),
         ({"logit_bias": {"42": 101}}, "logit_bias"),
         ({"messages": []}, "messages"),
@@ -156,7 +181,7 @@ def test_missing_messages_and_model():
         ({"logprobs": 6}, "logprobs"),
         ({"suffix": "x"}, "suffix"),
         ({"logit_bias": {"42": -100.5}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"max_tokens": 0}, "max_tokens"),

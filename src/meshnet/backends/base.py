@@ -12,12 +12,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from meshnet.ids import new_route_id, new_session_id
 from meshnet.layers import LayerRange
 from meshnet.routes import Hop, RoutePlan
 from meshnet.sampling import Alternatives, Sampler
+
+if TYPE_CHECKING:
+    from meshnet.grammar import TokenGrammar
 
 __all__ = ["EngineStep", "ModelInfo", "PrefillProgress", "RouteChange", "TextEngine", "TokenStep", "local_plan"]
 
@@ -110,6 +113,10 @@ class TextEngine(Protocol):
         ...
 
     def is_end_of_generation(self, token: int) -> bool: ...
+
+    def grammar(self, text: str, *, param: str = "grammar") -> TokenGrammar:
+        """A GBNF grammar compiled against the model's vocabulary: a 400 naming ``param`` when it does not parse."""
+        ...
 
     def generate(
         self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event, plan: RoutePlan | None = None

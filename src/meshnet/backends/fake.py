@@ -16,6 +16,7 @@ import numpy as np
 
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep, local_plan
 from meshnet.errors import Conflict, InvalidRequest
+from meshnet.grammar import TokenGrammar
 from meshnet.ids import new_route_id, new_session_id
 from meshnet.routes import Hop, RoutePlan
 from meshnet.sampling import Sampler
@@ -66,6 +67,9 @@ class FakeEngine:
             eos_token="</s>",
             source="memory://fake",
         )
+
+    def grammar(self, text: str, *, param: str = "grammar") -> TokenGrammar:
+        raise InvalidRequest("the fake engine has no vocabulary to compile a grammar against", param=param)
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         body = list(text.encode("utf-8"))

@@ -18,6 +18,7 @@ import numpy as np
 from meshnet.backends.base import EngineStep, PrefillProgress, TokenStep, local_plan
 from meshnet.backends.llama_vocab import LlamaVocab
 from meshnet.errors import Conflict, EngineError, InvalidRequest
+from meshnet.grammar import TokenGrammar
 from meshnet.routes import RoutePlan
 from meshnet.sampling import Sampler
 
@@ -80,6 +81,9 @@ class LlamaFullEngine:
     def is_end_of_generation(self, token: int) -> bool:
         return self.vocab.is_end_of_generation(token)
 
+    def grammar(self, text: str, *, param: str = "grammar") -> TokenGrammar:
+        return self.vocab.grammar(text, param=param)
+
     def plan(self, *, prompt_tokens: int = 0, max_tokens: int = 0) -> RoutePlan:
         return local_plan(self.info, self.url)
 
@@ -115,7 +119,7 @@ class LlamaFullEngine:
             logits = self._last_logits()
             token, logprob = sampler.sample(logits, position=llm.n_tokens)
             yield TokenStep(token=token, logprob=logprob, top=sampler.alternatives(logits))
-            sampler.generated[token] += 1
+            sampler.advance(token)
             self._eval([token])
 
     def _eval(self, tokens: Sequence[int]) -> None:

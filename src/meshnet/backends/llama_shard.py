@@ -24,7 +24,7 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +43,9 @@ from meshnet.ids import SessionId
 from meshnet.layers import LayerRange
 from meshnet.models.families import Family, family
 from meshnet.session.store import StoreLimits
+
+if TYPE_CHECKING:
+    from meshnet.grammar import TokenGrammar
 
 __all__ = ["MAX_VERIFY", "SNAPSHOT_CELL_META_BYTES", "HeadEmbeddings", "LlamaShard", "LlamaShardConfig"]
 
@@ -583,6 +586,13 @@ class LlamaShard(ShardBase[int]):
                 f"128 x key_length, each with {self._rollback} rollback snapshots"
             ),
         )
+
+    def grammar(self, text: str) -> TokenGrammar:
+        if not self._tail:
+            return super().grammar(text)  # only the tail holds the vocabulary
+        from meshnet.grammar import TokenGrammar
+
+        return TokenGrammar(self, self._ll.llama_model_get_vocab(self._model), self._n_vocab, text)
 
     def _recurrent_layers(self, arch: str, n_layer: int) -> list[bool]:
         return recurrent_layers(self._path, arch, n_layer) if family(arch).recurrent else [False] * n_layer

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshnet.artifacts.shard_file import trunk_layers
 from meshnet.backends.base import ModelInfo
 from meshnet.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from meshnet.grammar import TokenGrammar
 
 __all__ = ["LlamaVocab", "check_gguf_file", "model_meta", "quantization_name"]
 
@@ -124,6 +127,12 @@ class LlamaVocab:
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(self._ll.llama_vocab_is_eog(self._vocab, token))
+
+    def grammar(self, text: str, *, param: str = "grammar") -> TokenGrammar:
+        """A GBNF grammar compiled against this vocabulary (a 400 naming ``param`` when it does not parse)."""
+        from meshnet.grammar import TokenGrammar
+
+        return TokenGrammar(self, self._vocab, self.info.n_vocab, text, param=param)
 
     def close(self) -> None:
         if self._model is not None:

@@ -25,7 +25,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +34,9 @@ from meshnet.errors import InvalidRequest, SeamMismatch
 from meshnet.ids import SessionId
 from meshnet.layers import LayerRange
 from meshnet.session.store import SessionStore, StoreLimits
+
+if TYPE_CHECKING:
+    from meshnet.grammar import TokenGrammar
 
 __all__ = [
     "KVFormat",
@@ -146,6 +149,10 @@ class ShardBackend(Protocol):
 
     def close_session(self, sid: SessionId) -> None: ...
 
+    def grammar(self, text: str) -> TokenGrammar:
+        """Compile a GBNF grammar against the model's vocabulary (a tail that samples under it)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -245,6 +252,13 @@ class ShardBase(abc.ABC, Generic[S]):
             with self._compute:
                 self._free_state(state)
             raise
+
+    def grammar(self, text: str) -> TokenGrammar:
+        raise InvalidRequest(
+            f"this node's {self.info.backend} shard has no tokenizer to apply a grammar (response_format, "
+            "tools) with; serve the tail from a GGUF",
+            param="grammar",
+        )
 
     def close(self) -> None:
         self._store.close_all()

@@ -26,11 +26,13 @@ import torch
 from transformers import PreTrainedModel
 
 from meshnet.backends import torch_cache
+from meshnet.backends.llama_vocab import LlamaVocab
 from meshnet.backends.shard import ShardBase, ShardInfo, ShardOutput
 from meshnet.backends.torch_cache import RangeCache
 from meshnet.backends.torch_gguf import GgufCheckpoint
 from meshnet.backends.torch_models import Arch, ShardModules, arch_for, dtype_name, inference
 from meshnet.errors import EngineError, InvalidRequest, MeshnetError
+from meshnet.grammar import TokenGrammar
 from meshnet.ids import SessionId
 from meshnet.layers import LayerRange
 from meshnet.session.store import StoreLimits
@@ -81,6 +83,9 @@ class TorchShard(ShardBase[TorchSession]):
         self.arch: Arch = arch_for(modules.config)
         config = modules.config
         self.dtype = dtype
+        # The GGUF a tail shard came from: its tokenizer compiles grammars (``grammar``), loaded when first asked.
+        self.vocab_source: Path | None = None
+        self._vocab: LlamaVocab | None = None
         kv = self.arch.kv_format(config, modules.range, self.dtype)
         self.info = ShardInfo(
             model_id=model_id,
@@ -119,7 +124,9 @@ class TorchShard(ShardBase[TorchSession]):
         checkpoint = source if isinstance(source, GgufCheckpoint) else GgufCheckpoint(source)
         dtype = _dtype(torch_dtype)
         modules = checkpoint.shard_modules(layers, dtype)
-        return cls(modules, dtype=dtype, model_id=checkpoint.model_id, budget=budget)
+        shard = cls(modules, dtype=dtype, model_id=checkpoint.model_id, budget=budget)
+        shard.vocab_source = checkpoint.path if layers.is_tail else None
+        return shard
 
     @classmethod
     def from_model(
@@ -145,6 +152,22 @@ class TorchShard(ShardBase[TorchSession]):
             modules = modules.cast(dtype, keep)
         model_id = model_id or f"memory:{model.config.model_type}"
         return cls(inference(modules), dtype=dtype, model_id=model_id, budget=budget)
+
+    def grammar(self, text: str) -> TokenGrammar:
+        if self.vocab_source is None:
+            return super().grammar(text)
+        if self._vocab is None:
+            try:
+                self._vocab = LlamaVocab(self.vocab_source)
+            except MeshnetError as exc:
+                why = f"this tail cannot read a tokenizer for grammars: {exc}"
+                raise InvalidRequest(why, param="grammar") from None
+        return self._vocab.grammar(text)
+
+    def close(self) -> None:
+        super().close()
+        if self._vocab is not None:
+            self._vocab.close()
 
     # -- measurement ---------------------------------------------------------------------------
     def state_bytes(self, sid: SessionId) -> int:

@@ -74,11 +74,23 @@ def setup_logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per hop request is noise, and slow
 
 
+# Headers of one request, together: a grammar of MAX_GRAMMAR_BYTES, JSON-escaped, fits with room to spare.
+MAX_HEADER_BYTES = 512 * 1024
+
+
 def serve_app(app: Any, sock: socket.socket) -> None:
     """Serve ``app`` on a bound socket until SIGINT/SIGTERM (in-flight responses finish first)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        # a session's first hop request carries its grammar in a header (meshnet.grammar.MAX_GRAMMAR_BYTES)
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+    )
+    server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:

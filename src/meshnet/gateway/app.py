@@ -39,6 +39,7 @@ from meshnet.gateway.logprobs import LogprobsShape
 from meshnet.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, TelemetryHub
+from meshnet.gateway.tools import ToolPlan
 from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response, read_body
 from meshnet.ids import GenerationId, new_generation_id, parse_generation_id
 from meshnet.models.families import certification
@@ -182,17 +183,24 @@ async def list_models(state: GatewayState, _: Request) -> Response:
 async def chat_completions(state: GatewayState, request: Request) -> Response:
     body = parse_body(await read_body(request, state.max_body_bytes, "the gateway"), ChatCompletionRequest)
     _check_model(state, body.model)
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+    tools = body.tool_plan(native=state.template.supports_tools)
+    messages = [m.for_template() for m in body.messages]
 
-    def prompt_tokens() -> list[int]:
-        text = state.template.render(messages)
+    def prepare() -> tuple[list[int], str, str]:
+        if tools is None:
+            text = state.template.render(messages)
+            grammar, param = body.output_grammar()
+        else:
+            text = state.template.render(tools.messages(messages), tools=tools.template_tools())
+            grammar, param = tools.grammar(), "tools"
         # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
         bos = state.engine.info.bos_token
-        return state.engine.tokenize(text, add_special=not (bos and text.startswith(bos)))
+        return state.engine.tokenize(text, add_special=not (bos and text.startswith(bos))), grammar, param
 
     # A long prompt takes a while to render and tokenize: off the event loop, so other streams keep flowing.
-    tokens = await run_in_threadpool(prompt_tokens)
-    return await _serve(state, request, body, _gen_request(state, body, tokens), kind="chat")
+    tokens, grammar, param = await run_in_threadpool(prepare)
+    gen = await _gen_request(state, body, tokens, grammar, param)
+    return await _serve(state, request, body, gen, kind="chat", tools=tools)
 
 
 async def completions(state: GatewayState, request: Request) -> Response:
@@ -209,7 +217,8 @@ async def completions(state: GatewayState, request: Request) -> Response:
         if not text:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         tokens = await run_in_threadpool(state.engine.tokenize, text, add_special=True)
-    return await _serve(state, request, body, _gen_request(state, body, tokens), kind="text")
+    grammar, param = await run_in_threadpool(body.output_grammar)
+    return await _serve(state, request, body, await _gen_request(state, body, tokens, grammar, param), kind="text")
 
 
 def _check_model(state: GatewayState, model: str) -> None:
@@ -220,10 +229,15 @@ def _check_model(state: GatewayState, model: str) -> None:
         )
 
 
-def _gen_request(
-    state: GatewayState, body: ChatCompletionRequest | CompletionRequest, tokens: list[int]
+async def _gen_request(
+    state: GatewayState,
+    body: ChatCompletionRequest | CompletionRequest,
+    tokens: list[int],
+    grammar: str = "",
+    grammar_param: str = "grammar",
 ) -> GenerationRequest:
-    """Apply the context cap before any compute: never a silent truncation."""
+    """Apply the context cap before any compute: never a silent truncation; a grammar that does not
+    compile against the model's vocabulary is a 400 here, before a route is planned."""
     engine = state.engine
     cap = engine.n_ctx
     why = (
@@ -250,9 +264,12 @@ def _gen_request(
             f"logit_bias names token ids outside the vocabulary [0, {engine.info.n_vocab}): {outside[:5]}",
             param="logit_bias",
         )
+    if grammar:
+        compiled = await run_in_threadpool(engine.grammar, grammar, param=grammar_param)
+        compiled.close()
     return GenerationRequest(
         prompt_tokens=tuple(tokens),
-        sampling=dataclasses.replace(sampling, generated_from=n),
+        sampling=dataclasses.replace(sampling, generated_from=n, grammar=grammar),
         max_tokens=limit if limit is not None else cap - n,
         stop=body.stop_sequences,
     )
@@ -308,6 +325,7 @@ async def _serve(
     gen: GenerationRequest,
     *,
     kind: str,
+    tools: ToolPlan | None = None,
 ) -> Response:
     """Run the request's ``n`` choices, each a generation of its own (its own route, telemetry and
     id: the proposed or new one, then ``ID.1``, ``ID.2``...; a seeded choice ``i`` uses seed + i)."""
@@ -321,7 +339,7 @@ async def _serve(
     try:
         for index, one in enumerate(gids):
             choice = gen if index == 0 else dataclasses.replace(gen, sampling=_seeded(gen.sampling, index))
-            shape, items = await _start(state, body, choice, one, kind=kind, index=index)
+            shape, items = await _start(state, body, choice, one, kind=kind, index=index, tools=tools)
             shapes.append(shape)
             streams.append(items)
     except MeshnetError as exc:
@@ -347,6 +365,7 @@ async def _start(
     *,
     kind: str,
     index: int,
+    tools: ToolPlan | None = None,
 ) -> tuple[_Shape, AsyncIterator[StreamItem]]:
     """Plan a route for one choice, open its telemetry and queue it."""
     # Planning may ask a tracker over the network: off the event loop.
@@ -359,7 +378,7 @@ async def _start(
         state.engine.release(plan)
         raise
     logprobs = LogprobsShape(kind, state.engine.token_bytes) if body.wants_logprobs else None
-    shape = _Shape(kind, tel, state.engine.info.model_id, int(time.time()), logprobs, index)
+    shape = _Shape(kind, tel, state.engine.info.model_id, int(time.time()), logprobs, index, tools)
     return shape, state.service.stream(dataclasses.replace(gen, plan=plan), tel)
 
 
@@ -382,6 +401,8 @@ class _Shape:
     created: int
     logprobs: LogprobsShape | None = None  # when the request asked for logprobs
     index: int = 0  # the choice (n > 1); every choice's chunks carry the first choice's response id
+    # tools the model may call: the reply is read whole (calls parsed out of it) before it goes out
+    tools: ToolPlan | None = None
 
     @property
     def id(self) -> str:
@@ -425,13 +446,31 @@ class _Shape:
             "meshnet": self.tel.snapshot(),
         }
 
+    def tool_chunks(self, text: str, finish_reason: str) -> list[dict[str, Any]]:
+        """The end of a streamed reply with tools: its content, its calls, then the finish reason."""
+        assert self.tools is not None
+        reply = self.tools.parse(text)
+        chunks = [self.chunk(reply.content, None)] if reply.content else []
+        if reply.calls:
+            chunk = self.chunk(None, None)
+            chunk["choices"][0]["delta"] = {"tool_calls": [c.as_json(i) for i, c in enumerate(reply.calls)]}
+            chunks.append(chunk)
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return [*chunks, self.chunk(None, finish_reason)]
+
     def choice(self, text: str, finish_reason: str, tokens: Sequence[Delta] = ()) -> dict[str, Any]:
         """This choice in a non-streamed response."""
         logprobs = self._logprobs(tokens)
         if self.logprobs is not None and logprobs is None:
             logprobs = self.logprobs.build([])
         if self.kind == "chat":
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                reply = self.tools.parse(text)
+                message["content"] = reply.content
+                if reply.calls:
+                    message["tool_calls"] = [c.as_json() for c in reply.calls]
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -469,16 +508,24 @@ async def _sse_chunks(
     for shape in shapes:
         yield _sse(shape.chunk("", None, first=True))
     held: list[list[Delta]] = [[] for _ in shapes]  # tokens whose text is not out yet: their logprobs go with it
+    replies: list[list[str]] = [[] for _ in shapes]  # with tools: the reply so far, parsed when it ends
     try:
         async for index, item in _merged(streams):
             shape = shapes[index]
             if isinstance(item, Heartbeat):
                 yield _sse(shape.chunk(None, None))
+            elif isinstance(item, Delta) and shape.tools is not None:
+                replies[index].append(item.text)  # progress still goes out: telemetry and logprobs, no text
+                yield _sse(shape.chunk(None, None, tokens=[item]))
             elif isinstance(item, Delta):
                 held[index].append(item)
                 if item.text:
                     yield _sse(shape.chunk(item.text, None, tokens=held[index]))
                     held[index] = []
+            elif isinstance(item, Finished) and shape.tools is not None:
+                reply = "".join([*replies[index], item.text])
+                for chunk in shape.tool_chunks(reply, _client_reason(item.finish_reason)):
+                    yield _sse(chunk)
             elif isinstance(item, Finished):
                 if item.text or held[index]:
                     yield _sse(shape.chunk(item.text, None, tokens=held[index]))

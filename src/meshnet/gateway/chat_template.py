@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from meshnet.errors import InvalidRequest
@@ -42,16 +43,26 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(source)
+        # A template that reads ``tools`` renders them itself (meshnet.gateway.tools: the native style).
+        self.supports_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        extra = {"tools": list(tools)} if tools is not None else {}
         try:
             return self._template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. a template adding None to a string
             raise InvalidRequest(f"the chat template failed on these messages: {exc}", param="messages") from None

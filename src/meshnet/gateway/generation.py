@@ -127,8 +127,9 @@ def run_worker(
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     stops = StopMatcher(request.stop)
     produced = 0
-    steps = engine.generate(request.prompt_tokens, Sampler(request.sampling), cancel, request.plan)
     try:
+        grammar = engine.grammar(request.sampling.grammar) if request.sampling.grammar else None
+        steps = engine.generate(request.prompt_tokens, Sampler(request.sampling, grammar), cancel, request.plan)
         with contextlib.closing(steps):
             for step in steps:
                 if isinstance(step, PrefillProgress | RouteChange):

@@ -12,6 +12,8 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from meshnet.errors import InvalidRequest
+from meshnet.gateway.tools import FunctionSpec, ToolPlan, parse_choice, parse_functions
+from meshnet.grammar import JSON_OBJECT_GRAMMAR, json_schema_grammar
 from meshnet.sampling import SamplingParams
 
 __all__ = [
@@ -49,9 +51,10 @@ class _GenerationParams(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     # OpenAI's: token id (a string) -> bias in [-100, 100], added to that token's logit
     logit_bias: dict[str, float] | None = None
-    # Accepted by OpenAI, not served here yet: a request that sets them is refused, never answered
-    # as if they had been honoured (the text would silently not be what the client asked for).
+    # Structured output: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}
     response_format: dict[str, object] | None = None
+    # llama-server's extension: a GBNF grammar the output must follow
+    grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -67,13 +70,44 @@ class _GenerationParams(_Strict):
             if not -100.0 <= value <= 100.0:
                 raise InvalidRequest(f"logit_bias values lie within [-100, 100], got {value} for token {key}",
                                      param="logit_bias")  # fmt: skip
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            kind = self.response_format.get("type")
+        self._response_schema()  # a malformed response_format is a 400 before any work
+        if self.grammar is not None and self._response_schema() is not None:
+            raise InvalidRequest("set response_format or grammar, not both", param="grammar")
+
+    def _response_schema(self) -> dict[str, object] | None:
+        """The JSON schema of ``response_format``: ``{}`` for any JSON object, None for text."""
+        rf = self.response_format
+        if rf is None:
+            return None
+        kind = rf.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {}
+        if kind != "json_schema":
             raise InvalidRequest(
-                f"response_format {kind!r} (structured output) is not supported yet; leave it out or use "
-                "{'type': 'text'}",
+                f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                 param="response_format",
             )
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequest(
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                param="response_format",
+            )
+        return schema
+
+    def output_grammar(self) -> tuple[str, str]:
+        """The grammar the output must follow and the parameter it came from (``("", "")`` for free text)."""
+        if self.grammar is not None:
+            return self.grammar, "grammar"
+        schema = self._response_schema()
+        if schema is None:
+            return "", ""
+        if not schema:
+            return JSON_OBJECT_GRAMMAR, "response_format"
+        return json_schema_grammar(schema, param="response_format"), "response_format"
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -115,10 +149,23 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class AssistantToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's result answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -126,6 +173,30 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, object]:
+        """The message as chat templates read it (HF's convention: a call's arguments as an object)."""
+        out: dict[str, object] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(call: AssistantToolCall) -> object:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        raise InvalidRequest(
+            f"tool call {call.id}: function.arguments must be JSON text, got {call.function.arguments[:80]!r}",
+            param="messages",
+        ) from None
 
 
 class ChatCompletionRequest(_GenerationParams):
@@ -135,6 +206,8 @@ class ChatCompletionRequest(_GenerationParams):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
+    parallel_tool_calls: bool = True
+    # OpenAI's deprecated function calling: refused with the way to the current one
     functions: list[dict[str, object]] | None = None
     function_call: str | dict[str, object] | None = None
 
@@ -144,12 +217,35 @@ class ChatCompletionRequest(_GenerationParams):
             raise InvalidRequest("messages must hold at least one message", param="messages")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name} (function calling) are not supported yet; leave them out", param=name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise InvalidRequest(f"{name} is not supported yet (no tools can be called)", param=name)
+        for name, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, name) not in (None, [], "none"):
+                raise InvalidRequest(f"{name} is OpenAI's deprecated form; send {instead} instead", param=name)
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and not message.tool_call_id:
+                raise InvalidRequest(f"messages[{i}]: a tool message needs the tool_call_id it answers",
+                                     param="messages")  # fmt: skip
+            if message.tool_calls:
+                if message.role != "assistant":
+                    raise InvalidRequest(f"messages[{i}]: only assistant messages carry tool_calls", param="messages")
+                for call in message.tool_calls:
+                    _arguments(call)
+        functions = self.functions_offered()
+        choice = parse_choice(self.tool_choice, functions)
+        if choice != "none" and (self.grammar is not None or self._response_schema() is not None):
+            raise InvalidRequest("tools that may be called cannot be combined with response_format or grammar; "
+                                 'set tool_choice "none" or leave the tools out', param="response_format")  # fmt: skip
+
+    def functions_offered(self) -> tuple[FunctionSpec, ...]:
+        return parse_functions(self.tools or [])
+
+    def tool_plan(self, *, native: bool) -> ToolPlan | None:
+        """How the tools are offered (None: no tools, or ``tool_choice: "none"``); ``native``: the chat
+        template renders tools itself."""
+        functions = self.functions_offered()
+        choice = parse_choice(self.tool_choice, functions)
+        if choice == "none":
+            return None
+        return ToolPlan(functions, choice, "native" if native else "generic", parallel=self.parallel_tool_calls)
 
     @property
     def token_limit(self) -> int | None:

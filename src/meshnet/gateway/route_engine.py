@@ -54,6 +54,7 @@ from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteC
 from meshnet.errors import BadGateway, EngineError, HopFailed, InvalidRequest, MeshnetError, Overloaded
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
 from meshnet.gateway.speculative import SPECULATIVE_MODES, PromptLookup, WalkCosts
+from meshnet.grammar import TokenGrammar
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
@@ -77,6 +78,8 @@ class Tokenizer(Protocol):
     def token_bytes(self, token: int) -> bytes: ...
 
     def is_end_of_generation(self, token: int) -> bool: ...
+
+    def grammar(self, text: str, *, param: str = "grammar") -> TokenGrammar: ...
 
 
 @dataclasses.dataclass
@@ -142,6 +145,10 @@ class RouteEngine:
 
     def is_end_of_generation(self, token: int) -> bool:
         return self.tokenizer.is_end_of_generation(token)
+
+    def grammar(self, text: str, *, param: str = "grammar") -> TokenGrammar:
+        """Compiled here to refuse a bad grammar before any route work; the tail compiles its own and samples."""
+        return self.tokenizer.grammar(text, param=param)
 
     # -- routes ------------------------------------------------------------------------------
     def _client(self) -> httpx.Client:

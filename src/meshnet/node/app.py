@@ -24,9 +24,9 @@ Speculative decoding (``verify``): a decode step with drafted tokens after it
 (``shard.verify_chunk``); the tail keeps the drafts its sampler agrees with plus one token of its
 own, and every hop drops the rejected positions as the answer passes it back.
 
-Penalties: when the session's sampling parameters set a presence or frequency penalty, the token
-ids travel beside the activations to the tail (and into the seam logs), which counts the
-generated ones before each choice.
+Penalties and grammars: when the session's sampling parameters set a presence or frequency
+penalty or a grammar, the token ids travel beside the activations to the tail (and into the seam
+logs), which counts the generated ones and brings its grammar state up to them before each choice.
 
 Concurrency: one request per session at a time (a second gets 409); compute is serialized by
 the shard backend; everything else runs on the event loop.
@@ -35,7 +35,6 @@ the shard backend; everything else runs on the event loop.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
@@ -130,7 +129,7 @@ class _Route:
     # beside it, for a model whose every hop reads the token ids: the ids of positions 0.., int32
     ids_log: bytearray = field(default_factory=bytearray)
     # Token ids travel beside the activations to the tail (``carry_ids``) when its choices depend
-    # on the tokens generated so far (presence/frequency penalties); the tail keeps them by position.
+    # on the tokens generated so far (presence/frequency penalties, a grammar); the tail keeps them by position.
     carry_ids: bool = False
     ids_seen: list[int] = field(default_factory=list)
 
@@ -175,8 +174,9 @@ class _Node:
                 raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
             sends = not self.info.layers.is_tail
             params = self._params(request)
-            sampler = Sampler(params) if self.info.layers.is_tail else None
-            route = _Route(route_id, self.next_hops(request), sampler, ChunkLedger(sends), carry_ids=params.penalized)
+            sampler = self._sampler(params) if self.info.layers.is_tail else None
+            hops = self.next_hops(request)
+            route = _Route(route_id, hops, sampler, ChunkLedger(sends), carry_ids=params.needs_history)
             if self.info.layers.is_tail or self.config.seam_log_bytes <= 0:
                 route.log = None
             self.shard.open_session(sid)
@@ -197,9 +197,13 @@ class _Node:
             raise InvalidRequest(f"node {self.config.node_id} ({self.info.layers}) needs {H.NEXT_HOPS}")
         return hops
 
+    def _sampler(self, params: SamplingParams) -> Sampler:
+        """The tail's sampler, with the session's grammar compiled against this shard's vocabulary."""
+        return Sampler(params, self.shard.grammar(params.grammar) if params.grammar else None)
+
     def _params(self, request: Request) -> SamplingParams:
         """The session's sampling parameters: the tail samples with them; every hop reads whether
-        the token ids must travel to the tail (penalties)."""
+        the token ids must travel to the tail (penalties, grammar)."""
         raw = request.headers.get(H.SAMPLING)
         try:
             return SamplingParams(**json.loads(raw)) if raw else SamplingParams(temperature=0.0)
@@ -260,8 +264,8 @@ class _Node:
         info = self.info
         if route.carry_ids and tokens is None and not info.layers.is_head:
             raise SeamMismatch(
-                f"this session's token ids travel to the tail (penalties): send the chunk's ids first in the body, "
-                f"with {H.TOKEN_IDS}"
+                "this session's token ids travel to the tail (penalties, grammar): send the chunk's ids first in "
+                f"the body, with {H.TOKEN_IDS}"
             )
         if route.carry_ids and info.layers.is_tail and tokens is not None:
             del route.ids_seen[start:]
@@ -734,7 +738,7 @@ async def _sampled(
     sampler = route.sampler
     if route.carry_ids:  # the generated tokens before the first one this answer picks
         before = start + n - len(drafts or ())
-        sampler.generated = collections.Counter(route.ids_seen[sampler.params.generated_from : before])
+        sampler.set_history(route.ids_seen[sampler.params.generated_from : before])
     if drafts is None:
         token, logprob = sampler.sample(logits, position=start + n)
         top = {"top": sampler.alternatives(logits)} if sampler.params.top_logprobs else {}

@@ -1,0 +1,216 @@
+"""Grammar-constrained sampling: llama.cpp's GBNF engine applied where the logits are.
+
+The gateway turns ``response_format`` (a JSON schema, or any JSON object) and tool calls into GBNF
+with llama-cpp-python's maintained converter (``llama_cpp.llama_grammar.SchemaConverter``, a port
+of llama.cpp's ``json_schema_to_grammar``); the text travels with the sampling parameters to
+whoever samples — the tail node of a route, or the single-node engine — and is compiled there
+against the model's vocabulary by llama.cpp's grammar sampler (``TokenGrammar``).
+
+Checking a grammar over the whole vocabulary costs ~7 ms per token (49K tokens), checking one token
+~20 µs, so the sampler first picks as if unconstrained and asks the grammar only about that token;
+only when the grammar refuses it does it mask more (``TokenGrammar.best``: the most likely allowed
+token, found among the top candidates first; ``TokenGrammar.mask`` for a sampled draw). Greedy
+output is exactly the argmax over the allowed tokens either way; for a sampled draw, a pick from
+``p`` kept when allowed and otherwise redrawn from ``p`` restricted to the allowed tokens is
+distributed exactly as that restriction (top-k and top-p then apply to the restricted logits).
+
+The grammar's state is a function of the tokens generated so far (``TokenGrammar.sync``), so a new
+tail after a route repair rebuilds it from the token ids the route carries — the text goes on as if
+nothing happened. llama.cpp aborts the process when asked to accept a token its grammar refuses, so
+every token is checked first, wherever it came from: one the grammar refuses is a clear error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from meshnet.errors import InvalidRequest
+
+__all__ = [
+    "JSON_OBJECT_GRAMMAR",
+    "MAX_GRAMMAR_BYTES",
+    "GrammarRefused",
+    "TokenGrammar",
+    "json_schema_grammar",
+]
+
+# A grammar travels in a header to every hop (docs/protocol.md); the nodes accept headers this large.
+MAX_GRAMMAR_BYTES = 64 * 1024
+ROOT = "root"
+# How many of the most likely tokens ``best`` asks the grammar about before masking the whole vocabulary.
+_FIRST_CANDIDATES = 256
+
+# Any JSON object (``response_format: {"type": "json_object"}``): llama.cpp's grammars/json.gbnf.
+JSON_OBJECT_GRAMMAR = r"""root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4})
+  )* "\"" ws
+
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+
+# Optional space: by convention, applied in this grammar after literal chars when allowed
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
+
+# A character of a JSON string (llama.cpp's current rule; the Python port's older one admits raw control characters).
+_JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
+
+Logits = npt.NDArray[np.float32]
+# llama.cpp's llama_token_data: {int32 id; float logit; float p}
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+
+
+class GrammarRefused(InvalidRequest):
+    """A token the grammar does not allow was to be accepted, or the grammar allows no token at all."""
+
+
+def json_schema_grammar(schema: object, *, param: str, root: str | None = None) -> str:
+    """GBNF for JSON documents valid under ``schema``; with ``root``, a GBNF expression in which
+    ``DOCUMENT`` stands for such a document (e.g. between tool-call tags). A schema the converter
+    cannot express is a 400 naming ``param``."""
+    from llama_cpp import llama_grammar
+
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param=param)
+    converter_class: Any = llama_grammar.SchemaConverter  # untyped
+    converter = converter_class(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    try:
+        resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "input")
+        name = converter.visit(resolved, "document" if root else "")
+        if root:
+            converter._add_rule(ROOT, root.replace("DOCUMENT", name))
+        if "char" in converter._rules:  # the port lets raw control characters into strings: JSON does not
+            converter._rules["char"] = _JSON_CHAR
+        text = str(converter.format_grammar())
+    except InvalidRequest:
+        raise
+    except Exception as exc:  # the converter raises bare exceptions (ValueError, KeyError, AssertionError...)
+        why = f"{param}: this JSON schema cannot be turned into a grammar: {exc!r}"
+        raise InvalidRequest(why, param=param) from None
+    check_grammar_size(text, param=param)
+    return text
+
+
+def check_grammar_size(text: str, *, param: str) -> None:
+    size = len(text.encode())
+    if size > MAX_GRAMMAR_BYTES:
+        raise InvalidRequest(
+            f"{param}: the grammar is {size} bytes, more than the {MAX_GRAMMAR_BYTES} a route carries; "
+            "use a smaller schema",
+            param=param,
+        )
+
+
+class TokenGrammar:
+    """One generation's grammar over a model's vocabulary (llama.cpp's grammar sampler).
+
+    ``owner`` is the object that keeps the vocabulary alive (a ``LlamaVocab`` or a shard); the grammar
+    holds it. Not thread-safe: one grammar per generation, like its ``Sampler``."""
+
+    def __init__(self, owner: object, vocab: Any, n_vocab: int, text: str, *, param: str = "grammar") -> None:
+        import llama_cpp
+
+        check_grammar_size(text, param=param)
+        self._ll = llama_cpp
+        self._owner = owner
+        handle = llama_cpp.llama_sampler_init_grammar(vocab, text.encode(), ROOT.encode())
+        if not handle:
+            raise InvalidRequest(
+                f"{param}: llama.cpp's GBNF parser rejected the grammar (its rule {ROOT!r} must exist and every "
+                "rule it names be defined); the node's log shows where",
+                param=param,
+            )
+        self._handle = handle
+        self._free = weakref.finalize(self, llama_cpp.llama_sampler_free, handle)
+        self.n_vocab = n_vocab
+        self._all = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+        self._all["id"] = np.arange(n_vocab, dtype=np.int32)
+        self._one = np.zeros(1, dtype=_TOKEN_DATA)
+        self.accepted: list[int] = []  # the tokens the grammar state has consumed, in order
+
+    # -- questions ---------------------------------------------------------------------------
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next (an end-of-generation token: whether the grammar is complete)."""
+        if not 0 <= token < self.n_vocab:
+            return False
+        self._one["id"] = token
+        self._one["logit"] = 0.0
+        self._apply(self._one)
+        return bool(np.isfinite(self._one["logit"][0]))
+
+    def mask(self, logits: Logits) -> Logits:
+        """A copy of ``logits`` with every token the grammar refuses at -inf."""
+        data = self._all
+        data["logit"] = logits[: self.n_vocab]
+        self._apply(data)
+        masked = data["logit"].astype(np.float32)
+        if not np.isfinite(masked).any():
+            raise GrammarRefused(f"the grammar allows no token after {len(self.accepted)} generated tokens")
+        return masked
+
+    def best(self, logits: Logits) -> int:
+        """The most likely token the grammar allows (greedy under the grammar)."""
+        n = min(_FIRST_CANDIDATES, self.n_vocab)
+        top = np.argpartition(logits[: self.n_vocab], -n)[-n:]
+        top = top[np.argsort(-logits[top], kind="stable")]
+        some = np.zeros(n, dtype=_TOKEN_DATA)
+        some["id"] = top
+        some["logit"] = logits[top]
+        self._apply(some)
+        ok = np.flatnonzero(np.isfinite(some["logit"]))
+        if ok.size:
+            return int(top[ok[0]])
+        return int(np.argmax(self.mask(logits)))
+
+    # -- state -------------------------------------------------------------------------------
+    def accept(self, token: int) -> None:
+        if not self.allows(token):
+            raise GrammarRefused(
+                f"token {token} after {len(self.accepted)} generated tokens is not allowed by the request's grammar"
+            )
+        self._ll.llama_sampler_accept(self._handle, token)
+        self.accepted.append(token)
+
+    def sync(self, history: Sequence[int]) -> None:
+        """Bring the state to "``history`` generated so far": consume what is new, or start over when
+        ``history`` is not a continuation of what was consumed (a rewind)."""
+        n = len(self.accepted)
+        if len(history) < n or list(history[:n]) != self.accepted:
+            self._ll.llama_sampler_reset(self._handle)
+            self.accepted = []
+            n = 0
+        for token in history[n:]:
+            self.accept(int(token))
+
+    def close(self) -> None:
+        self._free()
+
+    def _apply(self, data: np.ndarray[Any, np.dtype[Any]]) -> None:
+        ll = self._ll
+        array = ll.llama_token_data_array(
+            data=data.ctypes.data_as(ll.llama_token_data_p), size=data.shape[0], selected=-1, sorted=False
+        )
+        ll.llama_sampler_apply(self._handle, ctypes.byref(array))
