@@ -16,7 +16,7 @@ mass on the drafted token): keep draft ``d`` with probability ``p(d)``; on a rej
 ``p`` with ``d`` removed. Every kept token is then distributed exactly as ``p`` (the distribution
 ``sample`` draws from), so speculation never changes what the user samples from.
 
-A grammar (``SamplingParams.grammar``, GBNF text; ``meshnet.grammar``) restricts every choice to
+A grammar (``SamplingParams.grammar``, GBNF text; ``meshnet.backends.grammar``) restricts every choice to
 the tokens it allows; the sampler asks it about the token it would pick and masks only when that one
 is refused. Its state follows the generated tokens the caller reports (``set_history`` / ``advance``),
 like the penalties.
@@ -32,15 +32,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["GREEDY_BELOW", "MAX_TOP_LOGPROBS", "Alternatives", "Sampler", "SamplingParams"]
+__all__ = ["GREEDY_BELOW", "MAX_GRAMMAR_BYTES", "MAX_TOP_LOGPROBS", "Alternatives", "Sampler", "SamplingParams"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+# A grammar travels in a header to every hop (docs/protocol.md); the nodes accept headers this large.
+MAX_GRAMMAR_BYTES = 64 * 1024
 # A temperature below this samples greedily: logits divided by ~1e-310 overflow to inf and the
 # probabilities to NaN, and far above the overflow such a distribution is the argmax anyway (vLLM's eps).
 GREEDY_BELOW = 1e-5
 
 if TYPE_CHECKING:
-    from meshnet.grammar import TokenGrammar
+    from meshnet.backends.grammar import TokenGrammar
 
 Logits = npt.NDArray[np.float32]
 Alternatives = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
@@ -96,8 +98,6 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.grammar, str):
             raise ValueError(f"grammar must be GBNF text, got {type(self.grammar).__name__}")
-        from meshnet.grammar import MAX_GRAMMAR_BYTES
-
         if len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
             raise ValueError(f"grammar is longer than {MAX_GRAMMAR_BYTES} bytes")
 

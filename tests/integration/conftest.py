@@ -17,6 +17,14 @@ def server() -> Iterator[Proc]:
 
 
 @pytest.fixture(scope="session")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """``meshnet up``: tracker + 3 llama.cpp nodes + gateway, shared by the modules that only send requests."""
+    workdir = tmp_path_factory.mktemp("swarm")
+    with meshnet_process(["up", "--port", "0", "--nodes", "3", "--workdir", str(workdir)], ready_timeout_s=300) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="session")
 def model_id(server: Proc) -> str:
     import httpx
 

@@ -6,7 +6,6 @@ import concurrent.futures
 import json
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,13 +23,6 @@ PROMPTS = [
     "Explain photosynthesis to a child.",
 ]
 N_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    workdir = tmp_path_factory.mktemp("swarm")
-    with meshnet_process(["up", "--port", "0", "--nodes", "3", "--workdir", str(workdir)], ready_timeout_s=300) as proc:
-        yield proc
 
 
 def chat(url: str, model: str, prompt: str, *, stream: bool = False) -> str:

@@ -20,7 +20,7 @@ from meshnet.routes import Hop, RoutePlan
 from meshnet.sampling import Alternatives, Sampler
 
 if TYPE_CHECKING:
-    from meshnet.grammar import TokenGrammar
+    from meshnet.backends.grammar import TokenGrammar
 
 __all__ = ["EngineStep", "ModelInfo", "PrefillProgress", "RouteChange", "TextEngine", "TokenStep", "local_plan"]
 

@@ -15,8 +15,8 @@ from collections.abc import Generator, Sequence
 import numpy as np
 
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep, local_plan
+from meshnet.backends.grammar import TokenGrammar
 from meshnet.errors import Conflict, InvalidRequest
-from meshnet.grammar import TokenGrammar
 from meshnet.ids import new_route_id, new_session_id
 from meshnet.routes import Hop, RoutePlan
 from meshnet.sampling import Sampler

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from meshnet.backends.base import EngineStep, PrefillProgress, TokenStep, local_plan
+from meshnet.backends.grammar import TokenGrammar
 from meshnet.backends.llama_vocab import LlamaVocab
 from meshnet.errors import Conflict, EngineError, InvalidRequest
-from meshnet.grammar import TokenGrammar
 from meshnet.routes import RoutePlan
 from meshnet.sampling import Sampler
 

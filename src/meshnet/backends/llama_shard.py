@@ -45,7 +45,7 @@ from meshnet.models.families import Family, family
 from meshnet.session.store import StoreLimits
 
 if TYPE_CHECKING:
-    from meshnet.grammar import TokenGrammar
+    from meshnet.backends.grammar import TokenGrammar
 
 __all__ = ["MAX_VERIFY", "SNAPSHOT_CELL_META_BYTES", "HeadEmbeddings", "LlamaShard", "LlamaShardConfig"]
 
@@ -590,7 +590,7 @@ class LlamaShard(ShardBase[int]):
     def grammar(self, text: str) -> TokenGrammar:
         if not self._tail:
             return super().grammar(text)  # only the tail holds the vocabulary
-        from meshnet.grammar import TokenGrammar
+        from meshnet.backends.grammar import TokenGrammar
 
         return TokenGrammar(self, self._ll.llama_model_get_vocab(self._model), self._n_vocab, text)
 

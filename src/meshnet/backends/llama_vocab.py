@@ -15,7 +15,7 @@ from meshnet.backends.base import ModelInfo
 from meshnet.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from meshnet.grammar import TokenGrammar
+    from meshnet.backends.grammar import TokenGrammar
 
 __all__ = ["LlamaVocab", "check_gguf_file", "model_meta", "quantization_name"]
 
@@ -130,7 +130,7 @@ class LlamaVocab:
 
     def grammar(self, text: str, *, param: str = "grammar") -> TokenGrammar:
         """A GBNF grammar compiled against this vocabulary (a 400 naming ``param`` when it does not parse)."""
-        from meshnet.grammar import TokenGrammar
+        from meshnet.backends.grammar import TokenGrammar
 
         return TokenGrammar(self, self._vocab, self.info.n_vocab, text, param=param)
 

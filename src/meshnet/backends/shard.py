@@ -36,7 +36,7 @@ from meshnet.layers import LayerRange
 from meshnet.session.store import SessionStore, StoreLimits
 
 if TYPE_CHECKING:
-    from meshnet.grammar import TokenGrammar
+    from meshnet.backends.grammar import TokenGrammar
 
 __all__ = [
     "KVFormat",

@@ -26,13 +26,13 @@ import torch
 from transformers import PreTrainedModel
 
 from meshnet.backends import torch_cache
+from meshnet.backends.grammar import TokenGrammar
 from meshnet.backends.llama_vocab import LlamaVocab
 from meshnet.backends.shard import ShardBase, ShardInfo, ShardOutput
 from meshnet.backends.torch_cache import RangeCache
 from meshnet.backends.torch_gguf import GgufCheckpoint
 from meshnet.backends.torch_models import Arch, ShardModules, arch_for, dtype_name, inference
 from meshnet.errors import EngineError, InvalidRequest, MeshnetError
-from meshnet.grammar import TokenGrammar
 from meshnet.ids import SessionId
 from meshnet.layers import LayerRange
 from meshnet.session.store import StoreLimits

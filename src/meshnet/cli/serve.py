@@ -74,6 +74,33 @@ def setup_logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per hop request is noise, and slow
 
 
+def add_chat_template(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat-template-file",
+        type=Path,
+        default=None,
+        help="a Jinja chat template to use instead of the GGUF's tokenizer.chat_template (as llama-server's); "
+        "a template that renders `tools` gets tool calls in its native style (docs/api.md)",
+    )
+
+
+def read_chat_template(path: Path | None, who: str) -> str | None:
+    """The template file's text; a file that is missing, unreadable or not a Jinja template exits 2."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"meshnet {who}: --chat-template-file {path}: {exc}") from None
+    from meshnet.gateway.chat_template import ChatTemplate
+
+    try:
+        ChatTemplate(text, bos_token="", eos_token="")
+    except MeshnetError as exc:
+        raise SystemExit(f"meshnet {who}: --chat-template-file {path}: {exc.message}") from None
+    return text
+
+
 # Headers of one request, together: a grammar of MAX_GRAMMAR_BYTES, JSON-escaped, fits with room to spare.
 MAX_HEADER_BYTES = 512 * 1024
 
@@ -87,7 +114,7 @@ def serve_app(app: Any, sock: socket.socket) -> None:
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
-        # a session's first hop request carries its grammar in a header (meshnet.grammar.MAX_GRAMMAR_BYTES)
+        # a session's first hop request carries its grammar in a header (sampling.MAX_GRAMMAR_BYTES)
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     server = uvicorn.Server(config)
@@ -120,6 +147,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
 def run_serve(args: argparse.Namespace) -> int:
     setup_logging()
     config = _config(args)
+    template = read_chat_template(args.chat_template_file, "serve")
     sock = bind_socket(config.host, config.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
@@ -148,7 +176,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"meshnet serve: llama.cpp could not load {config.gguf}: {exc}", file=sys.stderr)
         return 2
     info = engine.info
-    app = create_app(engine, max_queue=config.max_queue, max_body_bytes=int(config.max_body_mb * 2**20))
+    app = create_app(
+        engine, max_queue=config.max_queue, max_body_bytes=int(config.max_body_mb * 2**20), chat_template=template
+    )
     print(
         f"meshnet: {info.model_id} ({info.architecture}, {info.quantization}, {info.n_layers} layers) "
         f"loaded in {time.monotonic() - started:.1f}s; context cap {engine.n_ctx} tokens, "

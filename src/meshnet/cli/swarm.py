@@ -13,8 +13,10 @@ from typing import Any, NoReturn
 from meshnet.cli.artifacts import add_fetch_arguments, fetch_node_shard
 from meshnet.cli.serve import (
     add_allow_uncertified,
+    add_chat_template,
     bind_socket,
     check_certified,
+    read_chat_template,
     resolve_gguf,
     serve_app,
     setup_logging,
@@ -109,6 +111,7 @@ def add_swarm_commands(sub: Any) -> None:
         "(default: ~/.cache/meshnet/billing/<hash of the tracker URL>)",
     )
     add_speculative(gateway)
+    add_chat_template(gateway)
     gateway.add_argument(
         "--hop-timeout",
         type=float,
@@ -313,6 +316,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         print(f"meshnet gateway: --max-body-mb must be within (0, 4096], got {args.max_body_mb}", file=sys.stderr)
         return 2
     gguf = resolve_gguf(args.gguf, "gateway")
+    template = read_chat_template(args.chat_template_file, "gateway")
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     from meshnet.backends.llama_vocab import LlamaVocab
@@ -346,7 +350,11 @@ def run_gateway(args: argparse.Namespace) -> int:
     print(f"meshnet: listening on {url}", flush=True)
     try:
         app = create_app(
-            engine, max_queue=args.max_queue, swarm_tracker=args.tracker, max_body_bytes=int(args.max_body_mb * 2**20)
+            engine,
+            max_queue=args.max_queue,
+            swarm_tracker=args.tracker,
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            chat_template=template,
         )
         serve_app(app, sock)
     finally:

@@ -190,6 +190,7 @@ def run_up(args: argparse.Namespace) -> int:
             "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),
             "--host", args.host, "--ctx", str(args.ctx),
             "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens),
+            *(["--chat-template-file", str(args.chat_template_file)] if args.chat_template_file else []),
         ]  # fmt: skip
         gateway = _Child("gateway", gateway_args, workdir / "gateway.log")
         children.append(gateway)
@@ -226,6 +227,7 @@ def _banner(gateway: str, tracker: str, nodes: list[dict[str, Any]]) -> None:
     lines = [
         "",
         "  Meshnet local swarm is up",
+        f"  dashboard    {gateway}/         (layers, nodes, live generations, a chat box)",
         f"  OpenAI API   {gateway}/v1      (try: meshnet chat --url {gateway})",
         f"  swarm view   {gateway}/v1/swarm",
         f"  tracker      {tracker}",

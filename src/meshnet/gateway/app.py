@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnet.backends.base import TextEngine
 from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError, UnknownModel
+from meshnet.gateway import dashboard
 from meshnet.gateway.chat_template import ChatTemplate
 from meshnet.gateway.generation import (
     Delta,
@@ -75,8 +76,10 @@ def create_app(
     max_queue: int = 64,
     swarm_tracker: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    chat_template: str | None = None,
 ) -> Starlette:
-    """Compose a gateway around one engine; the caller owns the engine's lifetime."""
+    """Compose a gateway around one engine; the caller owns the engine's lifetime. ``chat_template``
+    replaces the model's own."""
     hub = TelemetryHub()
     metrics = GatewayMetrics()
     info = engine.info
@@ -85,7 +88,7 @@ def create_app(
         hub=hub,
         metrics=metrics,
         service=GenerationService(engine, hub, metrics, max_queue=max_queue),
-        template=ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token),
+        template=ChatTemplate(chat_template or info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token),
         started=int(time.time()),
         tracker=swarm_tracker.rstrip("/") if swarm_tracker else None,
         max_body_bytes=max_body_bytes,
@@ -107,6 +110,7 @@ def create_app(
         Route("/v1/health", _with(state, health), methods=["GET"]),
         Route("/health", _with(state, health), methods=["GET"]),
         Route("/metrics", _with(state, prometheus), methods=["GET"]),
+        *dashboard.routes(),  # the live web dashboard at / and /dashboard (docs/dashboard.md)
     ]
     app = Starlette(
         routes=routes,

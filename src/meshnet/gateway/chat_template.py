@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,13 @@ def _raise_exception(message: str) -> None:
     raise InvalidRequest(f"the chat template rejected the messages: {message}", param="messages")
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    """transformers' ``tojson``, which chat templates are written for: plain JSON (Jinja's own escapes
+    ``<``, ``>``, ``&`` and ``'`` as HTML-safe unicode escapes, which models never saw in training)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
@@ -42,7 +50,11 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
-        self._template = env.from_string(source)
+        env.filters["tojson"] = _tojson
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise InvalidRequest(f"the chat template does not parse: {exc} (line {exc.lineno})") from None
         # A template that reads ``tools`` renders them itself (meshnet.gateway.tools: the native style).
         self.supports_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         self.bos_token = bos_token

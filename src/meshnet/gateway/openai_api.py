@@ -11,9 +11,9 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from meshnet.backends.grammar import JSON_OBJECT_GRAMMAR, json_schema_grammar
 from meshnet.errors import InvalidRequest
 from meshnet.gateway.tools import FunctionSpec, ToolPlan, parse_choice, parse_functions
-from meshnet.grammar import JSON_OBJECT_GRAMMAR, json_schema_grammar
 from meshnet.sampling import SamplingParams
 
 __all__ = [

@@ -51,10 +51,10 @@ import httpx
 import numpy as np
 
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep
+from meshnet.backends.grammar import TokenGrammar
 from meshnet.errors import BadGateway, EngineError, HopFailed, InvalidRequest, MeshnetError, Overloaded
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
 from meshnet.gateway.speculative import SPECULATIVE_MODES, PromptLookup, WalkCosts
-from meshnet.grammar import TokenGrammar
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from meshnet.backends.grammar import json_schema_grammar
 from meshnet.errors import InvalidRequest
-from meshnet.grammar import json_schema_grammar
 
 __all__ = ["FunctionSpec", "ParsedReply", "ToolCall", "ToolPlan", "new_call_id"]
 
@@ -145,6 +145,11 @@ class ToolPlan:
     def must_call(self) -> bool:
         return self.choice != "auto"
 
+    @property
+    def several(self) -> bool:
+        """Whether one reply may hold several calls (a named function is called once, as OpenAI does)."""
+        return self.parallel and not self.choice.startswith("function:")
+
     # -- the prompt --------------------------------------------------------------------------
     def template_tools(self) -> list[dict[str, Any]] | None:
         """What a native template gets as ``tools`` (the generic style puts them in a system message)."""
@@ -179,10 +184,10 @@ class ToolPlan:
             if not self.must_call:
                 return ""
             one = f'"{_OPEN}\\n" DOCUMENT "\\n{_CLOSE}"'
-            root = f'{one} ("\\n" {one})*' if self.parallel else one
+            root = f'{one} ("\\n" {one})*' if self.several else one
             return json_schema_grammar(calls, param="tools", root=root)
         array: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
-        if not self.parallel:
+        if not self.several:
             array["maxItems"] = 1
         with_calls = {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"]}
         if self.must_call:

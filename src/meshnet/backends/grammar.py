@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshnet.errors import InvalidRequest
+from meshnet.sampling import MAX_GRAMMAR_BYTES
 
 __all__ = [
     "JSON_OBJECT_GRAMMAR",
@@ -41,8 +42,6 @@ __all__ = [
     "json_schema_grammar",
 ]
 
-# A grammar travels in a header to every hop (docs/protocol.md); the nodes accept headers this large.
-MAX_GRAMMAR_BYTES = 64 * 1024
 ROOT = "root"
 # How many of the most likely tokens ``best`` asks the grammar about before masking the whole vocabulary.
 _FIRST_CANDIDATES = 256

@@ -1,0 +1,278 @@
+"""The live dashboard in headless Chromium, on a real ``meshnet up`` swarm (tracker, 3 llama.cpp
+nodes, gateway on loopback): the layer map, the nodes, a streamed chat reply and a generation's
+live progress, with no console error. A screenshot of the page mid-generation is kept in
+``tests/artifacts/`` (or ``$MESHNET_ARTIFACTS_DIR``)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+import pytest
+
+from tests.browser.chromium import chromium, console_errors
+from tests.procs import Proc, meshnet_process
+
+if TYPE_CHECKING:
+    from selenium.webdriver.chrome.webdriver import WebDriver
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
+
+ARTIFACTS = Path(os.environ.get("MESHNET_ARTIFACTS_DIR") or Path(__file__).resolve().parents[1] / "artifacts")
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+# Greedy, and long enough (about 2 tokens a number) never to stop before max_tokens.
+COUNTING = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
+LIVE_TOKENS = 384  # several seconds of decode: the page polls every 1-2 s and must see it run
+
+T = TypeVar("T")
+
+# The card of the generation named by arguments[0] (the page sets its state as data attributes).
+CARD = (
+    "const c = [...document.querySelectorAll('#generations .gen')].find(g => g.dataset.generationId === arguments[0]);"
+)
+
+
+def wait_until(probe: Callable[[], T | None], timeout_s: float, what: str, every_s: float = 0.1) -> T:
+    """Poll ``probe`` until it returns something truthy, at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = probe()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout_s}s: {what} (last: {got!r})")
+        time.sleep(every_s)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    # First, so a machine without a browser skips before starting the swarm.
+    with chromium() as driver:
+        yield driver
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    workdir = tmp_path_factory.mktemp("dashboard-swarm")
+    with meshnet_process(["up", "--port", "0", "--nodes", "3", "--workdir", str(workdir)], ready_timeout_s=300) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def page(browser: WebDriver, swarm: Proc) -> WebDriver:
+    browser.get(f"{swarm.url}/")
+    wait_until(
+        lambda: browser.execute_script("return document.querySelectorAll('#layer-map .segment').length") == 3,
+        30,
+        "the layer map shows three nodes",
+    )
+    return browser
+
+
+def js(driver: WebDriver, script: str, *args: Any) -> Any:
+    return driver.execute_script(script, *args)
+
+
+def screenshot(driver: WebDriver, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / name
+    driver.execute_script("window.scrollTo(0, 0)")  # typing into the chat box scrolls it into view
+    assert driver.save_screenshot(str(path)), path
+    return path
+
+
+def test_the_page_draws_every_node_of_the_swarm_on_the_layer_bar(page: WebDriver, swarm: Proc) -> None:
+    assert page.title == "Meshnet dashboard"
+    view = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+    expected = {n["node_id"]: (n["layers"], n["backend"]) for n in view["nodes"]}
+    assert sorted(layers for layers, _ in expected.values()) == ["0:10", "10:20", "20:30"]
+
+    segments = js(
+        page,
+        """return [...document.querySelectorAll('#layer-map .segment')].map(s => ({
+            id: s.dataset.nodeId, layers: s.dataset.layers, backend: s.dataset.backend, state: s.dataset.state,
+            text: s.textContent, left: s.offsetLeft / s.parentElement.clientWidth,
+            width: s.offsetWidth / s.parentElement.clientWidth}))""",
+    )
+    assert {s["id"]: (s["layers"], s["backend"]) for s in segments} == expected
+    for s in segments:
+        start, stop = (int(x) for x in s["layers"].split(":"))
+        assert s["state"] == "up"
+        assert s["id"] in s["text"] and s["layers"] in s["text"] and s["backend"] in s["text"]
+        # drawn to scale on the 30-layer bar
+        assert s["left"] == pytest.approx(start / 30, abs=0.02)
+        assert s["width"] == pytest.approx((stop - start) / 30, abs=0.02)
+
+    rows = js(
+        page,
+        """return [...document.querySelectorAll('#nodes-body tr[data-node-id]')].map(r => ({
+            id: r.dataset.nodeId, layers: r.dataset.layers, state: r.dataset.state, text: r.textContent}))""",
+    )
+    assert {r["id"]: r["layers"] for r in rows} == {k: v[0] for k, v in expected.items()}
+    assert all(r["state"] == "up" and "MiB" in r["text"] for r in rows)  # free KV shown
+    assert js(page, "return document.querySelector('[data-stat=coverage] .stat-value').textContent") == "30 / 30"
+    assert js(page, "return document.getElementById('conn').dataset.state") == "live"
+    assert js(page, "return document.getElementById('model-id').textContent") == MODEL
+    assert console_errors(page) == []
+
+
+def test_the_chat_box_streams_a_reply(page: WebDriver, swarm: Proc) -> None:
+    from selenium.webdriver.common.by import By
+
+    limit = page.find_element(By.ID, "chat-max")
+    limit.clear()
+    limit.send_keys("64")
+    page.find_element(By.ID, "chat-input").send_keys("Write a short poem about the sea.")
+    page.find_element(By.ID, "chat-send").click()
+
+    lengths: list[int] = []
+    deadline = time.monotonic() + 120
+    state: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        state = js(
+            page,
+            """const m = document.querySelector('#chat-log .msg.assistant:last-child');
+            return m ? {length: m.querySelector('.text').textContent.length, chunks: Number(m.dataset.chunks),
+                        done: m.dataset.done || null, gid: m.dataset.generationId || null,
+                        text: m.querySelector('.text').textContent} : {}""",
+        )
+        if state.get("length"):
+            lengths.append(state["length"])
+        if state.get("done"):
+            break
+        time.sleep(0.05)
+    assert state.get("done") == "1", state
+    assert len(set(lengths)) >= 2, f"the reply did not grow while streaming: {lengths}"
+    assert lengths == sorted(lengths)
+    assert state["chunks"] >= 3 and state["text"].strip()
+
+    # The chat's own generation is on the page with its telemetry, and ends within max_tokens.
+    gid = state["gid"]
+    assert gid
+    card = wait_until(
+        lambda: js(
+            page,
+            CARD
+            + """return c && c.dataset.phase === 'completed' ? {tokens: Number(c.dataset.completionTokens),
+                chat: c.classList.contains('from-chat')} : null""",
+            gid,
+        ),
+        15,
+        "the chat's generation completes on the page",
+    )
+    assert card["chat"] and 0 < card["tokens"] <= 64
+    screenshot(page, "dashboard-chat.png")
+    assert console_errors(page) == []
+
+
+def test_a_running_generation_shows_live_progress(page: WebDriver, swarm: Proc) -> None:
+    gid = f"dash-live-{uuid.uuid4().hex[:8]}"
+    body = {"model": MODEL, "messages": COUNTING, "max_tokens": LIVE_TOKENS, "temperature": 0}
+    headers = {"X-Meshnet-Generation-Id": gid}
+    read_card = (
+        CARD
+        + """return c ? {
+            phase: c.dataset.phase, tokens: Number(c.dataset.completionTokens), prefill: Number(c.dataset.prefillDone),
+            hops: [...c.querySelectorAll('tr[data-hop]')].map(r => [r.dataset.nodeId, r.dataset.layers,
+                                                                     r.dataset.computeMs]),
+            session: [...document.querySelectorAll('#sessions tbody tr')]
+                .some(r => r.textContent.includes(arguments[0])),
+        } : null"""
+    )
+    running: list[int] = []
+    seen_session = False
+    shot = None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(httpx.post, f"{swarm.url}/v1/chat/completions", json=body, headers=headers, timeout=180)
+        deadline = time.monotonic() + 180
+        while not future.done() and time.monotonic() < deadline:
+            card = js(page, read_card, gid)
+            if card and card["phase"] in ("queued", "prefill", "decode"):
+                running.append(card["tokens"])
+                seen_session = seen_session or card["session"]
+                if shot is None and card["tokens"] > LIVE_TOKENS // 3 and seen_session:
+                    shot = screenshot(page, "dashboard.png")
+            time.sleep(0.1)
+        response = future.result(timeout=max(1.0, deadline - time.monotonic()))
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["completion_tokens"] == LIVE_TOKENS
+
+    progress = sorted({t for t in running if t > 0})
+    assert len(progress) >= 2, f"the page never showed the token count growing while it ran: {running}"
+    assert running == sorted(running)  # never backwards
+    assert seen_session, "the running session never appeared under routes & sessions"
+
+    final = wait_until(
+        lambda: (c := js(page, read_card, gid)) and c["phase"] == "completed" and c,
+        15,
+        "the generation shows as completed",
+    )
+    assert final["tokens"] == LIVE_TOKENS
+    assert final["prefill"] == usage["prompt_tokens"]
+    # per-hop timings from the final route.health: every hop, each with its compute time per token
+    assert [h[:2] for h in final["hops"]] == [["node-0", "0:10"], ["node-1", "10:20"], ["node-2", "20:30"]]
+    assert all(float(h[2]) > 0 for h in final["hops"])
+    if shot is None:  # a machine too fast to catch it mid-run: keep the finished state instead
+        shot = screenshot(page, "dashboard.png")
+    assert shot.stat().st_size > 10_000
+    assert console_errors(page) == []
+
+
+HOSTILE = '<img src=x onerror="window.__pwned=1">'
+
+
+def test_text_from_nodes_and_telemetry_is_shown_as_text(page: WebDriver) -> None:
+    """Node ids, reasons and routes come from untrusted nodes: they must render as text, never
+    markup. A synthetic node and a finished generation with a route repair are fed to the page's
+    own renderers (so nothing is ever streamed for them)."""
+    gid = f"dash-hostile-{uuid.uuid4().hex[:8]}"
+    js(
+        page,
+        """const [gid, evil] = arguments;
+        const node = {node_id: evil, url: 'http://127.0.0.1:9', layers: '0:30', backend: evil, trusted: false,
+                      health: {status: 'ok', sessions: 0, kv_bytes_free: 1048576, kv_bytes_used: 0}};
+        mergeNodes({tracker: state.swarm.tracker, nodes: [...state.swarm.nodes, node]});
+        renderSwarm();
+        const gen = track(gid, 'api');
+        const hops = [{node: 'node-0', url: 'u0', layers: '0:15'}, {node: evil, url: 'u1', layers: '15:30'}];
+        for (const e of [
+            {type: 'route.accepted', t: 0, session_id: 's', route_id: 'r', nodes: hops},
+            {type: 'prefill.started', t: 0.01, prompt_tokens: 10},
+            {type: 'prefill.completed', t: 0.1, prompt_tokens: 10, seconds: 0.1, tokens_per_second: 100},
+            {type: 'decode.started', t: 0.1},
+            {type: 'route.retry', t: 0.2, kind: 'repair', attempt: 1, reason: evil, failed_node: evil,
+             replayed_positions: 12, seconds: 0.05, session_id: 's', route_id: 'r2', nodes: hops},
+            {type: 'generation.failed', t: 0.3, reason: evil, code: 'engine_error'},
+        ]) applyEvent(gen, e);
+        renderGenerations();""",
+        gid,
+        HOSTILE,
+    )
+    card = js(
+        page,
+        CARD
+        + """return {retries: c.dataset.retries, phase: c.dataset.phase, text: c.textContent,
+                hop: c.querySelector('tr[data-hop="1"]').dataset.nodeId}""",
+        gid,
+    )
+    assert card["phase"] == "failed" and card["retries"] == "1"
+    assert f"{HOSTILE} failed: {HOSTILE}" in card["text"] and "replayed 12 positions" in card["text"]
+    assert card["hop"] == HOSTILE
+    row = js(
+        page,
+        "return [...document.querySelectorAll('#nodes-body tr')].find(r => r.dataset.nodeId == arguments[0])",
+        HOSTILE,
+    )
+    assert row is not None and HOSTILE in row.text
+    # a trust field appears as its own column
+    assert "untrusted" in row.text and "Trust" in js(page, "return document.getElementById('nodes-head').textContent")
+    assert js(page, "return document.querySelectorAll('img').length") == 0
+    assert js(page, "return window.__pwned === undefined")
+    assert console_errors(page) == []
