@@ -71,12 +71,20 @@ def _stream(url: str, model: str, prompt: str, max_tokens: int, gid: str | None 
 
 
 def stream_text(
-    url: str, model: str, prompt: str, max_tokens: int, gid: str | None = None, timeout_s: float = 300
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    gid: str | None = None,
+    timeout_s: float = 300,
+    extra: dict | None = None,
 ) -> tuple[str, list[float], dict]:
-    """Stream a greedy completion; return its text, the arrival times of text chunks and the final telemetry."""
+    """Stream a greedy completion (``extra``: more request fields); return its text, the arrival times
+    of text chunks and the final telemetry."""
     headers = {"X-Meshnet-Generation-Id": gid} if gid else {}
     text, times, final = "", [], {}
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body.update(extra or {})
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=timeout_s) as r:
         r.raise_for_status()
         for line in r.iter_lines():

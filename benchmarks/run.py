@@ -25,6 +25,7 @@ BENCHES = {
     "torch": "bench_torch",
     "route": "bench_route",
     "speculative": "bench_speculative",
+    "grammar": "bench_grammar",
     "wan": "bench_wan",
     "routing": "bench_routing",
     "repair": "bench_repair",

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -166,6 +167,35 @@ def test_a_repaired_tail_applies_the_penalties_of_the_whole_generation(swarm: di
     assert stream(gateway, PROMPT, "gen-penalty-repair", 40, on_chunk, **penalties) == expected
     retries = [e for e in events(gateway, "gen-penalty-repair") if e["type"] == "route.retry"]
     assert len(retries) == 1 and retries[0]["kind"] == "repair"
+
+
+def test_a_repaired_tail_rebuilds_the_grammar_state_from_the_token_ids(swarm: dict[str, Any]) -> None:
+    """Structured output is sampled at the tail under a grammar whose state follows the generated
+    tokens. The tail dies mid-document: the new tail gets the ids in the replay, rebuilds the state,
+    and the document goes on exactly as the unbroken run's, valid under its schema."""
+    gateway = swarm["gateway"]
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "facts": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 3, "maxItems": 3},
+        },
+        "required": ["city", "facts"],
+        "additionalProperties": False,
+    }
+    fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}}
+    expected = stream(gateway, PROMPT, "gen-grammar-baseline", 80, extra_body=fmt)
+    jsonschema.validate(json.loads(expected), schema)
+    killed: list[str] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 12 and not killed:
+            killed.append(serving(swarm["gateway"], "gen-grammar-repair", "20:30"))
+            kill(swarm, killed[0])
+
+    assert stream(gateway, PROMPT, "gen-grammar-repair", 80, on_chunk, extra_body=fmt) == expected
+    retries = [e for e in events(gateway, "gen-grammar-repair") if e["type"] == "route.retry"]
+    assert len(retries) == 1 and retries[0]["kind"] == "repair" and retries[0]["failed_node"] == killed[0]
 
 
 def test_kill_9_of_the_head_mid_decode_is_repaired_from_the_token_ids(swarm: dict[str, Any]) -> None:
