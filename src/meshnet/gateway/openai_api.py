@@ -210,6 +210,10 @@ class ChatCompletionRequest(_GenerationParams):
     # OpenAI's deprecated function calling: refused with the way to the current one
     functions: list[dict[str, object]] | None = None
     function_call: str | dict[str, object] | None = None
+    # Output this text model cannot produce: refused rather than silently answered with plain text
+    modalities: list[str] | None = None
+    audio: dict[str, object] | None = None
+    web_search_options: dict[str, object] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -217,6 +221,14 @@ class ChatCompletionRequest(_GenerationParams):
             raise InvalidRequest("messages must hold at least one message", param="messages")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise InvalidRequest(f"this model writes text only; modalities {self.modalities} cannot be served",
+                                 param="modalities")  # fmt: skip
+        if self.audio is not None:
+            raise InvalidRequest("audio output is not served: this model writes text only", param="audio")
+        if self.web_search_options is not None:
+            raise InvalidRequest("web search is not served: the model answers from its weights only",
+                                 param="web_search_options")  # fmt: skip
         for name, instead in (("functions", "tools"), ("function_call", "tool_choice")):
             if getattr(self, name) not in (None, [], "none"):
                 raise InvalidRequest(f"{name} is OpenAI's deprecated form; send {instead} instead", param=name)
