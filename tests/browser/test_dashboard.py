@@ -1,12 +1,14 @@
 """The live dashboard in headless Chromium, on a real ``meshnet up`` swarm (tracker, 3 llama.cpp
 nodes, gateway on loopback): the layer map, the nodes, a streamed chat reply and a generation's
-live progress, with no console error. A screenshot of the page mid-generation is kept in
-``tests/artifacts/`` (or ``$MESHNET_ARTIFACTS_DIR``)."""
+live progress, with no console error; and, on a swarm started with ``--api-keys``, the page's key
+form. Screenshots (mid-generation, the chat, the key form) are kept in ``tests/artifacts/`` (or
+``$MESHNET_ARTIFACTS_DIR``)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -87,6 +89,139 @@ def screenshot(driver: WebDriver, name: str) -> Path:
     return path
 
 
+def chat(page: WebDriver, text: str, max_tokens: int) -> tuple[dict[str, Any], list[int]]:
+    """Send ``text`` from the chat box; the last reply's state once it ended, and its lengths as it grew."""
+    from selenium.webdriver.common.by import By
+
+    limit = page.find_element(By.ID, "chat-max")
+    limit.clear()
+    limit.send_keys(str(max_tokens))
+    page.find_element(By.ID, "chat-input").send_keys(text)
+    page.find_element(By.ID, "chat-send").click()
+
+    lengths: list[int] = []
+    deadline = time.monotonic() + 120
+    state: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        state = js(
+            page,
+            """const m = document.querySelector('#chat-log .msg.assistant:last-child');
+            return m ? {length: m.querySelector('.text').textContent.length, chunks: Number(m.dataset.chunks),
+                        done: m.dataset.done || null, gid: m.dataset.generationId || null,
+                        text: m.querySelector('.text').textContent} : {}""",
+        )
+        if state.get("length"):
+            lengths.append(state["length"])
+        if state.get("done"):
+            break
+        time.sleep(0.05)
+    return state, lengths
+
+
+# Chromium logs each refused fetch as a console error; with API keys on, only these are expected.
+REFUSED = re.compile(
+    r"\S+/v1/\S+ - Failed to load resource: the server responded with a status of 401 \(Unauthorized\)"
+)
+
+
+def unexpected_console_errors(driver: WebDriver) -> list[str]:
+    return [m for m in console_errors(driver) if not REFUSED.fullmatch(m)]
+
+
+def requests_made(driver: WebDriver) -> int:
+    return js(driver, "return performance.getEntriesByType('resource').filter(e => e.name.includes('/v1/')).length")
+
+
+def test_with_api_keys_the_page_asks_for_a_key_and_then_works(tmp_path: Path) -> None:
+    """A gateway with ``--api-keys``: the page asks for a key, refuses a wrong one with the gateway's
+    own message, and with the right one shows the swarm and streams a chat (the key as a bearer
+    token on fetches, as the ``meshnet_api_key`` cookie on the EventSource). First in the module,
+    with a browser of its own: its swarm is gone before the module's starts, and its cookie with it."""
+    from selenium.webdriver.common.by import By
+
+    key = f"sk-dashboard-{uuid.uuid4().hex}"
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"# the dashboard test's key\n{key}\n", encoding="utf-8")
+    workdir = tmp_path / "swarm"
+    with (
+        chromium() as page,
+        meshnet_process(
+            ["up", "--port", "0", "--nodes", "3", "--workdir", str(workdir), "--api-keys", str(keys)],
+            ready_timeout_s=300,
+        ) as swarm,
+    ):
+        refused = httpx.get(f"{swarm.url}/v1/models", timeout=30)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        wrong = f"sk-wrong-{uuid.uuid4().hex}"
+        wrong_message = httpx.get(
+            f"{swarm.url}/v1/models", headers={"Authorization": f"Bearer {wrong}"}, timeout=30
+        ).json()["error"]["message"]
+
+        def form() -> dict[str, Any]:
+            return js(
+                page,
+                """return {shown: !document.getElementById('auth').hidden,
+                    message: document.getElementById('key-message').textContent,
+                    input: document.getElementById('key-input').type,
+                    conn: document.getElementById('conn').dataset.state,
+                    forget: !document.getElementById('key-forget').hidden,
+                    cookie: document.cookie, segments: document.querySelectorAll('#layer-map .segment').length}""",
+            )
+
+        # No key: the form, with the gateway's message, and the polling stops.
+        page.get(f"{swarm.url}/")
+        seen = wait_until(lambda: (f := form())["shown"] and f, 15, "the page asks for an API key")
+        assert seen["message"] == refused.json()["error"]["message"]
+        assert seen["input"] == "password" and seen["conn"] == "locked" and not seen["forget"]
+        assert seen["segments"] == 0
+        time.sleep(0.5)  # the other loop's refused request may still be on its way
+        settled = requests_made(page)
+        time.sleep(2.5)  # longer than both polling periods
+        assert requests_made(page) == settled, "the page kept polling without a key"
+        assert unexpected_console_errors(page) == []
+
+        def use(text: str) -> None:
+            field = page.find_element(By.ID, "key-input")
+            field.clear()
+            field.send_keys(text)
+            page.find_element(By.ID, "key-use").click()
+
+        # A wrong key: the gateway's answer, and the key is not kept.
+        use(wrong)
+        seen = wait_until(lambda: (f := form())["message"] == wrong_message and f, 15, "the wrong key is refused")
+        assert seen["shown"] and "meshnet_api_key" not in seen["cookie"] and not seen["forget"]
+        screenshot(page, "dashboard-key.png")
+
+        # The right key: the swarm, the cookie, and a streamed chat whose live events arrive.
+        use(key)
+        seen = wait_until(lambda: (f := form())["segments"] == 3 and f, 30, "the layer map shows three nodes")
+        assert not seen["shown"] and seen["forget"] and seen["cookie"] == f"meshnet_api_key={key}"
+        wait_until(lambda: form()["conn"] == "live", 15, "the page is live")
+        state, lengths = chat(page, "Write a short poem about the sea.", 32)
+        assert state.get("done") == "1", state
+        assert len(set(lengths)) >= 2 and state["text"].strip()
+        hops = wait_until(
+            lambda: js(
+                page,
+                CARD
+                + """return c && c.dataset.phase === 'completed' ?
+                    [...c.querySelectorAll('tr[data-hop]')].map(r => r.dataset.computeMs) : null""",
+                state["gid"],
+            ),
+            15,
+            "the chat's generation completes on the page",
+        )
+        # per-hop compute times come only from the generation's events: the EventSource got in
+        assert len(hops) == 3 and all(float(ms) > 0 for ms in hops), hops
+
+        # Forget key: the cookie goes, and the page asks again.
+        page.find_element(By.ID, "key-forget").click()
+        seen = wait_until(lambda: (f := form())["shown"] and f, 15, "the page asks for a key again")
+        assert "meshnet_api_key" not in seen["cookie"] and not seen["forget"]
+        assert unexpected_console_errors(page) == []
+
+
 def test_the_page_draws_every_node_of_the_swarm_on_the_layer_bar(page: WebDriver, swarm: Proc) -> None:
     assert page.title == "Meshnet dashboard"
     view = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
@@ -123,30 +258,7 @@ def test_the_page_draws_every_node_of_the_swarm_on_the_layer_bar(page: WebDriver
 
 
 def test_the_chat_box_streams_a_reply(page: WebDriver, swarm: Proc) -> None:
-    from selenium.webdriver.common.by import By
-
-    limit = page.find_element(By.ID, "chat-max")
-    limit.clear()
-    limit.send_keys("64")
-    page.find_element(By.ID, "chat-input").send_keys("Write a short poem about the sea.")
-    page.find_element(By.ID, "chat-send").click()
-
-    lengths: list[int] = []
-    deadline = time.monotonic() + 120
-    state: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        state = js(
-            page,
-            """const m = document.querySelector('#chat-log .msg.assistant:last-child');
-            return m ? {length: m.querySelector('.text').textContent.length, chunks: Number(m.dataset.chunks),
-                        done: m.dataset.done || null, gid: m.dataset.generationId || null,
-                        text: m.querySelector('.text').textContent} : {}""",
-        )
-        if state.get("length"):
-            lengths.append(state["length"])
-        if state.get("done"):
-            break
-        time.sleep(0.05)
+    state, lengths = chat(page, "Write a short poem about the sea.", 64)
     assert state.get("done") == "1", state
     assert len(set(lengths)) >= 2, f"the reply did not grow while streaming: {lengths}"
     assert lengths == sorted(lengths)
@@ -168,6 +280,37 @@ def test_the_chat_box_streams_a_reply(page: WebDriver, swarm: Proc) -> None:
     )
     assert card["chat"] and 0 < card["tokens"] <= 64
     screenshot(page, "dashboard-chat.png")
+    assert console_errors(page) == []
+
+
+def test_a_chat_refused_for_its_keys_limits_shows_the_gateways_message(page: WebDriver) -> None:
+    """A 429 (a key past its limits) is an error in the chat, not a crash: the gateway's answer is
+    stood in for by a stub of the page's fetch, as only a keyed gateway under load sends one."""
+    message = "key 'key-1' has 4 generations in flight, its limit; retry when one ends"
+    js(
+        page,
+        """const message = arguments[0];
+        window.__fetch = window.fetch;
+        window.fetch = (path, init) => path === '/v1/chat/completions'
+            ? Promise.resolve(new Response(JSON.stringify({error: {message, type: 'rate_limit_error', param: null,
+                                                                     code: 'rate_limit_exceeded'}}),
+                {status: 429, headers: {'Content-Type': 'application/json', 'Retry-After': '1'}}))
+            : window.__fetch(path, init);""",
+        message,
+    )
+    try:
+        state, _ = chat(page, "Hello?", 8)
+    finally:
+        js(page, "window.fetch = window.__fetch")
+    assert state.get("done") == "error", state
+    shown = js(
+        page,
+        """const m = document.querySelector('#chat-log .msg.assistant:last-child');
+        return {error: m.querySelector('.gen-error').textContent,
+                status: document.getElementById('chat-status').textContent,
+                send: document.getElementById('chat-send').disabled, form: !document.getElementById('auth').hidden}""",
+    )
+    assert shown == {"error": f"error: {message}", "status": f"error: {message}", "send": False, "form": False}
     assert console_errors(page) == []
 
 

@@ -57,7 +57,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         ]
         layout = [("head-a", "0:10"), ("head-b", "0:10"), ("mid-a", "10:20"), ("mid-b", "10:20"), ("mid-c", "10:20"),
                   ("mid-d", "10:20"), ("tail-a", "20:30"), ("tail-b", "20:30"), ("tail-c", "20:30"),
-                  ("tail-d", "20:30")]  # fmt: skip
+                  ("tail-d", "20:30"), ("tail-e", "20:30")]  # fmt: skip
         nodes = {
             name: stack.enter_context(meshnet_process(["node", "--layers", layers, "--node-id", name, *args]))
             for name, layers in layout
@@ -75,17 +75,17 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 def stream(gateway: Proc, prompt: str, gid: str, max_tokens: int, on_chunk: Any = None, **params: Any) -> str:
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)
     text = ""
-    chunks = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        extra_headers={"X-Meshnet-Generation-Id": gid}, **params,
-    )  # fmt: skip
-    for n, chunk in enumerate(chunks):
-        if chunk.choices:
-            text += chunk.choices[0].text
-        if on_chunk is not None:
-            on_chunk(n)
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        chunks = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            extra_headers={"X-Meshnet-Generation-Id": gid}, **params,
+        )  # fmt: skip
+        for n, chunk in enumerate(chunks):
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if on_chunk is not None:
+                on_chunk(n)
     return text
 
 

@@ -48,8 +48,22 @@ ADD = {
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
+_CLIENTS: dict[str, openai.OpenAI] = {}
+
+
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
+    """One client per server, closed when the module ends (an unclosed one leaks its sockets)."""
+    if url not in _CLIENTS:
+        _CLIENTS[url] = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
+    return _CLIENTS[url]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    for api in _CLIENTS.values():
+        api.close()
+    _CLIENTS.clear()
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:

@@ -26,18 +26,18 @@ N_TOKENS = 64
 
 
 def chat(url: str, model: str, prompt: str, *, stream: bool = False) -> str:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
     messages = [{"role": "user", "content": prompt}]
-    if not stream:
-        out = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=N_TOKENS)
-        return out.choices[0].message.content or ""
-    text = ""
-    for chunk in client.chat.completions.create(
-        model=model, messages=messages, temperature=0, max_tokens=N_TOKENS, stream=True
-    ):
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-    return text
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180) as client:
+        if not stream:
+            out = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=N_TOKENS)
+            return out.choices[0].message.content or ""
+        text = ""
+        for chunk in client.chat.completions.create(
+            model=model, messages=messages, temperature=0, max_tokens=N_TOKENS, stream=True
+        ):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+        return text
 
 
 def test_three_llama_nodes_match_single_node_serve(swarm: Proc, server: Proc, model_id: str) -> None:

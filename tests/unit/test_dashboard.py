@@ -89,3 +89,14 @@ def test_the_files_load_nothing_from_elsewhere_and_insert_no_markup() -> None:
     script = files.joinpath("app.js").read_text(encoding="utf-8")
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
         assert sink not in script, f"app.js uses {sink}: text from nodes must only reach the page as text"
+
+
+def test_the_page_asks_for_an_api_key_in_a_password_field_and_keeps_it_in_the_gateways_cookie() -> None:
+    files = resources.files("meshnet.gateway.dashboard")
+    page = files.joinpath("index.html").read_text(encoding="utf-8")
+    assert re.search(r'<input id="key-input" type="password"', page)
+    assert 'id="key-use"' in page and 'id="key-forget"' in page
+    script = files.joinpath("app.js").read_text(encoding="utf-8")
+    assert 'const KEY_COOKIE = "meshnet_api_key";' in script  # the cookie the gateway reads
+    assert "path=/; SameSite=Strict" in script and "; Secure" not in script  # served over plain http
+    assert "Authorization = `Bearer ${state.auth.key}`" in script
