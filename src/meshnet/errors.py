@@ -4,6 +4,7 @@
     ├── InvalidRequest                400  invalid_request_error
     │   ├── ContextOverflow           400  context_length_exceeded
     │   └── SeamMismatch              400  seam_mismatch      (hidden width, dtype, shape at a seam)
+    ├── Unauthorized                  401  invalid_api_key    (no API key, or not one of this gateway's)
     ├── NotFound                      404  not_found_error
     │   ├── UnknownModel              404  model_not_found
     │   └── SessionNotFound           404  session_not_found
@@ -17,7 +18,8 @@
     │   ├── HopFailed                 502  hop_failed         (names the hop that failed: route repair)
     │   └── RouteInconsistent         502  route_inconsistent (hops disagree on what they computed)
     ├── Overloaded                    503  overloaded_error   (carries Retry-After)
-    │   └── StoreFull                 503  kv_store_full
+    │   ├── StoreFull                 503  kv_store_full
+    │   └── RateLimited               429  rate_limit_exceeded (an API key past its limits)
     └── EngineError                   500  engine_error       (a backend failed mid-generation)
 
 Foreign errors (pydantic, llama.cpp, JSON) are mapped into this tree at the boundary that
@@ -38,6 +40,7 @@ __all__ = [
     "Overloaded",
     "PayloadTooLarge",
     "PositionMismatch",
+    "RateLimited",
     "RouteInconsistent",
     "SeamMismatch",
     "SessionBroken",
@@ -45,6 +48,7 @@ __all__ = [
     "SessionGone",
     "SessionNotFound",
     "StoreFull",
+    "Unauthorized",
     "UnknownModel",
     "http_status",
 ]
@@ -82,6 +86,12 @@ class ContextOverflow(InvalidRequest):
 
 class SeamMismatch(InvalidRequest):
     code = "seam_mismatch"
+
+
+class Unauthorized(MeshnetError):
+    status = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
 
 
 class NotFound(MeshnetError):
@@ -176,6 +186,12 @@ class Overloaded(MeshnetError):
 
 class StoreFull(Overloaded):
     code = "kv_store_full"
+
+
+class RateLimited(Overloaded):
+    status = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
 
 
 class EngineError(MeshnetError):

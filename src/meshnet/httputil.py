@@ -52,6 +52,16 @@ async def read_body(request: Request, limit: int, who: str) -> bytes:
     return b"".join(chunks)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def is_wildcard(host: str) -> bool:
     """Whether ``host`` is ``0.0.0.0`` / ``::``: "every interface" to the one that binds it, no
     address a peer can dial (a DNS name never is)."""

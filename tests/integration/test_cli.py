@@ -94,3 +94,43 @@ def test_up_refuses_a_missing_gguf_and_too_many_nodes(tmp_path: Path) -> None:
     assert out.returncode == 2 and "GGUF file not found" in out.stderr
     out = run("up", "--nodes", "40", timeout=60)
     assert out.returncode == 2 and "--nodes must be within 1..30" in out.stderr
+
+
+def test_an_api_beyond_loopback_needs_keys_or_no_auth(tmp_path: Path) -> None:
+    """Like llama-server, loopback serves without keys; any other address needs --api-keys (or --no-auth)."""
+    for command in (["serve"], ["gateway", "--tracker", "http://127.0.0.1:9"], ["up"]):
+        out = run(*command, "--host", "0.0.0.0", "--port", "0", timeout=60)
+        assert out.returncode == 2 and "needs --api-keys FILE" in out.stderr, (command, out.stderr)
+    keys = tmp_path / "keys"
+    keys.write_text("short\n")
+    out = run("serve", "--api-keys", str(keys), "--port", "0", timeout=60)
+    assert out.returncode == 2 and "at least 16 characters" in out.stderr, out.stderr
+    out = run("serve", "--api-keys", str(tmp_path / "missing"), "--port", "0", timeout=60)
+    assert out.returncode == 2 and "cannot read" in out.stderr, out.stderr
+    keys.write_text("sk-0123456789abcdef\n")
+    out = run("serve", "--api-keys", str(keys), "--no-auth", "--port", "0", timeout=60)
+    assert out.returncode == 2 and "contradict" in out.stderr, out.stderr
+    template = tmp_path / "bad.jinja"
+    template.write_text("{% for m in messages %}")
+    out = run("serve", "--chat-template-file", str(template), "--port", "0", timeout=60)
+    assert out.returncode == 2 and "does not parse" in out.stderr, out.stderr
+
+
+def test_serve_with_api_keys_through_the_official_client(tmp_path: Path) -> None:
+    import openai
+
+    from tests.procs import meshnet_process
+
+    keys = tmp_path / "keys"
+    keys.write_text("# one key\nsk-test-0123456789abcdef\n")
+    args = ["serve", "--port", "0", "--threads", "2", "--ctx", "512", "--api-keys", str(keys)]
+    with meshnet_process(args) as proc:
+        model = "SmolLM2-135M-Instruct.Q4_1"
+        with openai.OpenAI(base_url=f"{proc.url}/v1", api_key="sk-test-0123456789abcdef", max_retries=0) as ok:
+            out = ok.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+            assert out.choices[0].message.content
+        with openai.OpenAI(base_url=f"{proc.url}/v1", api_key="sk-wrong-0123456789abcdef", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError) as info:
+                bad.models.list()
+            assert info.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+        assert httpx.get(f"{proc.url}/health", timeout=10).status_code == 200

@@ -10,7 +10,7 @@ from typing import Any
 
 from meshnet import __version__
 from meshnet.cli.artifacts import add_artifact_commands
-from meshnet.cli.serve import add_allow_uncertified, add_chat_template
+from meshnet.cli.serve import add_allow_uncertified, add_api_keys, add_chat_template
 from meshnet.cli.swarm import add_speculative, add_swarm_commands
 
 __all__ = ["main"]
@@ -54,6 +54,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--max-body-mb", type=float, default=16.0, help="largest API request body accepted (MiB, default 16)"
     )
     add_chat_template(serve)
+    add_api_keys(serve)
 
     shard = sub.add_parser("shard", help="layer-range shard files")
     shard_sub = shard.add_subparsers(dest="shard_command", required=True, metavar="ACTION")
@@ -90,6 +91,7 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workdir", help="where logs and the tracker database go (default: a temp dir)")
     add_speculative(up)
     add_chat_template(up)
+    add_api_keys(up)
     add_allow_uncertified(up)
 
     chat = sub.add_parser("chat", help="chat with a Meshnet server from the terminal")

@@ -9,11 +9,15 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
 from meshnet.config import ServeConfig
 from meshnet.errors import MeshnetError
+from meshnet.httputil import is_loopback
+
+if TYPE_CHECKING:
+    from meshnet.gateway.auth import KeyRing
 
 __all__ = ["bind_socket", "resolve_gguf", "run_serve", "serve_app", "setup_logging"]
 
@@ -91,14 +95,54 @@ def read_chat_template(path: Path | None, who: str) -> str | None:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise SystemExit(f"meshnet {who}: --chat-template-file {path}: {exc}") from None
+        usage_error(f"meshnet {who}: --chat-template-file {path}: {exc}")
     from meshnet.gateway.chat_template import ChatTemplate
 
     try:
         ChatTemplate(text, bos_token="", eos_token="")
     except MeshnetError as exc:
-        raise SystemExit(f"meshnet {who}: --chat-template-file {path}: {exc.message}") from None
+        usage_error(f"meshnet {who}: --chat-template-file {path}: {exc.message}")
     return text
+
+
+def usage_error(message: str) -> NoReturn:
+    """A command line that cannot work: say why on stderr and exit 2 (argparse's code for usage errors)."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def add_api_keys(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-keys",
+        type=Path,
+        default=None,
+        help="file of API keys clients must send as 'Authorization: Bearer KEY': one per line, or JSON with "
+        "per-key limits (docs/security.md); without it the API is open, which only loopback allows",
+    )
+    parser.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve the API without keys on a non-loopback --host (anyone who can reach it may use it)",
+    )
+
+
+def api_keys_for(args: argparse.Namespace, who: str) -> KeyRing | None:
+    """The keys of ``--api-keys``; no keys only on loopback or with ``--no-auth`` (else exit 2)."""
+    from meshnet.gateway.auth import load_keys
+
+    if args.api_keys is not None:
+        if args.no_auth:
+            usage_error(f"meshnet {who}: --api-keys and --no-auth contradict each other; give one of them")
+        try:
+            return load_keys(args.api_keys)
+        except ValueError as exc:
+            usage_error(f"meshnet {who}: --api-keys: {exc}")
+    if not is_loopback(args.host) and not args.no_auth:
+        usage_error(
+            f"meshnet {who}: --host {args.host} serves the API beyond this machine, so it needs --api-keys FILE "
+            "(clients send 'Authorization: Bearer KEY'); give --no-auth to let anyone who can reach it use it"
+        )
+    return None
 
 
 # Headers of one request, together: a grammar of MAX_GRAMMAR_BYTES, JSON-escaped, fits with room to spare.
@@ -148,6 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
     setup_logging()
     config = _config(args)
     template = read_chat_template(args.chat_template_file, "serve")
+    keys = api_keys_for(args, "serve")
     sock = bind_socket(config.host, config.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
@@ -177,7 +222,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     info = engine.info
     app = create_app(
-        engine, max_queue=config.max_queue, max_body_bytes=int(config.max_body_mb * 2**20), chat_template=template
+        engine,
+        max_queue=config.max_queue,
+        max_body_bytes=int(config.max_body_mb * 2**20),
+        chat_template=template,
+        api_keys=keys,
     )
     print(
         f"meshnet: {info.model_id} ({info.architecture}, {info.quantization}, {info.n_layers} layers) "

@@ -8,18 +8,21 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from meshnet.cli.artifacts import add_fetch_arguments, fetch_node_shard
 from meshnet.cli.serve import (
     add_allow_uncertified,
+    add_api_keys,
     add_chat_template,
+    api_keys_for,
     bind_socket,
     check_certified,
     read_chat_template,
     resolve_gguf,
     serve_app,
     setup_logging,
+    usage_error,
 )
 from meshnet.errors import MeshnetError
 from meshnet.httputil import is_wildcard, service_url
@@ -112,6 +115,7 @@ def add_swarm_commands(sub: Any) -> None:
     )
     add_speculative(gateway)
     add_chat_template(gateway)
+    add_api_keys(gateway)
     gateway.add_argument(
         "--hop-timeout",
         type=float,
@@ -195,18 +199,13 @@ def _public_url(raw: str | None) -> str | None:
     try:
         return service_url(raw)
     except ValueError as exc:
-        _usage_error(f"meshnet node: --public-url {exc}")
-
-
-def _usage_error(message: str) -> NoReturn:
-    print(message, file=sys.stderr, flush=True)
-    raise SystemExit(2)
+        usage_error(f"meshnet node: --public-url {exc}")
 
 
 def _check_advertisable(host: str, public_url: str | None) -> None:
     """A node bound to every interface cannot advertise the address it bound: it needs ``--public-url``."""
     if is_wildcard(host) and public_url is None:
-        _usage_error(
+        usage_error(
             f"meshnet node: --host {host} listens on every interface, and http://{host}:PORT is not an address "
             "other hosts can reach; give --public-url http://THIS-MACHINE'S-ADDRESS:PORT (what the tracker hands "
             "to gateways and the hop before this one)"
@@ -317,6 +316,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         return 2
     gguf = resolve_gguf(args.gguf, "gateway")
     template = read_chat_template(args.chat_template_file, "gateway")
+    keys = api_keys_for(args, "gateway")
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     from meshnet.backends.llama_vocab import LlamaVocab
@@ -355,6 +355,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             swarm_tracker=args.tracker,
             max_body_bytes=int(args.max_body_mb * 2**20),
             chat_template=template,
+            api_keys=keys,
         )
         serve_app(app, sock)
     finally:

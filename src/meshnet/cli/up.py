@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from meshnet.cli.serve import api_keys_for
 from meshnet.layers import LayerRange
 
 __all__ = ["run_up", "split_layers", "swarm_layout"]
@@ -150,6 +151,7 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange]] | None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    api_keys_for(args, "up")  # the gateway's rule, checked before any process starts
     layout = _layout(args)
     if layout is None:
         return 2
@@ -191,6 +193,8 @@ def run_up(args: argparse.Namespace) -> int:
             "--host", args.host, "--ctx", str(args.ctx),
             "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens),
             *(["--chat-template-file", str(args.chat_template_file)] if args.chat_template_file else []),
+            *(["--api-keys", str(args.api_keys)] if args.api_keys else []),
+            *(["--no-auth"] if args.no_auth else []),
         ]  # fmt: skip
         gateway = _Child("gateway", gateway_args, workdir / "gateway.log")
         children.append(gateway)

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from meshnet.backends.base import TextEngine
 from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError, UnknownModel
 from meshnet.gateway import dashboard
+from meshnet.gateway.auth import ApiKeyMiddleware, KeyRing
 from meshnet.gateway.chat_template import ChatTemplate
 from meshnet.gateway.generation import (
     Delta,
@@ -77,9 +78,10 @@ def create_app(
     swarm_tracker: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     chat_template: str | None = None,
+    api_keys: KeyRing | None = None,
 ) -> Starlette:
     """Compose a gateway around one engine; the caller owns the engine's lifetime. ``chat_template``
-    replaces the model's own."""
+    replaces the model's own; with ``api_keys`` the API needs a key (``gateway.auth``)."""
     hub = TelemetryHub()
     metrics = GatewayMetrics()
     info = engine.info
@@ -118,6 +120,9 @@ def create_app(
         exception_handlers=EXCEPTION_HANDLERS,
     )
     app.state.gateway = state
+    if api_keys is not None:
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+    # outermost: refused requests (401, 429) are counted too
     app.add_middleware(_CountRequests, metrics=metrics, paths=frozenset(r.path for r in routes))
     return app
 

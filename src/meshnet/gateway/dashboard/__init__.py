@@ -3,7 +3,9 @@
 The page (``index.html``, ``app.js``, ``style.css`` beside this module, shipped as package data)
 reads only the gateway's public endpoints: it polls ``/v1/swarm``, ``/v1/health`` and
 ``/v1/generations``, follows each running generation's ``/v1/generations/{id}/events`` and streams
-a chat reply from ``/v1/chat/completions``. This module only serves the files (docs/dashboard.md).
+a chat reply from ``/v1/chat/completions``. This module only serves the files (docs/dashboard.md);
+they need no API key, and with ``--api-keys`` the page asks for one (kept in the ``meshnet_api_key``
+cookie, which the gateway accepts as well as a bearer token: an ``EventSource`` cannot set headers).
 """
 
 from __future__ import annotations

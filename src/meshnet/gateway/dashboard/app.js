@@ -7,6 +7,10 @@
 //   GET /v1/generations/{id}/events    each running generation's live events (EventSource)
 //   POST /v1/chat/completions          the chat box, streamed (SSE read from fetch's body)
 //
+// A gateway started with --api-keys answers 401 (invalid_api_key) without a key: the page then stops
+// polling and asks for one, keeps it in the meshnet_api_key cookie (an EventSource cannot set
+// headers; the gateway reads the cookie) and sends it as "Authorization: Bearer" on its fetches too.
+//
 // Everything a node, the tracker or the model says is data: it reaches the page only through
 // textContent and attribute setters, never as markup.
 "use strict";
@@ -18,6 +22,7 @@ const MAX_STREAMS = 3; // EventSources at once: a browser opens at most 6 connec
 const MAX_SAMPLES = 400; // tokens/s points a generation's sparkline keeps (4 a second)
 const GONE_KEEP_MS = 60000; // a node the tracker stopped listing stays on the page this long
 const TERMINAL = new Set(["generation.completed", "generation.failed"]);
+const KEY_COOKIE = "meshnet_api_key";
 
 const state = {
   model: null, // {id, layers, contextCap, architecture, quantization}
@@ -29,6 +34,7 @@ const state = {
   chat: { messages: [], busy: false, abort: null },
   lastUpdate: null,
   connected: null,
+  auth: { key: null, needed: false }, // the API key in use (from the cookie), and whether the gateway refused it
 };
 
 // -- DOM helpers (text only) ------------------------------------------------------------------
@@ -103,15 +109,122 @@ function nodeId(node) {
   return str(node.node_id ?? node.node, "?");
 }
 
-// -- fetching ---------------------------------------------------------------------------------
-async function getJson(path) {
-  const response = await fetch(path, { headers: { Accept: "application/json" }, cache: "no-store" });
-  const body = await response.json().catch(() => null);
-  if (!response.ok) {
-    const message = body && body.error ? body.error.message : `HTTP ${response.status}`;
-    throw new Error(`${path}: ${message}`);
+// -- API keys ---------------------------------------------------------------------------------
+// Thrown by apiFetch on a 401: the key form is up and polling has stopped; callers just give up.
+class KeyRequired extends Error {}
+
+function readKeyCookie() {
+  for (const part of document.cookie.split(";")) {
+    const cut = part.indexOf("=");
+    if (cut < 0 || part.slice(0, cut).trim() !== KEY_COOKIE) continue;
+    try {
+      return decodeURIComponent(part.slice(cut + 1).trim()) || null;
+    } catch {
+      return null;
+    }
   }
-  return body;
+  return null;
+}
+
+function storeKey(key) {
+  state.auth.key = key;
+  // No Secure flag: the gateway serves plain http (on loopback, usually). Strict: never sent cross-site.
+  document.cookie = key
+    ? `${KEY_COOKIE}=${encodeURIComponent(key)}; path=/; SameSite=Strict`
+    : `${KEY_COOKIE}=; path=/; Max-Age=0; SameSite=Strict`;
+  $("key-forget").hidden = !key;
+}
+
+// The gateway refused the request's key (or there was none): stop and ask for one.
+function needKey(message) {
+  const first = !state.auth.needed;
+  state.auth.needed = true;
+  $("key-message").textContent = str(message, "This gateway needs an API key.");
+  $("auth").hidden = false;
+  $("key-use").disabled = false;
+  const conn = $("conn");
+  conn.dataset.state = "locked";
+  conn.textContent = "API key needed";
+  conn.title = "";
+  if (first) {
+    clearTimeout(timers.swarm);
+    clearTimeout(timers.generations);
+    $("key-input").focus();
+  }
+}
+
+async function useKey(key) {
+  $("key-use").disabled = true;
+  $("key-message").textContent = "checking the key…";
+  storeKey(key);
+  state.auth.needed = false;
+  try {
+    await loadModel();
+  } catch (err) {
+    if (err instanceof KeyRequired) {
+      storeKey(null); // a refused key is not kept; the form shows the gateway's answer
+    } else {
+      state.auth.needed = true;
+      $("key-message").textContent = `cannot check the key: ${err.message}`;
+    }
+    return;
+  } finally {
+    $("key-use").disabled = false;
+  }
+  $("key-input").value = "";
+  $("key-message").textContent = "";
+  $("auth").hidden = true;
+  resume();
+}
+
+function forgetKey() {
+  storeKey(null);
+  $("key-input").value = "";
+  resume(); // a gateway that needs a key says so again on the next call
+}
+
+function setupKeys() {
+  storeKey(readKeyCookie());
+  $("key-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const key = $("key-input").value.trim();
+    if (!key) {
+      $("key-message").textContent = "Enter the gateway's API key.";
+      return;
+    }
+    useKey(key);
+  });
+  $("key-forget").addEventListener("click", forgetKey);
+}
+
+// -- fetching ---------------------------------------------------------------------------------
+// fetch, with the key (when the page has one) as a bearer token; a 401 raises the key form.
+async function apiFetch(path, init = {}) {
+  const headers = { ...(init.headers || {}) };
+  if (state.auth.key) headers.Authorization = `Bearer ${state.auth.key}`;
+  const response = await fetch(path, { cache: "no-store", ...init, headers });
+  if (response.status === 401) {
+    const body = await response.json().catch(() => null);
+    const error = body && body.error ? body.error : {};
+    needKey(error.message);
+    throw new KeyRequired(str(error.message, "this gateway needs an API key"));
+  }
+  return response;
+}
+
+// The message of an error response, in OpenAI's shape, with its Retry-After (a 429) when it has one.
+async function errorMessage(response) {
+  const body = await response.json().catch(() => null);
+  let message = body && body.error && body.error.message ? String(body.error.message) : `HTTP ${response.status}`;
+  const retry = response.headers.get("Retry-After");
+  if (response.status === 429 && retry && !/retry/i.test(message)) message += ` (retry in ${retry} s)`;
+  return message;
+}
+
+async function getJson(path) {
+  const response = await apiFetch(path, { headers: { Accept: "application/json" } });
+  if (!response.ok) throw new Error(`${path}: ${await errorMessage(response)}`);
+  return response.json().catch(() => null);
 }
 
 async function loadModel() {
@@ -144,7 +257,26 @@ function setConnected(ok, why) {
   conn.title = ok ? "" : str(why, "");
 }
 
-async function pollSwarm() {
+// The two polling loops. An epoch ends a loop: resume() starts fresh ones, and a loop that finds the
+// epoch moved on (or the key form up) does not go round again.
+const timers = { swarm: null, generations: null };
+let epoch = 0;
+
+function again(name, fn, ms, mine) {
+  if (mine !== epoch || state.auth.needed) return;
+  timers[name] = setTimeout(() => fn(mine), ms);
+}
+
+function resume() {
+  epoch += 1;
+  clearTimeout(timers.swarm);
+  clearTimeout(timers.generations);
+  state.auth.needed = false;
+  pollSwarm(epoch);
+  pollGenerations(epoch);
+}
+
+async function pollSwarm(mine) {
   try {
     if (!state.model) await loadModel();
     const swarm = await getJson("/v1/swarm");
@@ -156,13 +288,13 @@ async function pollSwarm() {
     setConnected(true);
     renderSwarm();
   } catch (err) {
-    setConnected(false, err.message);
+    if (!(err instanceof KeyRequired)) setConnected(false, err.message);
   } finally {
-    setTimeout(pollSwarm, SWARM_EVERY_MS);
+    again("swarm", pollSwarm, SWARM_EVERY_MS, mine);
   }
 }
 
-async function pollGenerations() {
+async function pollGenerations(mine) {
   try {
     const list = await getJson("/v1/generations");
     const active = new Set();
@@ -179,7 +311,8 @@ async function pollGenerations() {
         gen.fetchingFinal = true;
         getJson(`/v1/generations/${encodeURIComponent(gen.id)}`)
           .then((snap) => applySnapshot(gen, snap))
-          .catch(() => {
+          .catch((err) => {
+            if (err instanceof KeyRequired) return; // asked again once there is a key
             gen.finished = true;
             gen.phase = gen.phase === "failed" ? "failed" : "gone";
           })
@@ -192,9 +325,9 @@ async function pollGenerations() {
     startStreams();
     scheduleRender();
   } catch (err) {
-    setConnected(false, err.message);
+    if (!(err instanceof KeyRequired)) setConnected(false, err.message);
   } finally {
-    setTimeout(pollGenerations, GENERATIONS_EVERY_MS);
+    again("generations", pollGenerations, GENERATIONS_EVERY_MS, mine);
   }
 }
 
@@ -563,6 +696,7 @@ function track(id, source) {
 }
 
 function startStreams() {
+  if (state.auth.needed) return;
   const open = [...state.gens.values()].filter((g) => g.stream).length;
   let budget = MAX_STREAMS - open;
   const waiting = [...state.gens.values()]
@@ -578,7 +712,11 @@ function startStreams() {
 function subscribe(gen) {
   gen.streamed = true;
   const source = new EventSource(`/v1/generations/${encodeURIComponent(gen.id)}/events`);
+  let opened = false;
   gen.stream = source;
+  source.onopen = () => {
+    opened = true;
+  };
   source.onmessage = (message) => {
     let event;
     try {
@@ -592,9 +730,17 @@ function subscribe(gen) {
   };
   source.onerror = () => {
     // The gateway went away or the stream broke before the end: stop (no reconnect storm); the
-    // polled snapshots go on.
+    // polled snapshots go on. An EventSource does not tell why it failed: one that never opened may
+    // have been refused its key (a 401), which a plain request for the snapshot finds out.
     closeStream(gen);
     scheduleRender();
+    if (opened) return;
+    getJson(`/v1/generations/${encodeURIComponent(gen.id)}`)
+      .then((snap) => applySnapshot(gen, snap))
+      .catch((err) => {
+        if (err instanceof KeyRequired) gen.streamed = false; // subscribe again once there is a key
+      })
+      .finally(scheduleRender);
   };
 }
 
@@ -897,7 +1043,7 @@ async function sendChat(text) {
     try {
       await loadModel();
     } catch (err) {
-      chatStatus(`cannot reach the gateway: ${err.message}`);
+      chatStatus(err instanceof KeyRequired ? "this gateway needs an API key" : `cannot reach the gateway: ${err.message}`);
       return;
     }
   }
@@ -924,7 +1070,7 @@ async function sendChat(text) {
   let chunks = 0;
   chatStatus("sending…");
   try {
-    const response = await fetch("/v1/chat/completions", {
+    const response = await apiFetch("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
       body: JSON.stringify(body),
@@ -937,10 +1083,7 @@ async function sendChat(text) {
       startStreams();
       scheduleRender();
     }
-    if (!response.ok || !response.body) {
-      const err = await response.json().catch(() => null);
-      throw new Error(err && err.error ? err.error.message : `HTTP ${response.status}`);
-    }
+    if (!response.ok || !response.body) throw new Error(await errorMessage(response)); // a 429 too
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
     let buffer = "";
@@ -1031,9 +1174,9 @@ function setupChat() {
 }
 
 function start() {
+  setupKeys();
   setupChat();
-  pollSwarm();
-  pollGenerations();
+  resume();
 }
 
 document.addEventListener("DOMContentLoaded", start);

@@ -1,0 +1,237 @@
+"""API keys for the gateway's public API: who may call it, and how much.
+
+``--api-keys FILE`` holds the keys, either one per line (``#`` starts a comment; every key gets the
+default limits) or JSON with a policy per key::
+
+    {"keys": [{"key": "sk-alice-...", "name": "alice", "max_concurrency": 2, "requests_per_minute": 30}]}
+
+A request names its key as OpenAI's clients do, ``Authorization: Bearer KEY`` — or, for the web
+dashboard's page (an ``EventSource`` cannot set headers), the ``meshnet_api_key`` cookie. Every
+``/v1/...`` endpoint and ``/metrics`` need a key; ``/health``, ``/v1/health`` and the dashboard's
+static files do not. A missing or unknown key is a 401 (``invalid_api_key``); a key past its
+concurrent generations or its requests per minute is a 429 (``rate_limit_exceeded``, with
+``Retry-After``), both in OpenAI's error shape. Keys are held as SHA-256 digests only.
+
+Like llama-server, a gateway bound to loopback serves without keys unless ``--api-keys`` is given;
+the CLI refuses to bind any other address without keys unless ``--no-auth`` says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from http.cookies import SimpleCookie
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from meshnet.errors import MeshnetError, RateLimited, Unauthorized
+from meshnet.httputil import error_response
+
+__all__ = ["COOKIE", "ApiKeyMiddleware", "KeyPolicy", "KeyRing", "load_keys"]
+
+COOKIE = "meshnet_api_key"
+DEFAULT_MAX_CONCURRENCY = 4
+MIN_KEY_CHARS = 16  # a guessable key is no key
+_OPEN_PATHS = frozenset({"/health", "/v1/health"})
+_GENERATING = frozenset({"/v1/chat/completions", "/v1/completions"})
+_WINDOW_S = 60.0
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    name: str
+    key_digest: str
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY  # generations in flight at once
+    requests_per_minute: int = 0  # generation requests per sliding minute; 0: no limit
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(f"key {self.name!r}: max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.requests_per_minute < 0:
+            raise ValueError(f"key {self.name!r}: requests_per_minute must be >= 0, got {self.requests_per_minute}")
+
+
+def load_keys(path: Path) -> KeyRing:
+    """Read ``--api-keys``; a file that is missing, empty or malformed raises ``ValueError`` saying what to fix."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    policies = _json_policies(text, path) if text.lstrip().startswith("{") else _line_policies(text, path)
+    if not policies:
+        raise ValueError(f'{path} holds no API keys (one per line, or JSON {{"keys": [...]}})')
+    return KeyRing(policies)
+
+
+def _check_key(key: object, where: str) -> str:
+    if not isinstance(key, str) or len(key) < MIN_KEY_CHARS or any(c.isspace() for c in key):
+        raise ValueError(f"{where}: a key is at least {MIN_KEY_CHARS} characters without spaces")
+    return key
+
+
+def _line_policies(text: str, path: Path) -> list[KeyPolicy]:
+    policies: list[KeyPolicy] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        key = line.split("#", 1)[0].strip()
+        if key:
+            policies.append(KeyPolicy(f"key-{len(policies) + 1}", digest(_check_key(key, f"{path}:{number}"))))
+    return policies
+
+
+def _json_policies(text: str, path: Path) -> list[KeyPolicy]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    entries = data.get("keys") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f'{path}: expected {{"keys": [{{"key": ..., "name": ...}}, ...]}}')
+    policies = []
+    for i, entry in enumerate(entries):
+        where = f"{path}: keys[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} must be an object")
+        unknown = set(entry) - {"key", "name", "max_concurrency", "requests_per_minute"}
+        if unknown:
+            raise ValueError(f"{where} has unknown fields {sorted(unknown)}")
+        name, concurrency, rpm = (
+            entry.get("name", f"key-{i + 1}"),
+            entry.get("max_concurrency"),
+            entry.get("requests_per_minute"),
+        )
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: name must be a non-empty string")
+        for field, value in (("max_concurrency", concurrency), ("requests_per_minute", rpm)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{where}: {field} must be an integer")
+        policies.append(
+            KeyPolicy(
+                name,
+                digest(_check_key(entry.get("key"), where)),
+                max_concurrency=DEFAULT_MAX_CONCURRENCY if concurrency is None else concurrency,
+                requests_per_minute=rpm or 0,
+            )
+        )
+    names = [p.name for p in policies]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: key names must be unique")
+    if len({p.key_digest for p in policies}) != len(policies):
+        raise ValueError(f"{path}: a key is listed twice")
+    return policies
+
+
+class KeyRing:
+    """The known keys and each key's live use (generations in flight, recent requests). Thread-safe."""
+
+    def __init__(self, policies: Iterable[KeyPolicy], *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._by_digest = {p.key_digest: p for p in policies}
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._in_flight: collections.Counter[str] = collections.Counter()
+        self._recent: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def authenticate(self, key: str | None) -> KeyPolicy:
+        if not key:
+            raise Unauthorized(
+                "this gateway needs an API key: send it as 'Authorization: Bearer KEY' (OpenAI clients: api_key=KEY)"
+            )
+        wanted = digest(key)
+        for known, policy in self._by_digest.items():  # constant-time comparison of digests
+            if hmac.compare_digest(known, wanted):
+                return policy
+        raise Unauthorized("the API key is not valid for this gateway")
+
+    def admit(self, policy: KeyPolicy) -> None:
+        """Count one generation of ``policy``'s key in, or raise ``RateLimited`` (nothing counted)."""
+        with self._lock:
+            now = self._clock()
+            recent = self._recent[policy.name]
+            while recent and recent[0] <= now - _WINDOW_S:
+                recent.popleft()
+            if policy.requests_per_minute and len(recent) >= policy.requests_per_minute:
+                wait = math.ceil(recent[0] + _WINDOW_S - now)
+                raise RateLimited(
+                    f"key {policy.name!r} sent {len(recent)} requests in the last minute, its limit; retry in {wait} s",
+                    retry_after_s=max(1, wait),
+                )
+            if self._in_flight[policy.name] >= policy.max_concurrency:
+                raise RateLimited(
+                    f"key {policy.name!r} has {policy.max_concurrency} generations in flight, its limit; "
+                    "retry when one ends",
+                    retry_after_s=1,
+                )
+            self._in_flight[policy.name] += 1
+            recent.append(now)
+
+    def release(self, policy: KeyPolicy) -> None:
+        with self._lock:
+            self._in_flight[policy.name] -= 1
+
+    def in_flight(self, name: str) -> int:
+        with self._lock:
+            return self._in_flight[name]
+
+
+class ApiKeyMiddleware:
+    """Checks the key of every API request and holds a generation's concurrency slot until its
+    response (a stream included) has ended."""
+
+    def __init__(self, app: ASGIApp, keys: KeyRing) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not _needs_key(path):
+            await self.app(scope, receive, send)
+            return
+        try:
+            policy = self.keys.authenticate(_presented_key(scope))
+            generating = path in _GENERATING and scope.get("method") == "POST"
+            if generating:
+                self.keys.admit(policy)
+        except MeshnetError as exc:
+            await error_response(exc, {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None)(
+                scope, receive, send
+            )
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if generating:
+                self.keys.release(policy)
+
+
+def _needs_key(path: str) -> bool:
+    return (path.startswith("/v1/") or path == "/metrics") and path not in _OPEN_PATHS
+
+
+def _presented_key(scope: Scope) -> str | None:
+    headers: dict[str, str] = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    if "cookie" in headers:
+        jar: SimpleCookie = SimpleCookie()
+        try:
+            jar.load(headers["cookie"])
+        except Exception:  # a malformed cookie header is no key
+            return None
+        if COOKIE in jar:
+            return str(jar[COOKIE].value)
+    return None
