@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from meshnet.gateway.auth import COOKIE, KeyPolicy, KeyRing, digest, load_keys
 
 pytestmark = pytest.mark.timeout(20)
 
-ALICE = "sk-alice-0123456789abcdef"
+ALICE = "sk-alice+0123456789/abcdef=="  # base64 characters: the cookie carries it URI-encoded
 BOB = "sk-bob-0123456789abcdef00"
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
@@ -104,6 +105,8 @@ def test_the_api_needs_a_key_and_health_does_not(client: TestClient) -> None:
     assert wrong.status_code == 401 and "not valid" in wrong.json()["error"]["message"]
     assert client.get("/v1/models", headers={"Authorization": f"Bearer {ALICE}"}).status_code == 200
     assert client.get("/v1/models", headers={"Cookie": f"{COOKIE}={BOB}"}).status_code == 200  # the dashboard's way
+    encoded = urllib.parse.quote(ALICE, safe="")
+    assert client.get("/v1/models", headers={"Cookie": f"{COOKIE}={encoded}"}).status_code == 200
 
 
 def test_a_key_past_its_concurrency_gets_429_and_others_are_served(client: TestClient) -> None:

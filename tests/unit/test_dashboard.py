@@ -5,12 +5,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from importlib import resources
+from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
 
 from meshnet.backends.fake import FakeEngine
 from meshnet.gateway import create_app
+from meshnet.gateway.auth import COOKIE, load_keys
 from meshnet.gateway.dashboard import ASSETS
 
 pytestmark = pytest.mark.timeout(20)
@@ -97,6 +99,23 @@ def test_the_page_asks_for_an_api_key_in_a_password_field_and_keeps_it_in_the_ga
     assert re.search(r'<input id="key-input" type="password"', page)
     assert 'id="key-use"' in page and 'id="key-forget"' in page
     script = files.joinpath("app.js").read_text(encoding="utf-8")
-    assert 'const KEY_COOKIE = "meshnet_api_key";' in script  # the cookie the gateway reads
+    assert f'const KEY_COOKIE = "{COOKIE}";' in script  # the cookie the gateway reads
     assert "path=/; SameSite=Strict" in script and "; Secure" not in script  # served over plain http
     assert "Authorization = `Bearer ${state.auth.key}`" in script
+
+
+def test_with_api_keys_the_page_loads_without_one_and_its_key_cookie_opens_the_api(tmp_path: Path) -> None:
+    key = "sk-dashboard-unit-0123456789"
+    (tmp_path / "keys").write_text(f"# one key\n{key}\n", encoding="utf-8")
+    app = create_app(FakeEngine(reply="hi", n_ctx=256), api_keys=load_keys(tmp_path / "keys"))
+    with TestClient(app) as client:
+        for path in ["/", "/dashboard", *(f"/dashboard/assets/{name}" for name in ASSETS)]:
+            assert client.get(path).status_code == 200, path
+        refused = client.get("/v1/models")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert refused.headers["www-authenticate"] == "Bearer"
+        # what the page sends: the cookie it sets (the only key an EventSource carries), or the bearer token
+        client.cookies.set(COOKIE, key)
+        assert client.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+        client.cookies.clear()
+        assert client.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200

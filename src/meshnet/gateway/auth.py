@@ -25,6 +25,7 @@ import json
 import math
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
@@ -232,6 +233,6 @@ def _presented_key(scope: Scope) -> str | None:
             jar.load(headers["cookie"])
         except Exception:  # a malformed cookie header is no key
             return None
-        if COOKIE in jar:
-            return str(jar[COOKIE].value)
+        if COOKIE in jar:  # the page writes it with encodeURIComponent
+            return urllib.parse.unquote(str(jar[COOKIE].value))
     return None

@@ -142,6 +142,7 @@ function needKey(message) {
   $("key-message").textContent = str(message, "This gateway needs an API key.");
   $("auth").hidden = false;
   $("key-use").disabled = false;
+  if (!state.model) $("model-id").textContent = "—";
   const conn = $("conn");
   conn.dataset.state = "locked";
   conn.textContent = "API key needed";
