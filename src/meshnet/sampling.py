@@ -142,10 +142,6 @@ class Sampler:
         if self.grammar is not None:
             self.grammar.accept(token)
 
-    def close(self) -> None:
-        if self.grammar is not None:
-            self.grammar.close()
-
     def sample(self, logits: Logits, position: int | None = None) -> tuple[int, float]:
         """Return ``(token_id, logprob)`` for the token at ``position``; the logprob is the model's (before
         temperature). A seeded draw at a known position is a function of the seed and the position alone."""

@@ -10,9 +10,10 @@ Checking a grammar over the whole vocabulary costs ~7 ms per token (49K tokens),
 ~20 µs, so the sampler first picks as if unconstrained and asks the grammar only about that token;
 only when the grammar refuses it does it mask more (``TokenGrammar.best``: the most likely allowed
 token, found among the top candidates first; ``TokenGrammar.mask`` for a sampled draw). Greedy
-output is exactly the argmax over the allowed tokens either way; for a sampled draw, a pick from
+output is exactly the argmax over the allowed tokens either way. For a sampled draw, a pick from
 ``p`` kept when allowed and otherwise redrawn from ``p`` restricted to the allowed tokens is
-distributed exactly as that restriction (top-k and top-p then apply to the restricted logits).
+distributed exactly as that restriction; with top-k or top-p, the first pick comes from their cut
+of ``p`` and a redraw applies them to the restricted logits (as llama.cpp's own sampler does).
 
 The grammar's state is a function of the tokens generated so far (``TokenGrammar.sync``), so a new
 tail after a route repair rebuilds it from the token ids the route carries — the text goes on as if

@@ -41,7 +41,7 @@ from meshnet.gateway.logprobs import LogprobsShape
 from meshnet.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, TelemetryHub
-from meshnet.gateway.tools import ToolPlan
+from meshnet.gateway.tools import ParsedReply, ToolPlan
 from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response, read_body
 from meshnet.ids import GenerationId, new_generation_id, parse_generation_id
 from meshnet.models.families import certification
@@ -455,16 +455,20 @@ class _Shape:
             "meshnet": self.tel.snapshot(),
         }
 
-    def tool_chunks(self, text: str, finish_reason: str) -> list[dict[str, Any]]:
-        """The end of a streamed reply with tools: its content, its calls, then the finish reason."""
+    def _tool_reply(self, text: str, finish_reason: str) -> tuple[ParsedReply, str]:
+        """A reply with tools: its content and calls; a reply that stopped on calls finishes as "tool_calls"."""
         assert self.tools is not None
         reply = self.tools.parse(text)
+        return reply, ("tool_calls" if reply.calls and finish_reason == "stop" else finish_reason)
+
+    def tool_chunks(self, text: str, finish_reason: str) -> list[dict[str, Any]]:
+        """The end of a streamed reply with tools: its content, its calls, then the finish reason."""
+        reply, finish_reason = self._tool_reply(text, finish_reason)
         chunks = [self.chunk(reply.content, None)] if reply.content else []
         if reply.calls:
             chunk = self.chunk(None, None)
             chunk["choices"][0]["delta"] = {"tool_calls": [c.as_json(i) for i, c in enumerate(reply.calls)]}
             chunks.append(chunk)
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return [*chunks, self.chunk(None, finish_reason)]
 
     def choice(self, text: str, finish_reason: str, tokens: Sequence[Delta] = ()) -> dict[str, Any]:
@@ -475,11 +479,10 @@ class _Shape:
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.tools is not None:
-                reply = self.tools.parse(text)
+                reply, finish_reason = self._tool_reply(text, finish_reason)
                 message["content"] = reply.content
                 if reply.calls:
                     message["tool_calls"] = [c.as_json() for c in reply.calls]
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 

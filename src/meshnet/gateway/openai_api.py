@@ -105,9 +105,9 @@ class _GenerationParams(_Strict):
         schema = self._response_schema()
         if schema is None:
             return "", ""
-        if not schema:
+        if (self.response_format or {}).get("type") == "json_object":
             return JSON_OBJECT_GRAMMAR, "response_format"
-        return json_schema_grammar(schema, param="response_format"), "response_format"
+        return json_schema_grammar(schema, param="response_format"), "response_format"  # {}: any JSON value
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
