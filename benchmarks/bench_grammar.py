@@ -16,7 +16,7 @@ import tempfile
 
 from benchmarks.bench_serve import stream_text
 from benchmarks.bench_speculative import two_gateway_swarm
-from benchmarks.common import Section, median
+from benchmarks.common import Section, decode_rate, median
 
 CORES = os.cpu_count() or 2
 TOKENS = 96
@@ -32,10 +32,6 @@ MODES = {
     "json_object": {"response_format": {"type": "json_object"}},
     "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "facts", "schema": SCHEMA}}},
 }
-
-
-def _rate(tokens: int, times: list[float]) -> float:
-    return (tokens - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
 
 
 def run() -> Section:
@@ -55,7 +51,7 @@ def run() -> Section:
         for _ in range(ROUNDS):
             for mode, extra in MODES.items():
                 text, times, final = stream_text(url, model, PROMPT, TOKENS, extra=extra)
-                rates.setdefault(mode, []).append(_rate(final["completion_tokens"], times))
+                rates.setdefault(mode, []).append(decode_rate(final["completion_tokens"], times))
                 texts[mode] = text
     free = median(rates["free text"])
     section.add("free text: decode", f"{free:.1f} tok/s")

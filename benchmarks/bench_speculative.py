@@ -19,7 +19,7 @@ import httpx
 from tests.procs import meshnet_process
 
 from benchmarks.bench_serve import DECODE_PROMPT, stream_text
-from benchmarks.common import Section, median
+from benchmarks.common import Section, decode_rate, median
 
 CORES = os.cpu_count() or 2
 TOKENS = 96
@@ -32,10 +32,6 @@ PASSAGE = (
     "crosses each seam while the model decodes, and nothing is ever computed twice."
 )
 COPY_PROMPT = f"Text: {PASSAGE}\nThe same text, copied word for word: {PASSAGE[:40]}"
-
-
-def _rate(tokens: int, times: list[float]) -> float:
-    return (tokens - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
 
 
 def two_gateway_swarm(
@@ -79,7 +75,7 @@ def run() -> Section:
             for kind, prompt in (("copy", COPY_PROMPT), ("story", DECODE_PROMPT)):
                 for mode, url in gateways.items():
                     text, times, final = stream_text(url, model, prompt, TOKENS)
-                    rates.setdefault((kind, mode), []).append(_rate(final["completion_tokens"], times))
+                    rates.setdefault((kind, mode), []).append(decode_rate(final["completion_tokens"], times))
                     texts.setdefault((kind, mode), set()).add(text)
                     if mode == "ngram":
                         s = final["speculation"]

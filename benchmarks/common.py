@@ -78,3 +78,8 @@ def timed_decode(chain: Any, sid: Any, prompt: list[int], steps: int) -> tuple[f
         logits = decode_chain(chain, sid, position, int(np.argmax(logits)))
         position += 1
     return steps / (time.perf_counter() - started), logits, position
+
+
+def decode_rate(tokens: int, times: list[float]) -> float:
+    """Decode tokens/s of a stream: (tokens - 1) over the time from its first text chunk to its last."""
+    return (tokens - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0

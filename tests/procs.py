@@ -48,6 +48,14 @@ def stop(popen: subprocess.Popen[str], timeout_s: float = 15.0) -> None:
 
 
 @contextlib.contextmanager
+def local_swarm(workdir: Path, *extra: str) -> Iterator[Proc]:
+    """``meshnet up``: tracker + 3 llama.cpp nodes + gateway on a free port (``extra``: more flags)."""
+    with meshnet_process(["up", "--port", "0", "--nodes", "3", "--workdir", str(workdir), *extra],
+                         ready_timeout_s=300) as proc:  # fmt: skip
+        yield proc
+
+
+@contextlib.contextmanager
 def meshnet_process(args: Sequence[str], *, ready_timeout_s: float = 180.0) -> Iterator[Proc]:
     """Run ``meshnet ARGS`` until it prints ``listening on URL``; always stop it afterwards."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.browser.chromium import chromium, console_errors
-from tests.procs import Proc, meshnet_process
+from tests.procs import Proc, local_swarm
 
 if TYPE_CHECKING:
     from selenium.webdriver.chrome.webdriver import WebDriver
@@ -62,7 +62,7 @@ def browser() -> Iterator[WebDriver]:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     workdir = tmp_path_factory.mktemp("dashboard-swarm")
-    with meshnet_process(["up", "--port", "0", "--nodes", "3", "--workdir", str(workdir)], ready_timeout_s=300) as proc:
+    with local_swarm(workdir) as proc:
         yield proc
 
 
@@ -145,10 +145,7 @@ def test_with_api_keys_the_page_asks_for_a_key_and_then_works(tmp_path: Path) ->
     workdir = tmp_path / "swarm"
     with (
         chromium() as page,
-        meshnet_process(
-            ["up", "--port", "0", "--nodes", "3", "--workdir", str(workdir), "--api-keys", str(keys)],
-            ready_timeout_s=300,
-        ) as swarm,
+        local_swarm(workdir, "--api-keys", str(keys)) as swarm,
     ):
         refused = httpx.get(f"{swarm.url}/v1/models", timeout=30)
         assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"

@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.procs import Proc, meshnet_process
+from tests.procs import Proc, local_swarm, meshnet_process
 
 # Small context keeps the KV allocation (and CI memory) low; 2 threads = this machine's cores.
 SERVE_ARGS = ["serve", "--port", "0", "--threads", "2", "--ctx", "2048"]
@@ -20,7 +20,7 @@ def server() -> Iterator[Proc]:
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     """``meshnet up``: tracker + 3 llama.cpp nodes + gateway, shared by the modules that only send requests."""
     workdir = tmp_path_factory.mktemp("swarm")
-    with meshnet_process(["up", "--port", "0", "--nodes", "3", "--workdir", str(workdir)], ready_timeout_s=300) as proc:
+    with local_swarm(workdir) as proc:
         yield proc
 
 
