@@ -1,5 +1,8 @@
 """The networked route (`meshnet up`, 3 llama.cpp node processes) vs `meshnet serve`, over HTTP.
 
+A second gateway on the same nodes sends decode steps as HTTP requests per hop
+(``--decode-channel off``): the per-hop overhead of both is measured against the nodes' own compute.
+
 Both run on this machine at once but are measured one after the other (idle llama.cpp threads
 sleep), alternating rounds so drift hits both. Decode tok/s is measured the same way as in
 bench_serve: (chunks - 1) / (last chunk - first chunk) of a greedy stream.
@@ -9,13 +12,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import tempfile
+import time
 
 import httpx
-from tests.procs import meshnet_process
+from tests.procs import Proc, meshnet_process
 
 from benchmarks.bench_serve import DECODE_PROMPT, _rate, _stream
-from benchmarks.common import Section, median
+from benchmarks.common import Section, median, route_compute_ms
 
 CORES = os.cpu_count() or 2
 CTX = 4096
@@ -44,6 +49,12 @@ def _decode_steps_bytes(url: str, model: str, nodes: list[str], context: int) ->
     return [(a - b - prefill) / steps for a, b in zip(after[:-1], before[:-1], strict=True)]
 
 
+def _tracker(swarm: Proc) -> str:
+    match = re.search(r"meshnet: tracker (http://\S+?);", swarm.output())
+    assert match, "meshnet up printed no tracker URL"
+    return match.group(1)
+
+
 def _concurrent_rate(url: str, model: str, sessions: int) -> float:
     def one(i: int) -> tuple[int, float, float]:
         times, _ = _stream(url, model, f"{DECODE_PROMPT} ({i})", DECODE_TOKENS)
@@ -56,6 +67,14 @@ def _concurrent_rate(url: str, model: str, sessions: int) -> float:
     return tokens / span
 
 
+def _overhead_ms(url: str, model: str, hops: int) -> tuple[float, float]:
+    """(ms per decoded token, per-hop overhead in ms = (step - the hops' own compute) ÷ hops)."""
+    gid = f"overhead-{time.time_ns()}"
+    times, _ = _stream(url, model, DECODE_PROMPT, DECODE_TOKENS, gid)
+    step = 1000 / _rate(times)
+    return step, (step - route_compute_ms(url, gid)) / hops
+
+
 def run() -> Section:
     threads_per_node = max(1, CORES // 3)
     section = Section(
@@ -65,13 +84,34 @@ def run() -> Section:
     )
     with tempfile.TemporaryDirectory() as tmp:
         serve_args = ["serve", "--port", "0", "--threads", str(CORES), "--ctx", str(CTX)]
-        up_args = ["up", "--port", "0", "--nodes", "3", "--ctx", str(CTX), "--workdir", tmp]
-        with meshnet_process(serve_args) as serve, meshnet_process(up_args, ready_timeout_s=300) as swarm:
+        # plain decoding (drafts would change the bytes and the work per step); the decode channel is the default
+        up_args = ["up", "--port", "0", "--nodes", "3", "--ctx", str(CTX), "--workdir", tmp, "--speculative", "off"]
+        with (
+            meshnet_process(serve_args) as serve,
+            meshnet_process(up_args, ready_timeout_s=300) as swarm,
+            meshnet_process(
+                [
+                    "gateway",
+                    "--tracker",
+                    _tracker(swarm),
+                    "--port",
+                    "0",
+                    "--speculative",
+                    "off",
+                    "--decode-channel",
+                    "off",
+                ]
+            ) as http_gateway,  # fmt: skip
+        ):
             model = httpx.get(f"{serve.url}/v1/models", timeout=10).json()["data"][0]["id"]
             view = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]
             nodes = [n["url"] for n in sorted(view, key=lambda n: int(n["layers"].split(":")[0]))]
-            for url in (serve.url, swarm.url):
+            for url in (serve.url, swarm.url, http_gateway.url):
                 _stream(url, model, "warm up", 8)
+            overhead: dict[str, list[tuple[float, float]]] = {"channel": [], "http": []}
+            for _ in range(ROUNDS):
+                overhead["channel"].append(_overhead_ms(swarm.url, model, 3))
+                overhead["http"].append(_overhead_ms(http_gateway.url, model, 3))
             decode: dict[str, list[float]] = {"serve": [], "route": []}
             prefill: dict[str, list[float]] = {"serve": [], "route": []}
             for _ in range(ROUNDS):
@@ -90,6 +130,12 @@ def run() -> Section:
     section.add("serve decode", f"{median(decode['serve']):.1f} tok/s")
     section.add("route decode", f"{median(decode['route']):.1f} tok/s")
     section.add("route ÷ serve decode", f"{d_ratio:.3f}", "≥ 0.85", d_ratio >= 0.85)
+    step = {k: median([s for s, _ in v]) for k, v in overhead.items()}
+    per_hop = {k: median([h for _, h in v]) for k, v in overhead.items()}
+    section.add("route step, HTTP per hop (--decode-channel off)", f"{step['http']:.2f} ms")
+    section.add("route step, decode channel", f"{step['channel']:.2f} ms")
+    section.add("per-hop overhead, HTTP per hop", f"{per_hop['http']:.2f} ms")
+    section.add("per-hop overhead, decode channel", f"{per_hop['channel']:.2f} ms", "≤ 0.5", per_hop["channel"] <= 0.5)
     section.add(f"serve prefill ({long_tokens}-token prompt)", f"{median(prefill['serve']):.1f} tok/s")
     section.add("route prefill (pipelined 128-token chunks)", f"{median(prefill['route']):.1f} tok/s")
     section.add("route ÷ serve prefill", f"{p_ratio:.3f}", "≥ 0.9", p_ratio >= 0.9)
@@ -102,6 +148,10 @@ def run() -> Section:
     section.add("1 session decode (route)", f"{one:.1f} tok/s")
     section.add("4 concurrent sessions, aggregate decode (route)", f"{four:.1f} tok/s")
     section.add("aggregate ÷ one session", f"{four / one:.2f}", "≥ 1.5", four / one >= 1.5)
+    section.notes.append(
+        "Per-hop overhead = (ms per decoded token - the route's own compute per token, summed over its hops "
+        "from the route.health telemetry) ÷ 3 hops; both gateways run on the same nodes, one after the other."
+    )
     section.notes.append(
         "Seam bytes: activation body bytes each node sent onward per decode step (its Prometheus counter); "
         "the tail sends none. Each hop request also carries ~300 bytes of HTTP headers."

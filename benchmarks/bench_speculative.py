@@ -13,7 +13,8 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import httpx
 from tests.procs import meshnet_process
@@ -35,10 +36,14 @@ COPY_PROMPT = f"Text: {PASSAGE}\nThe same text, copied word for word: {PASSAGE[:
 
 
 def two_gateway_swarm(
-    stack: contextlib.ExitStack, tmp: str, node_args: Sequence[list[str]]
+    stack: contextlib.ExitStack,
+    tmp: str,
+    node_args: Sequence[list[str]],
+    gateways: Mapping[str, Sequence[str]] = MappingProxyType({m: ("--speculative", m) for m in ("off", "ngram")}),
 ) -> tuple[dict[str, str], str]:
-    """A tracker, one node per ``node_args`` and two gateways on them, ``--speculative off`` and
-    ``ngram``; returns the gateways' URLs by mode and the model id."""
+    """A tracker, one node per ``node_args`` and one gateway per entry of ``gateways`` (name: its
+    flags; by default ``--speculative off`` and ``ngram``); returns the gateways' URLs by name and the
+    model id."""
     tracker = stack.enter_context(meshnet_process(["tracker", "--port", "0", "--db", f"sqlite:///{tmp}/t.db"]))
     for args in node_args:
         stack.enter_context(meshnet_process(["node", *args, "--tracker", tracker.url], ready_timeout_s=120))
@@ -46,14 +51,12 @@ def two_gateway_swarm(
     while len(httpx.get(f"{tracker.url}/v1/nodes", timeout=10).json()["nodes"]) < len(node_args):
         assert time.monotonic() < deadline, "nodes never registered"
         time.sleep(0.2)
-    gateways = {
-        mode: stack.enter_context(
-            meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--speculative", mode])
-        ).url
-        for mode in ("off", "ngram")
+    urls = {
+        name: stack.enter_context(meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", *flags])).url
+        for name, flags in gateways.items()
     }
-    model = httpx.get(f"{gateways['off']}/v1/models", timeout=10).json()["data"][0]["id"]
-    return gateways, model
+    model = httpx.get(f"{next(iter(urls.values()))}/v1/models", timeout=10).json()["data"][0]["id"]
+    return urls, model
 
 
 def run() -> Section:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -11,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,3 +86,14 @@ def timed_decode(chain: Any, sid: Any, prompt: list[int], steps: int) -> tuple[f
 def decode_rate(tokens: int, times: list[float]) -> float:
     """Decode tokens/s of a stream: (tokens - 1) over the time from its first text chunk to its last."""
     return (tokens - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+
+
+def route_compute_ms(url: str, gid: str) -> float:
+    """A generation's compute per decoded token, summed over its route's hops (its route.health event)."""
+    body = httpx.get(f"{url}/v1/generations/{gid}/events", timeout=30).text
+    for line in body.splitlines():
+        if line.startswith("data: "):
+            event = json.loads(line[6:])
+            if event["type"] == "route.health" and event["status"] == "ok":
+                return float(sum(h["compute_ms_per_token"] for h in event["hops"]))
+    raise RuntimeError(f"generation {gid} reported no route health")

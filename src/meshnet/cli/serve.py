@@ -160,6 +160,9 @@ def serve_app(app: Any, sock: socket.socket) -> None:
         timeout_graceful_shutdown=5,
         # a session's first hop request carries its grammar in a header (sampling.MAX_GRAMMAR_BYTES)
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        # the decode channel (nodes): websockets' sans-I/O protocol, no compression (tensors do not compress)
+        ws="websockets-sansio",
+        ws_per_message_deflate=False,
     )
     server = uvicorn.Server(config)
     try:

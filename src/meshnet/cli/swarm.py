@@ -136,6 +136,13 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-tokens", type=int, default=12, help="most tokens drafted per step (default 12; nodes may allow fewer)"
     )
+    parser.add_argument(
+        "--decode-channel",
+        choices=("on", "off"),
+        default="on",
+        help="send decode steps over kept-open WebSockets, the tail's token straight back to the gateway "
+        "(default on; off: one HTTP request per hop, answers back through every hop)",
+    )
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -340,6 +347,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         timeout_s=args.hop_timeout,
         speculative=args.speculative,
         draft_tokens=args.draft_tokens,
+        decode_channel=args.decode_channel == "on",
         outbox=BillingOutbox(args.tracker, spool_dir=args.billing_spool),
     )
     if engine.outbox.recovered:

@@ -192,6 +192,7 @@ def run_up(args: argparse.Namespace) -> int:
             "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),
             "--host", args.host, "--ctx", str(args.ctx),
             "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens),
+            "--decode-channel", args.decode_channel,
             *(["--chat-template-file", str(args.chat_template_file)] if args.chat_template_file else []),
             *(["--api-keys", str(args.api_keys)] if args.api_keys else []),
             *(["--no-auth"] if args.no_auth else []),

@@ -54,6 +54,7 @@ from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteC
 from meshnet.backends.grammar import TokenGrammar
 from meshnet.errors import BadGateway, EngineError, HopFailed, InvalidRequest, MeshnetError, Overloaded
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
+from meshnet.gateway.channels import Channels
 from meshnet.gateway.speculative import SPECULATIVE_MODES, PromptLookup, WalkCosts
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
@@ -95,6 +96,9 @@ class _Run:
     retries: int = 0
     failed_nodes: set[str] = dataclasses.field(default_factory=set)
     streamed: bool = False  # a token went out: any new route must compute exactly what this one did
+    # a verify chunk over the decode channel left rejected drafts on the hops before the tail: the
+    # next step tells them to drop them (X-Meshnet-Rewind)
+    surplus: bool = False
 
     def add(self, tokens: Sequence[int]) -> None:
         """``tokens`` become the route's next chunk (a prompt chunk, or one decode step)."""
@@ -115,6 +119,7 @@ class RouteEngine:
         outbox: BillingOutbox | None = None,
         speculative: str = "ngram",
         draft_tokens: int = 12,
+        decode_channel: bool = True,
     ) -> None:
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
@@ -135,6 +140,7 @@ class RouteEngine:
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
         self._local = threading.local()
         self.outbox = outbox if outbox is not None else BillingOutbox(self.tracker_url)
+        self.channels = Channels() if decode_channel else None
 
     # -- tokenizer ---------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
@@ -297,23 +303,58 @@ class RouteEngine:
         frame = encode_tensor(np.asarray([chunk], dtype=np.int32), "int32")
         headers = {**self._base(run.plan), H.POSITION: str(position), H.SHAPE: format_shape(frame.shape)}
         headers[H.DTYPE] = "int32"
-        path = f"/v1/sessions/{run.plan.session_id}/decode-step"
+        verb = "decode-step"
         if drafts:
             headers[H.DRAFT] = ",".join(map(str, drafts))
-            path = f"/v1/sessions/{run.plan.session_id}/verify"
+            verb = "verify"
+        if run.surplus:
+            headers[H.REWIND] = "1"
+            run.surplus = False
         began = time.monotonic()
         try:
-            answer = self._post(run.plan.hops[0].url, path, frame.body, headers, below=len(run.plan.hops))
+            if self.channels is not None:
+                answer = self._channel_step(run, verb, headers, frame.body)
+            else:
+                path = f"/v1/sessions/{run.plan.session_id}/{verb}"
+                answer = self._post(run.plan.hops[0].url, path, frame.body, headers, below=len(run.plan.hops))
             self._check_tokens(answer, run.plan)
         except HopFailed as exc:
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
             return (yield from self._recover(run, tokens, exc, cancel))
         self._walk_costs(run.plan).observe(len(chunk), _since(began))
         kept = _kept(answer, position, len(chunk))
-        run.ledger.rewind(kept)
-        verify_hops(run.ledger, run.plan.hops, answer["hops"])
+        if self.channels is not None:  # every entry describes the whole chunk: the hops drop drafts lazily
+            verify_hops(run.ledger, run.plan.hops, answer["hops"])
+            run.ledger.rewind(kept)
+            run.surplus = kept < position + len(chunk)
+        else:
+            run.ledger.rewind(kept)
+            verify_hops(run.ledger, run.plan.hops, answer["hops"])
         run.usage.add(run.plan.hops, decode=kept - position)
         return answer
+
+    def _channel_step(self, run: _Run, verb: str, headers: dict[str, str], body: bytes) -> dict[str, Any]:
+        """One step over the decode channel: the head gets it, the tail's answer comes straight back."""
+        assert self.channels is not None
+        plan = run.plan
+        sid = plan.session_id
+
+        def probe(url: str, seq: int) -> bool | None:
+            try:
+                response = self._client().get(f"{url}/v1/sessions/{sid}", timeout=5.0)
+                return bool(response.status_code == 200 and response.json().get("seq") == seq)
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return None
+
+        return self.channels.step(
+            [h.url for h in plan.hops],
+            sid,
+            verb=verb,
+            headers=headers,
+            body=body,
+            timeout_s=hop_timeout_s(self.timeout_s, len(plan.hops)),
+            probe=probe,
+        )
 
     def _recover(
         self, run: _Run, tokens: list[int], error: HopFailed, cancel: threading.Event
@@ -517,6 +558,8 @@ class RouteEngine:
 
     def close(self) -> None:
         self.outbox.close()
+        if self.channels is not None:
+            self.channels.close()
         client = getattr(self._local, "client", None)
         if client is not None:
             client.close()

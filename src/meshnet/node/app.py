@@ -46,9 +46,11 @@ from typing import Any
 import httpx
 import numpy as np
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
 
 from meshnet.backends.shard import ShardBackend, ShardOutput, compute_chunks, verify_chunk
 from meshnet.errors import (
@@ -64,6 +66,7 @@ from meshnet.errors import (
 )
 from meshnet.httputil import EXCEPTION_HANDLERS, check_declared_length, error_field, error_message, read_body
 from meshnet.ids import SessionId
+from meshnet.node import channel
 from meshnet.node.advert import (
     LatencyProber,
     SelfBenchmark,
@@ -72,8 +75,10 @@ from meshnet.node.advert import (
     benchmark_in_background,
     host_hardware,
 )
+from meshnet.node.channel import Direct
 from meshnet.node.metrics import NodeMetrics
 from meshnet.protocol import headers as H
+from meshnet.protocol.channel import CHANNEL_PATH, Kind, encode_frame
 from meshnet.protocol.ledger import ChunkLedger, format_chunks, pack_chunks, parse_chunks
 from meshnet.protocol.wire import (
     TensorFrame,
@@ -132,6 +137,7 @@ class _Route:
     # on the tokens generated so far (presence/frequency penalties, a grammar); the tail keeps them by position.
     carry_ids: bool = False
     ids_seen: list[int] = field(default_factory=list)
+    seq: int | None = None  # the newest decode-channel step this node computed for the session
 
 
 class _Node:
@@ -145,10 +151,12 @@ class _Node:
         self.client: httpx.AsyncClient | None = None
         self.traffic = Traffic()  # queue depth and measured speed, for the tracker (node.advert)
         self.log_bytes = 0  # all sessions' seam logs together
+        self.peers: dict[str, channel.Peer] = {}  # accepted decode channels by return id
+        self.dialer = channel.Dialer(config.max_body_bytes)  # decode channels to next hops
 
     # -- request plumbing ----------------------------------------------------------------------
-    def check_model(self, request: Request) -> None:
-        model = request.headers.get(H.MODEL)
+    def check_model(self, headers: Headers) -> None:
+        model = headers.get(H.MODEL)
         if model is not None and model != self.info.model_id:
             raise Conflict(f"this node serves model {self.info.model_id!r}, the request is for {model!r}")
 
@@ -160,9 +168,9 @@ class _Node:
         """The body, refused past the limit as it streams in too (a chunked upload declares no length)."""
         return await read_body(request, self.config.max_body_bytes, "this node")
 
-    def session_route(self, sid: SessionId, request: Request, *, start: int) -> _Route:
+    def session_route(self, sid: SessionId, headers: Headers, *, start: int) -> _Route:
         route = self.routes.get(sid)
-        route_id = request.headers.get(H.ROUTE_ID)
+        route_id = headers.get(H.ROUTE_ID)
         if route is None:
             if start != 0:
                 # A session that is past position 0 existed once: this node lost it.
@@ -173,9 +181,9 @@ class _Node:
             if not route_id:
                 raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
             sends = not self.info.layers.is_tail
-            params = self._params(request)
+            params = self._params(headers)
             sampler = self._sampler(params) if self.info.layers.is_tail else None
-            hops = self.next_hops(request)
+            hops = self.next_hops(headers)
             route = _Route(route_id, hops, sampler, ChunkLedger(sends), carry_ids=params.needs_history)
             if self.info.layers.is_tail or self.config.seam_log_bytes <= 0:
                 route.log = None
@@ -185,11 +193,12 @@ class _Node:
         if route_id is not None and route_id != route.route_id:
             raise Conflict(f"session {sid} is pinned to route {route.route_id}, not {route_id}")
         if route.broken:
-            raise SessionBroken(f"session {sid} is broken on this node: {route.broken}", failed_hop=route.broken_hop)
+            raise SessionBroken(f"session {sid} is broken on this node: {route.broken}",
+                                failed_hop=route.broken_hop)  # fmt: skip
         return route
 
-    def next_hops(self, request: Request) -> tuple[str, ...]:
-        raw = request.headers.get(H.NEXT_HOPS, "")
+    def next_hops(self, headers: Headers) -> tuple[str, ...]:
+        raw = headers.get(H.NEXT_HOPS, "")
         hops = tuple(h.strip().rstrip("/") for h in raw.split(",") if h.strip())
         if self.info.layers.is_tail and hops:
             raise InvalidRequest("the tail node has no next hop; drop the X-Meshnet-Next-Hops header")
@@ -201,21 +210,21 @@ class _Node:
         """The tail's sampler, with the session's grammar compiled against this shard's vocabulary."""
         return Sampler(params, self.shard.grammar(params.grammar) if params.grammar else None)
 
-    def _params(self, request: Request) -> SamplingParams:
+    def _params(self, headers: Headers) -> SamplingParams:
         """The session's sampling parameters: the tail samples with them; every hop reads whether
         the token ids must travel to the tail (penalties, grammar)."""
-        raw = request.headers.get(H.SAMPLING)
+        raw = headers.get(H.SAMPLING)
         try:
             return SamplingParams(**json.loads(raw)) if raw else SamplingParams(temperature=0.0)
         except (ValueError, TypeError) as exc:
             raise InvalidRequest(f"{H.SAMPLING} must be JSON sampling parameters: {exc}") from None
 
-    def inputs(self, request: Request, body: bytes, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def inputs(self, headers: Headers, body: bytes, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Decode the body into (tokens, hidden) for this shard, checking the seam shape; past the
         head, the token ids come first in the body when ``X-Meshnet-Token-Ids`` says so."""
         ids: np.ndarray | None = None
-        if request.headers.get(H.TOKEN_IDS) is not None:
-            ids, body = self._token_ids(request.headers[H.TOKEN_IDS], body, n)
+        if headers.get(H.TOKEN_IDS) is not None:
+            ids, body = self._token_ids(headers[H.TOKEN_IDS], body, n)
         elif not self.info.layers.is_head and self.info.seam.carries_token_ids:
             raise SeamMismatch(
                 f"this model's layers read the token ids at every hop: send the chunk's {n} int32 ids first in the "
@@ -223,8 +232,8 @@ class _Node:
             )
         data = decode_tensor(
             body,
-            request.headers.get(H.SHAPE),
-            request.headers.get(H.DTYPE),
+            headers.get(H.SHAPE),
+            headers.get(H.DTYPE),
             max_bytes=self.config.max_body_bytes,
         )
         if self.info.layers.is_head:
@@ -236,9 +245,9 @@ class _Node:
             raise SeamMismatch(f"this node takes activations of shape {format_shape(want)}, got {list(data.shape)}")
         return ids, data.reshape(want[1:])
 
-    def drafts(self, request: Request) -> tuple[int, ...]:
+    def drafts(self, headers: Headers) -> tuple[int, ...]:
         """The drafted token ids of a verify chunk (``X-Meshnet-Draft``), within this shard's limit."""
-        raw = request.headers.get(H.DRAFT, "")
+        raw = headers.get(H.DRAFT, "")
         parts = [p.strip() for p in raw.split(",")] if raw.strip() else []
         if not parts or not all(p.isascii() and p.isdigit() for p in parts):
             raise InvalidRequest(f"header {H.DRAFT} must list the drafted token ids, comma-separated, got {raw!r}")
@@ -358,19 +367,8 @@ class _Node:
         assert self.client is not None
         nxt = route.next_hops[0]
         url = f"{nxt}/v1/sessions/{sid}/{path}"
-        send = {
-            **headers,
-            H.MODEL: self.info.model_id,
-            H.ROUTE_ID: route.route_id,
-            H.SHAPE: format_shape(frame.shape),
-            H.DTYPE: frame.dtype,
-            "Content-Type": "application/octet-stream",
-        }
-        body = frame.body
-        if ids is not None:
-            send[H.TOKEN_IDS] = str(len(ids) // 4)
-            body = ids + body
-        self.metrics.seam_bytes.inc(len(body))
+        send, body = self.onward(route, frame, headers, ids)
+        send["Content-Type"] = "application/octet-stream"
         timeout = httpx.Timeout(hop_timeout_s(self.config.hop_timeout_s, len(route.next_hops)), connect=5.0)
         try:
             response = await self.client.post(url, content=body, headers=send, timeout=timeout)
@@ -386,6 +384,64 @@ class _Node:
             return dict(response.json())
         except ValueError:
             raise HopFailed(f"next hop {nxt} sent an answer that is not JSON", failed_hop=nxt) from None
+
+    def onward(
+        self, route: _Route, frame: TensorFrame, headers: dict[str, str], ids: bytes | None
+    ) -> tuple[dict[str, str], bytes]:
+        """The headers and body that carry ``frame`` (after the chunk's token ids, ``ids``) to the next hop."""
+        send = {
+            **headers,
+            H.MODEL: self.info.model_id,
+            H.ROUTE_ID: route.route_id,
+            H.SHAPE: format_shape(frame.shape),
+            H.DTYPE: frame.dtype,
+        }
+        body = frame.body
+        if ids is not None:
+            send[H.TOKEN_IDS] = str(len(ids) // 4)
+            body = ids + body
+        self.metrics.seam_bytes.inc(len(body))
+        return send, body
+
+    async def send_step(
+        self,
+        sid: SessionId,
+        route: _Route,
+        verb: str,
+        frame: TensorFrame,
+        headers: dict[str, str],
+        *,
+        ids: bytes | None,
+        direct: Direct,
+    ) -> None:
+        """Pass a decode-channel step on to the next hop over its channel, without waiting for anything."""
+        send, body = self.onward(route, frame, headers, ids)
+        header = {
+            "session": sid,
+            "seq": direct.seq,
+            "verb": verb,
+            "headers": send,
+            "returns": list(direct.returns),
+            "hops": list(direct.hops),
+        }
+        timeout = hop_timeout_s(self.config.hop_timeout_s, len(route.next_hops))
+        await self.dialer.send(route.next_hops[0], encode_frame(Kind.STEP, header, body), timeout)
+
+    def session_state(self, sid: SessionId) -> dict[str, Any]:
+        """``GET /v1/sessions/{id}``: what this node holds of a session (a gateway asks it to find
+        where a decode-channel step stopped)."""
+        route = self.routes.get(sid)
+        if route is None:
+            self.shard.store.get(sid)  # 404/410 with the reason
+            raise SessionNotFound(f"no session {sid} on this node")
+        return {
+            "session": sid,
+            "node": self.config.node_id,
+            "position": self.shard.store.get(sid).position,
+            "seq": route.seq,
+            "broken": route.broken,
+            **route.ledger.describe(),
+        }
 
     # -- the seam log (route repair) -------------------------------------------------------------
     def log_frame(self, route: _Route, start: int, frame: TensorFrame, ids: bytes | None = None) -> None:
@@ -556,27 +612,45 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
             bench.stop()
             if benching:
                 await asyncio.wait(benching, timeout=10.0)  # it stops between steps; never close the shard under it
+            await node.dialer.close()
             await node.client.aclose()
             shard.close()
 
     async def prefill(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
-        node.check_model(request)
+        headers = request.headers
+        node.check_model(headers)
         node.check_length(request)
-        start, stop = parse_range(request.headers.get(H.TOKEN_RANGE))
-        tokens, hidden = node.inputs(request, await node.body(request), stop - start)
-        sizes = parse_chunks(request.headers.get(H.CHUNKS), stop - start)
-        final = request.headers.get(H.SAMPLE) == "1"
-        return await _handle(node, sid, request, start=start, tokens=tokens, hidden=hidden, final=final, sizes=sizes)
+        start, stop = parse_range(headers.get(H.TOKEN_RANGE))
+        tokens, hidden = node.inputs(headers, await node.body(request), stop - start)
+        sizes = parse_chunks(headers.get(H.CHUNKS), stop - start)
+        final = headers.get(H.SAMPLE) == "1"
+        answer, status = await _handle(
+            node, sid, headers, start=start, tokens=tokens, hidden=hidden, final=final, sizes=sizes
+        )
+        return JSONResponse(answer, status_code=status)
 
     async def decode_step(request: Request) -> Response:
-        return await _step(node, request, verify=False)
+        return await _http_step(node, request, verify=False)
 
     async def verify(request: Request) -> Response:
-        return await _step(node, request, verify=True)
+        return await _http_step(node, request, verify=True)
 
     async def reroute(request: Request) -> Response:
         return await _reroute(node, request)
+
+    async def session(request: Request) -> Response:
+        return JSONResponse(node.session_state(SessionId(request.path_params["session_id"])))
+
+    async def on_step(
+        sid: SessionId, headers: Headers, body: bytes, verify: bool, direct: Direct
+    ) -> dict[str, Any] | None:
+        return (await step(node, sid, headers, body, verify=verify, direct=direct))[0]
+
+    async def decode_channel(websocket: WebSocket) -> None:
+        await channel.serve(
+            websocket, node_id=config.node_id, peers=node.peers, max_body_bytes=config.max_body_bytes, on_step=on_step
+        )
 
     async def delete_session(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
@@ -621,6 +695,8 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
         Route("/v1/sessions/{session_id}/verify", verify, methods=["POST"]),
         Route("/v1/sessions/{session_id}/reroute", reroute, methods=["POST"]),
         Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
+        Route("/v1/sessions/{session_id}", session, methods=["GET"]),
+        WebSocketRoute(CHANNEL_PATH, decode_channel),
         Route("/v1/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
@@ -631,25 +707,35 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
     )
 
 
-async def _step(node: _Node, request: Request, *, verify: bool) -> Response:
-    """``decode-step``: one position; ``verify``: the step's position and its drafts (``X-Meshnet-Draft``)."""
+async def _http_step(node: _Node, request: Request, *, verify: bool) -> Response:
+    """``POST .../decode-step`` and ``.../verify``: the answer travels back up the chain."""
     sid = SessionId(request.path_params["session_id"])
-    node.check_model(request)
     node.check_length(request)
-    position = _position(request)
-    drafts = node.drafts(request) if verify else None
+    answer, status = await step(node, sid, request.headers, await node.body(request), verify=verify)
+    assert answer is not None
+    return JSONResponse(answer, status_code=status)
+
+
+async def step(
+    node: _Node, sid: SessionId, headers: Headers, body: bytes, *, verify: bool, direct: Direct | None = None
+) -> tuple[dict[str, Any] | None, int]:
+    """``decode-step``: one position; ``verify``: the step's position and its drafts (``X-Meshnet-Draft``).
+    ``direct``: the step came over the decode channel (``node.channel``)."""
+    node.check_model(headers)
+    position = _position(headers)
+    drafts = node.drafts(headers) if verify else None
     n = 1 + len(drafts or ())
-    tokens, hidden = node.inputs(request, await node.body(request), n)
+    tokens, hidden = node.inputs(headers, body, n)
     return await _handle(
-        node, sid, request, start=position, tokens=tokens, hidden=hidden, final=True, sizes=(1,) * n, decode=True,
-        drafts=drafts,
+        node, sid, headers, start=position, tokens=tokens, hidden=hidden, final=True, sizes=(1,) * n, decode=True,
+        drafts=drafts, direct=direct,
     )  # fmt: skip
 
 
 async def _handle(
     node: _Node,
     sid: SessionId,
-    request: Request,
+    headers: Headers,
     *,
     start: int,
     tokens: np.ndarray | None,
@@ -658,10 +744,16 @@ async def _handle(
     sizes: tuple[int, ...],
     decode: bool = False,
     drafts: tuple[int, ...] | None = None,
-) -> Response:
-    route = node.session_route(sid, request, start=start)
-    replay = _replay_hops(request, verify=drafts is not None)
-    rewind = request.headers.get(H.REWIND) == "1"
+    direct: Direct | None = None,
+) -> tuple[dict[str, Any] | None, int]:
+    """Compute a request's positions and pass them on; the answer and its HTTP status. A ``direct``
+    step goes on over the decode channel and answers nothing here (``None``) but on the tail, whose
+    answer goes straight to the gateway with every hop's entry."""
+    route = node.session_route(sid, headers, start=start)
+    replay = _replay_hops(headers, verify=drafts is not None)
+    if direct is not None and replay:
+        raise InvalidRequest(f"a decode-channel step is never replayed: drop {H.REPLAY}")
+    rewind = headers.get(H.REWIND) == "1"
     if route.busy:
         raise SessionBusy(f"session {sid} already has a request in flight on this node; send one at a time")
     route.busy = True
@@ -679,46 +771,101 @@ async def _handle(
         if out_hidden is not None:
             frame = encode_tensor(out_hidden.reshape(1, *out_hidden.shape), node.config.wire_dtype)
         node.record(route, sizes, tokens, hidden, frame)
+        if direct is not None:
+            route.seq = direct.seq
         me = node.describe(route, compute_ms, positions=n)
         if node.info.layers.is_tail:
             if replay:
-                return JSONResponse({"replayed": n, "hops": [me]})
+                return {"replayed": n, "hops": [me]}, 200
             if not final:
-                return JSONResponse({"accepted": n, "hops": [me]}, status_code=202)
+                return {"accepted": n, "hops": [me]}, 202
             assert logits is not None
-            return JSONResponse(await _sampled(node, sid, route, start=start, n=n, logits=logits, drafts=drafts, me=me))
+            answer = await _sampled(
+                node, sid, route, start=start, n=n, logits=logits, drafts=drafts, me=me, direct=direct is not None
+            )
+            if direct is not None:
+                answer["hops"] = [*direct.hops, *answer["hops"]]
+            return answer, 200
         assert frame is not None
-        ids = node.ids_onward(route, tokens)
-        node.log_frame(route, start, frame, ids)
-        if replay == 1:
-            return JSONResponse({"replayed": n, "hops": [me]})  # the hops after this one already hold it
-        path = ("verify" if drafts is not None else "decode-step") if decode else "prefill"
-        headers = {H.POSITION: str(start)} if decode else _prefill_headers(request, route, start, start + n, final)
-        headers.update(_onward(drafts=drafts, replay=replay, rewind=rewind))
-        previous = route.forward
-
-        async def send() -> dict[str, Any]:
-            if previous is not None:
-                await previous  # forwards leave in position order
-            try:
-                return await node.forward(sid, route, path, frame, headers, ids=ids)
-            except MeshnetError as exc:
-                node.break_session(route, exc)
-                raise
-
-        task: asyncio.Task[Any] = asyncio.ensure_future(send())
-        route.forward = task
-        if not final and not replay:
-            task.add_done_callback(_consume)
-            return JSONResponse({"accepted": n, "hops": [me]}, status_code=202)
-        answer = await task
-        if drafts is not None:  # the rejected drafts go here too, as the answer passes back up
-            await _drop_rejected(node, sid, route, answer, start=start, n=n)
-            me = {**me, **route.ledger.describe()}
-        answer["hops"] = [me, *answer.get("hops", [])]
-        return JSONResponse(answer)
+        passing = _Passing(start=start, n=n, final=final, decode=decode, drafts=drafts, replay=replay, rewind=rewind)
+        return await _pass_on(
+            node, sid, route=route, headers=headers, frame=frame, tokens=tokens, p=passing, me=me, direct=direct
+        )
     finally:
         route.busy = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Passing:
+    """What a non-tail hop passes on of a request it computed."""
+
+    start: int
+    n: int
+    final: bool
+    decode: bool
+    drafts: tuple[int, ...] | None
+    replay: int
+    rewind: bool
+
+
+async def _pass_on(
+    node: _Node,
+    sid: SessionId,
+    *,
+    route: _Route,
+    headers: Headers,
+    frame: TensorFrame,
+    tokens: np.ndarray | None,
+    p: _Passing,
+    me: dict[str, Any],
+    direct: Direct | None,
+) -> tuple[dict[str, Any] | None, int]:
+    """Log and forward what this hop computed; the answer (``None`` for a ``direct`` step) and its status."""
+    ids = node.ids_onward(route, tokens)
+    node.log_frame(route, p.start, frame, ids)
+    if p.replay == 1:
+        return {"replayed": p.n, "hops": [me]}, 200  # the hops after this one already hold it
+    path = ("verify" if p.drafts is not None else "decode-step") if p.decode else "prefill"
+    if p.decode:
+        onward = {H.POSITION: str(p.start)}
+    else:
+        onward = _prefill_headers(headers, route, p.start, p.start + p.n, p.final)
+    onward.update(_onward(drafts=p.drafts, replay=p.replay, rewind=p.rewind))
+    previous = route.forward
+    if direct is not None:  # fire and forget: the tail answers the gateway, a failure is reported there
+        if previous is not None:
+            with contextlib.suppress(Exception):
+                await previous  # its outcome is the session's break reason, checked below
+        if route.broken:
+            raise SessionBroken(f"session {sid} is broken on this node: {route.broken}",
+                                failed_hop=route.broken_hop)  # fmt: skip
+        try:
+            await node.send_step(sid, route, path, frame, onward, ids=ids, direct=direct.onward(me))
+        except MeshnetError as exc:
+            node.break_session(route, exc)
+            raise
+        return None, 202
+
+    async def send() -> dict[str, Any]:
+        if previous is not None:
+            await previous  # forwards leave in position order
+        try:
+            return await node.forward(sid, route, path, frame, onward, ids=ids)
+        except MeshnetError as exc:
+            node.break_session(route, exc)
+            raise
+
+    task: asyncio.Task[Any] = asyncio.ensure_future(send())
+    route.forward = task
+    if not p.final and not p.replay:
+        task.add_done_callback(_consume)
+        return {"accepted": p.n, "hops": [me]}, 202
+    answer = await task
+    if p.drafts is not None:  # the rejected drafts go here too, as the answer passes back up
+        await _drop_rejected(node, sid, route, answer, start=p.start, n=p.n)
+        me = {**me, **route.ledger.describe()}
+    answer["hops"] = [me, *answer.get("hops", [])]
+    return answer, 200
 
 
 async def _sampled(
@@ -731,9 +878,13 @@ async def _sampled(
     logits: np.ndarray,
     drafts: tuple[int, ...] | None,
     me: dict[str, Any],
+    direct: bool = False,
 ) -> dict[str, Any]:
     """The tail's answer: the token after the chunk; for a verify chunk, the drafts it keeps and one
-    token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first."""
+    token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first. Its
+    ledger entry (``me``) says what it held before: after a ``direct`` verify chunk, the hops before
+    it drop the rejected drafts only when the next step tells them (``X-Meshnet-Rewind``), so every
+    entry of the answer describes the whole chunk."""
     assert route.sampler is not None
     sampler = route.sampler
     if route.carry_ids:  # the generated tokens before the first one this answer picks
@@ -746,7 +897,8 @@ async def _sampled(
     tokens, logprobs = sampler.verify(logits, drafts, position=start + 1)
     kept = start + len(tokens)
     await node.rewind(sid, route, kept)
-    me = {**me, **route.ledger.describe()}
+    if not direct:
+        me = {**me, **route.ledger.describe()}
     tops = {"tops": [sampler.alternatives(row) for row in logits[: len(tokens)]]} if sampler.params.top_logprobs else {}
     return {
         "tokens": tokens,
@@ -786,7 +938,7 @@ def _onward(*, drafts: tuple[int, ...] | None, replay: int, rewind: bool) -> dic
 async def _reroute(node: _Node, request: Request) -> Response:
     """``POST /v1/sessions/{id}/reroute``: new next hops for a session, optionally rebuilt (route repair)."""
     sid = SessionId(request.path_params["session_id"])
-    node.check_model(request)
+    node.check_model(request.headers)
     route = node.routes.get(sid)
     if route is None:
         node.shard.store.get(sid)  # 404/410 with the reason
@@ -794,7 +946,7 @@ async def _reroute(node: _Node, request: Request) -> Response:
     route_id = request.headers.get(H.ROUTE_ID)
     if route_id != route.route_id:
         raise Conflict(f"session {sid} is pinned to route {route.route_id}, not {route_id}")
-    hops = node.next_hops(request)
+    hops = node.next_hops(request.headers)
     raw = request.headers.get(H.REPLAY, "0")
     if not (raw.isascii() and raw.isdigit()) or int(raw) > len(hops):
         raise InvalidRequest(f"header {H.REPLAY} must be 0..{len(hops)} (hops to rebuild), got {raw!r}")
@@ -802,7 +954,7 @@ async def _reroute(node: _Node, request: Request) -> Response:
         raise SessionBusy(f"session {sid} has a request in flight on this node; reroute it after that")
     route.busy = True
     try:
-        step = _position(request) if request.headers.get(H.POSITION) is not None else None
+        step = _position(request.headers) if request.headers.get(H.POSITION) is not None else None
         sampling = request.headers.get(H.SAMPLING)
         answer = await node.reroute(sid, route, hops, replay=int(raw), sampling=sampling, step=step)
     finally:
@@ -810,22 +962,22 @@ async def _reroute(node: _Node, request: Request) -> Response:
     return JSONResponse(answer)
 
 
-def _position(request: Request) -> int:
-    raw = request.headers.get(H.POSITION)
+def _position(headers: Headers) -> int:
+    raw = headers.get(H.POSITION)
     if raw is None or not (raw.isascii() and raw.isdigit()):
         raise SeamMismatch(f"header {H.POSITION} must be the step's absolute position, got {raw!r}")
     return int(raw)
 
 
-def _replay_hops(request: Request, *, verify: bool = False) -> int:
-    raw = request.headers.get(H.REPLAY)
+def _replay_hops(headers: Headers, *, verify: bool = False) -> int:
+    raw = headers.get(H.REPLAY)
     if raw is None:
         return 0
     if verify:
         raise InvalidRequest(f"a verify chunk is never replayed: drop {H.REPLAY}")
     if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise InvalidRequest(f"header {H.REPLAY} must be the number of hops to rebuild (>= 1), got {raw!r}")
-    if request.headers.get(H.SAMPLE) == "1":
+    if headers.get(H.SAMPLE) == "1":
         raise InvalidRequest(f"a replayed chunk answers no token: drop {H.SAMPLE}")
     return int(raw)
 
@@ -835,15 +987,15 @@ def _consume(task: asyncio.Task[Any]) -> None:
         task.exception()  # the failure is recorded as the session's break reason
 
 
-def _prefill_headers(request: Request, route: _Route, start: int, stop: int, final: bool) -> dict[str, str]:
-    headers = {H.TOKEN_RANGE: f"{start}-{stop - 1}", H.NEXT_HOPS: ",".join(route.next_hops[1:])}
+def _prefill_headers(headers: Headers, route: _Route, start: int, stop: int, final: bool) -> dict[str, str]:
+    onward = {H.TOKEN_RANGE: f"{start}-{stop - 1}", H.NEXT_HOPS: ",".join(route.next_hops[1:])}
     for name in (H.SAMPLING, H.CHUNKS):
-        value = request.headers.get(name)
+        value = headers.get(name)
         if value:
-            headers[name] = value
+            onward[name] = value
     if final:
-        headers[H.SAMPLE] = "1"
-    return headers
+        onward[H.SAMPLE] = "1"
+    return onward
 
 
 async def _heartbeat(node: _Node, tracker_url: str) -> None:

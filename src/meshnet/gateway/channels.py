@@ -1,0 +1,249 @@
+"""The gateway's side of the decode channel (docs/protocol.md, "Decode channel").
+
+The gateway keeps one WebSocket open to every node its routes use, shared by every generation.
+A decode step goes to the head as a ``STEP`` frame naming each hop's *return id* (the id the node
+gave this gateway's channel in its ``HELLO``); the head passes it on over its own channel to the
+next hop, and so on; the tail sends the ``TOKEN`` straight back on the gateway's channel to the
+tail, and any hop that fails sends an ``ERROR`` on the gateway's channel to itself. So a step
+costs one one-way leg per seam plus one back, and a failure still names the hop.
+
+A node whose channel closes (its process died) fails every step waiting on a route through it at
+once, naming it; a step that hears nothing within its deadline is located by asking each hop what
+it holds (``GET /v1/sessions/{id}``): the first hop that did not compute it is the failed one.
+
+Threading: generations run on gateway worker threads and call ``step``; one reader thread per
+channel hands each frame to the step waiting for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from websockets.exceptions import WebSocketException
+from websockets.sync.client import ClientConnection, connect
+
+from meshnet.errors import BadGateway, HopFailed
+from meshnet.protocol.channel import MAX_HEADER_BYTES, ChannelFrame, Kind, decode_frame, encode_frame, ws_url
+
+__all__ = ["Channels", "Probe"]
+
+log = logging.getLogger("meshnet.gateway")
+
+_OPEN_TIMEOUT_S = 5.0
+_MAX_FRAME_BYTES = 64 * 2**20 + MAX_HEADER_BYTES
+
+
+# (node url, step seq) -> True: it computed the step; False: it did not; None: it cannot be asked
+Probe = Callable[[str, int], bool | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Closed:
+    url: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Report:
+    url: str  # the node whose channel it came on
+    frame: ChannelFrame
+
+
+class _Waiter:
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.urls = frozenset(urls)
+        self.box: queue.Queue[_Report | _Closed] = queue.Queue()
+
+
+class _NodeChannel:
+    def __init__(self, owner: Channels, url: str) -> None:
+        self.url = url
+        try:
+            self.connection: ClientConnection = connect(
+                ws_url(url), open_timeout=_OPEN_TIMEOUT_S, compression=None, max_size=_MAX_FRAME_BYTES, close_timeout=2
+            )
+        except (OSError, TimeoutError, WebSocketException) as exc:
+            raise HopFailed(f"node {url} refused its decode channel: {type(exc).__name__}: {exc}",
+                            failed_hop=url) from None  # fmt: skip
+        try:
+            hello = decode_frame(bytes(self.connection.recv(timeout=_OPEN_TIMEOUT_S, decode=False)))
+            if hello.kind is not Kind.HELLO or not isinstance(hello.header.get("channel"), str):
+                raise BadGateway(f"node {url} opened its decode channel with {hello.kind.name}, not HELLO")
+        except (OSError, TimeoutError, WebSocketException) as exc:
+            self.connection.close()
+            raise HopFailed(f"node {url} sent no HELLO on its decode channel: {exc}", failed_hop=url) from None
+        except BaseException:
+            self.connection.close()
+            raise
+        self.return_id: str = hello.header["channel"]
+        self.closed = False
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, args=(owner,), name=f"channel {url}", daemon=True)
+        self._reader.start()
+
+    def send(self, data: bytes) -> None:
+        try:
+            with self._send_lock:
+                self.connection.send(data)
+        except (OSError, WebSocketException) as exc:
+            raise HopFailed(f"node {self.url}: decode channel lost: {exc}", failed_hop=self.url) from None
+
+    def _read(self, owner: Channels) -> None:
+        reason = "closed"
+        try:
+            for message in self.connection:
+                try:
+                    frame = decode_frame(message if isinstance(message, bytes) else message.encode())
+                except Exception as exc:
+                    log.warning("node %s sent an unreadable channel frame: %s", self.url, exc)
+                    continue
+                owner.deliver(_Report(self.url, frame))
+        except (OSError, WebSocketException) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.closed = True
+            owner.lost(self, reason)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.connection.close()
+
+
+class Channels:
+    """Kept-open decode channels to nodes, by URL."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, _NodeChannel] = {}
+        self._dialing: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._waiters: dict[tuple[str, int], _Waiter] = {}
+        self._seq = itertools.count()
+
+    def _channel(self, url: str) -> _NodeChannel:
+        with self._lock:
+            channel = self._open.get(url)
+            if channel is not None and not channel.closed:
+                return channel
+            dialing = self._dialing.setdefault(url, threading.Lock())
+        with dialing:
+            with self._lock:
+                channel = self._open.get(url)
+                if channel is not None and not channel.closed:
+                    return channel
+            channel = _NodeChannel(self, url)
+            with self._lock:
+                self._open[url] = channel
+            return channel
+
+    def step(
+        self,
+        urls: Sequence[str],
+        session: str,
+        *,
+        verb: str,
+        headers: dict[str, str],
+        body: bytes,
+        timeout_s: float,
+        probe: Probe,
+    ) -> dict[str, Any]:
+        """Send a step to the route of nodes at ``urls`` (head first); the tail's answer.
+
+        Raises ``HopFailed`` naming the hop that failed, ``BadGateway`` for an error of the head's own.
+        ``probe(url, seq)`` says whether the node at ``url`` has computed step ``seq`` (``None``: it
+        cannot say); it locates a failure: a hop whose channel closed is named only once the hop
+        before it has computed the step (else that one's own report is awaited, so a repair always
+        has an upstream that holds the step), and after ``timeout_s`` of silence the first hop that
+        has not computed it is named."""
+        channels = [self._channel(url) for url in urls]
+        seq = next(self._seq)
+        waiter = _Waiter(urls)
+        key = (session, seq)
+        header = {
+            "session": session,
+            "seq": seq,
+            "verb": verb,
+            "headers": headers,
+            "returns": [c.return_id for c in channels],
+            "hops": [],
+        }
+        with self._lock:
+            self._waiters[key] = waiter
+        try:
+            for channel in channels:  # one that closed before the waiter was registered never tells it
+                if channel.closed:
+                    waiter.box.put(_Closed(channel.url, "closed"))
+            channels[0].send(encode_frame(Kind.STEP, header, body))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    item = waiter.box.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    failed = next((url for url in urls if probe(url, seq) is not True), urls[-1])
+                    raise HopFailed(f"node {failed} did not pass step {seq} on within {timeout_s:.0f} s",
+                                    failed_hop=failed) from None  # fmt: skip
+                if isinstance(item, _Closed):
+                    at = urls.index(item.url)
+                    if at > 0 and probe(urls[at - 1], seq) is not True:
+                        continue  # the hop before it has not sent the step yet: its report will name the lost one
+                return _answer(item, head=urls[0])
+        finally:
+            with self._lock:
+                self._waiters.pop(key, None)
+
+    def deliver(self, report: _Report) -> None:
+        header = report.frame.header
+        key = (header.get("session"), header.get("seq"))
+        with self._lock:
+            waiter = self._waiters.get(key)  # type: ignore[arg-type]
+        if waiter is not None:
+            waiter.box.put(report)
+        elif report.frame.kind is Kind.ERROR:
+            log.warning("node %s reported an error for no waiting step: %s", report.url, header.get("error"))
+
+    def lost(self, channel: _NodeChannel, reason: str) -> None:
+        with self._lock:
+            if self._open.get(channel.url) is channel:
+                del self._open[channel.url]
+            waiting = [w for w in self._waiters.values() if channel.url in w.urls]
+        for waiter in waiting:
+            waiter.box.put(_Closed(channel.url, reason))
+
+    def close(self) -> None:
+        with self._lock:
+            channels = list(self._open.values())
+            self._open.clear()
+        for channel in channels:
+            channel.close()
+
+
+def _answer(item: _Report | _Closed, *, head: str) -> dict[str, Any]:
+    """The tail's answer, or the failure as the HTTP binding reports it: an error past the head
+    names the hop that sent it (or the one it names), the head's own is the gateway's 502."""
+    if isinstance(item, _Closed):
+        raise HopFailed(f"node {item.url} failed: its decode channel closed ({item.reason})", failed_hop=item.url)
+    frame = item.frame
+    if frame.kind is Kind.TOKEN:
+        answer = frame.header.get("answer")
+        if not isinstance(answer, dict):
+            raise HopFailed(f"the tail {item.url} sent a TOKEN frame without an answer", failed_hop=item.url)
+        return answer
+    if frame.kind is not Kind.ERROR:
+        raise BadGateway(f"node {item.url} sent a {frame.kind.name} frame for a step")
+    raw = frame.header.get("error")
+    error: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    status = frame.header.get("status")
+    message = f"route hop answered {status}: {error.get('message', 'no message')}"
+    failed = error.get("failed_hop")
+    if failed:
+        raise HopFailed(message, failed_hop=str(failed))
+    if item.url != head or status == 410:  # 410: the hop restarted and lost the session: replace (rebuild) it
+        raise HopFailed(message, failed_hop=item.url)
+    raise BadGateway(message)

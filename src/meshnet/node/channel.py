@@ -1,0 +1,230 @@
+"""A node's side of the decode channel (docs/protocol.md, "Decode channel").
+
+- ``serve``: the ``/v1/channel`` WebSocket. A gateway dials one to every hop of its routes and an
+  upstream hop dials one to its next hop; the node greets each with a ``HELLO`` naming it (its
+  *return id*), then takes ``STEP`` frames, each on a task of its own (sessions do not wait for one
+  another). A step's ``TOKEN`` (tail) or ``ERROR`` (any hop) goes to the channel named by the step's
+  ``returns`` — the gateway's own channel to this hop — so the token skips every hop on its way back.
+- ``Dialer``: this node's kept-open channels to its next hops, dialed on a session's first channel
+  step and reused by every later step of every session.
+
+A frame that cannot be read, or a step that fails, is answered with an ``ERROR`` for that session
+(and step) only: the channel stays open for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.websockets import WebSocket, WebSocketDisconnect
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import WebSocketException
+from websockets.protocol import State
+
+from meshnet.errors import HopFailed, InvalidRequest, MeshnetError, PayloadTooLarge
+from meshnet.ids import SessionId
+from meshnet.protocol.channel import (
+    MAX_HEADER_BYTES,
+    ChannelFrame,
+    Kind,
+    decode_frame,
+    encode_frame,
+    error_frame,
+    ws_url,
+)
+
+__all__ = ["Dialer", "Direct", "Peer", "StepHandler", "serve"]
+
+log = logging.getLogger("meshnet.node")
+
+_VERBS = {"decode-step": False, "verify": True}  # verb -> is a verify chunk
+_MAX_SESSION_ID = 128
+_HELLO_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Direct:
+    """A step that came over the decode channel: its number, the return ids of this hop and the ones
+    after it, and the ledger entries of the hops before it (the tail's answer carries them all)."""
+
+    seq: int
+    returns: tuple[str, ...]
+    hops: tuple[dict[str, Any], ...]
+
+    def onward(self, me: dict[str, Any]) -> Direct:
+        return Direct(self.seq, self.returns[1:], (*self.hops, me))
+
+
+# (session, headers, body, verify, direct) -> the tail's answer, or None past a non-tail hop
+StepHandler = Callable[[SessionId, Headers, bytes, bool, Direct], Awaitable[dict[str, Any] | None]]
+
+
+class Peer:
+    """One accepted channel: frames to it go out one at a time."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self.websocket = websocket
+        self._lock = asyncio.Lock()
+
+    async def send(self, data: bytes) -> bool:
+        """False when the other side is gone (a report to nobody is dropped, not raised)."""
+        async with self._lock:
+            try:
+                await self.websocket.send_bytes(data)
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                return False
+        return True
+
+
+async def serve(
+    websocket: WebSocket, *, node_id: str, peers: dict[str, Peer], max_body_bytes: int, on_step: StepHandler
+) -> None:
+    """Run one accepted channel until the other side closes it."""
+    await websocket.accept()
+    channel_id = secrets.token_urlsafe(16)
+    peer = Peer(websocket)
+    peers[channel_id] = peer
+    tasks: set[asyncio.Task[None]] = set()
+    try:
+        await peer.send(encode_frame(Kind.HELLO, {"channel": channel_id, "node": node_id, "version": 1}))
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            data = message.get("bytes")
+            if data is None:
+                await peer.send(error_frame(None, None, InvalidRequest("channel frames are binary messages, not text")))
+                continue
+            task = asyncio.create_task(_one_step(data, peer, peers, max_body_bytes, on_step))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    except WebSocketDisconnect:
+        pass
+    finally:
+        peers.pop(channel_id, None)
+        # steps already taken run to the end: their reports go to their own return channels
+
+
+async def _one_step(data: bytes, peer: Peer, peers: dict[str, Peer], max_body: int, on_step: StepHandler) -> None:
+    session: str | None = None
+    seq: int | None = None
+    reply = peer
+    try:
+        frame = decode_frame(data)
+        session, seq = _ids(frame)
+        returns = _returns(frame)
+        reply = peers.get(returns[0], peer)
+        verify, headers, hops = _step_fields(frame)
+        if len(frame.body) > max_body:
+            raise PayloadTooLarge(f"step body of {len(frame.body)} bytes exceeds this node's limit of {max_body} bytes")
+        answer = await on_step(SessionId(session), headers, frame.body, verify, Direct(seq, returns, hops))
+        if answer is not None:
+            await reply.send(encode_frame(Kind.TOKEN, {"session": session, "seq": seq, "answer": answer}))
+    except MeshnetError as exc:
+        await reply.send(error_frame(session, seq, exc))
+    except Exception as exc:  # never let one step take the channel down
+        log.exception("decode-channel step of session %s failed", session)
+        error = MeshnetError(f"the node failed on this step: {type(exc).__name__}: {exc}")
+        await reply.send(error_frame(session, seq, error))
+
+
+def _ids(frame: ChannelFrame) -> tuple[str, int]:
+    if frame.kind is not Kind.STEP:
+        raise InvalidRequest(f"a node takes STEP frames on its channel, got {frame.kind.name}")
+    session, seq = frame.header.get("session"), frame.header.get("seq")
+    if not isinstance(session, str) or not 0 < len(session) <= _MAX_SESSION_ID:
+        raise InvalidRequest(f'a STEP frame needs "session": the session id, a string of 1..{_MAX_SESSION_ID}')
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise InvalidRequest('a STEP frame needs "seq": the step\'s number, an integer >= 0')
+    return session, seq
+
+
+def _returns(frame: ChannelFrame) -> tuple[str, ...]:
+    returns = frame.header.get("returns")
+    if not isinstance(returns, list) or not returns or not all(isinstance(r, str) for r in returns):
+        raise InvalidRequest('a STEP frame needs "returns": the return ids of this hop and every hop after it')
+    return tuple(returns)
+
+
+def _step_fields(frame: ChannelFrame) -> tuple[bool, Headers, tuple[dict[str, Any], ...]]:
+    header = frame.header
+    verb = header.get("verb")
+    if verb not in _VERBS:
+        raise InvalidRequest(f'a STEP frame\'s "verb" is one of {", ".join(_VERBS)}, got {verb!r}')
+    raw = header.get("headers")
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        raise InvalidRequest('a STEP frame\'s "headers" are the X-Meshnet-* fields, an object of strings')
+    hops = header.get("hops", [])
+    if not isinstance(hops, list) or not all(isinstance(h, dict) for h in hops):
+        raise InvalidRequest('a STEP frame\'s "hops" are the entries of the hops before it, a list of objects')
+    return _VERBS[verb], Headers(headers=raw), tuple(hops)
+
+
+class Dialer:
+    """Kept-open channels to next hops, one per URL, shared by every session."""
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        self.max_frame_bytes = max_frame_bytes + MAX_HEADER_BYTES
+        self._open: dict[str, ClientConnection] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._drains: set[asyncio.Task[None]] = set()
+
+    async def send(self, url: str, data: bytes, timeout_s: float) -> None:
+        """Send one frame to the hop at ``url``, dialing it first if need be; ``HopFailed`` names it."""
+        try:
+            connection = await self._dial(url)
+            await asyncio.wait_for(connection.send(data), timeout_s)
+        except (OSError, TimeoutError, WebSocketException, InvalidRequest) as exc:
+            self._open.pop(url, None)
+            raise HopFailed(f"next hop {url} failed on its decode channel: {type(exc).__name__}: {exc}",
+                            failed_hop=url) from None  # fmt: skip
+
+    async def _dial(self, url: str) -> ClientConnection:
+        connection = self._open.get(url)
+        if connection is not None and connection.state is State.OPEN:
+            return connection
+        lock = self._locks.setdefault(url, asyncio.Lock())
+        async with lock:
+            connection = self._open.get(url)
+            if connection is not None and connection.state is State.OPEN:
+                return connection
+            connection = await connect(
+                ws_url(url), open_timeout=_HELLO_TIMEOUT_S, compression=None, max_size=self.max_frame_bytes
+            )
+            try:
+                hello = decode_frame(await asyncio.wait_for(connection.recv(decode=False), _HELLO_TIMEOUT_S))
+                if hello.kind is not Kind.HELLO:
+                    raise InvalidRequest(f"{url} opened its channel with {hello.kind.name}, not HELLO")
+            except BaseException:
+                await connection.close()
+                raise
+            self._open[url] = connection
+            task = asyncio.create_task(self._drain(url, connection))
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+            return connection
+
+    async def _drain(self, url: str, connection: ClientConnection) -> None:
+        """A next hop reports to the gateway, not to us: anything it sends here is only logged."""
+        with contextlib.suppress(WebSocketException, OSError):
+            async for message in connection:
+                with contextlib.suppress(InvalidRequest):
+                    frame = decode_frame(message if isinstance(message, bytes) else message.encode())
+                    log.warning("next hop %s sent %s on its channel: %s", url, frame.kind.name, frame.header)
+        if self._open.get(url) is connection:
+            del self._open[url]
+
+    async def close(self) -> None:
+        for connection in list(self._open.values()):
+            with contextlib.suppress(Exception):
+                await connection.close()
+        self._open.clear()
+        for task in list(self._drains):
+            task.cancel()
