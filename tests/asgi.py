@@ -13,11 +13,11 @@ import uvicorn
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    """Serve ``app`` until the block ends; yields its base URL."""
+def serve_in_thread(app: Any, **config: Any) -> Iterator[str]:
+    """Serve ``app`` until the block ends; yields its base URL (``config``: more uvicorn settings)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

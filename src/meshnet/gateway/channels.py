@@ -30,15 +30,21 @@ from typing import Any
 from websockets.exceptions import WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
-from meshnet.errors import BadGateway, HopFailed
+from meshnet.errors import BadGateway, HopFailed, InvalidRequest
 from meshnet.protocol.channel import MAX_HEADER_BYTES, ChannelFrame, Kind, decode_frame, encode_frame, ws_url
 
-__all__ = ["Channels", "Probe"]
+__all__ = ["ChannelUnavailable", "Channels", "Probe"]
 
 log = logging.getLogger("meshnet.gateway")
 
 _OPEN_TIMEOUT_S = 5.0
+_RETRY_S = 30.0  # a node that refused its channel gets HTTP steps this long before it is dialed again
 _MAX_FRAME_BYTES = 64 * 2**20 + MAX_HEADER_BYTES
+
+
+class ChannelUnavailable(Exception):
+    """A node of the route takes no decode channel (an older node, a proxy that passes no WebSocket,
+    a node that is down): nothing was sent, the caller sends the step over HTTP instead."""
 
 
 # (node url, step seq) -> True: it computed the step; False: it did not; None: it cannot be asked
@@ -66,22 +72,28 @@ class _Waiter:
 class _NodeChannel:
     def __init__(self, owner: Channels, url: str) -> None:
         self.url = url
+        self._stack = contextlib.ExitStack()  # websockets wants its sync connect() entered as a context
         try:
-            self.connection: ClientConnection = connect(
-                ws_url(url), open_timeout=_OPEN_TIMEOUT_S, compression=None, max_size=_MAX_FRAME_BYTES, close_timeout=2
+            self.connection: ClientConnection = self._stack.enter_context(
+                connect(
+                    ws_url(url),
+                    open_timeout=_OPEN_TIMEOUT_S,
+                    compression=None,
+                    max_size=_MAX_FRAME_BYTES,
+                    close_timeout=2,
+                )
             )
         except (OSError, TimeoutError, WebSocketException) as exc:
-            raise HopFailed(f"node {url} refused its decode channel: {type(exc).__name__}: {exc}",
-                            failed_hop=url) from None  # fmt: skip
+            raise ChannelUnavailable(f"node {url} refused its decode channel: {type(exc).__name__}: {exc}") from None
         try:
             hello = decode_frame(bytes(self.connection.recv(timeout=_OPEN_TIMEOUT_S, decode=False)))
             if hello.kind is not Kind.HELLO or not isinstance(hello.header.get("channel"), str):
-                raise BadGateway(f"node {url} opened its decode channel with {hello.kind.name}, not HELLO")
-        except (OSError, TimeoutError, WebSocketException) as exc:
-            self.connection.close()
-            raise HopFailed(f"node {url} sent no HELLO on its decode channel: {exc}", failed_hop=url) from None
+                raise InvalidRequest(f"it opened with {hello.kind.name}, not HELLO")
+        except (OSError, TimeoutError, WebSocketException, InvalidRequest) as exc:
+            self._stack.close()
+            raise ChannelUnavailable(f"node {url} sent no HELLO on its decode channel: {exc}") from None
         except BaseException:
-            self.connection.close()
+            self._stack.close()
             raise
         self.return_id: str = hello.header["channel"]
         self.closed = False
@@ -114,7 +126,7 @@ class _NodeChannel:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.connection.close()
+            self._stack.close()
 
 
 class Channels:
@@ -126,21 +138,30 @@ class Channels:
         self._lock = threading.Lock()
         self._waiters: dict[tuple[str, int], _Waiter] = {}
         self._seq = itertools.count()
+        self._refused: dict[str, float] = {}  # url -> when its channel was refused: HTTP until then + _RETRY_S
 
     def _channel(self, url: str) -> _NodeChannel:
         with self._lock:
             channel = self._open.get(url)
             if channel is not None and not channel.closed:
                 return channel
+            if time.monotonic() - self._refused.get(url, -_RETRY_S) < _RETRY_S:
+                raise ChannelUnavailable(f"node {url} refused its decode channel less than {_RETRY_S:.0f} s ago")
             dialing = self._dialing.setdefault(url, threading.Lock())
         with dialing:
             with self._lock:
                 channel = self._open.get(url)
                 if channel is not None and not channel.closed:
                     return channel
-            channel = _NodeChannel(self, url)
+            try:
+                channel = _NodeChannel(self, url)
+            except ChannelUnavailable:
+                with self._lock:
+                    self._refused[url] = time.monotonic()
+                raise
             with self._lock:
                 self._open[url] = channel
+                self._refused.pop(url, None)
             return channel
 
     def step(
@@ -156,7 +177,8 @@ class Channels:
     ) -> dict[str, Any]:
         """Send a step to the route of nodes at ``urls`` (head first); the tail's answer.
 
-        Raises ``HopFailed`` naming the hop that failed, ``BadGateway`` for an error of the head's own.
+        Raises ``ChannelUnavailable`` (before anything was sent) when a node takes no channel,
+        ``HopFailed`` naming the hop that failed, ``BadGateway`` for an error of the head's own.
         ``probe(url, seq)`` says whether the node at ``url`` has computed step ``seq`` (``None``: it
         cannot say); it locates a failure: a hop whose channel closed is named only once the hop
         before it has computed the step (else that one's own report is awaited, so a repair always
@@ -187,7 +209,7 @@ class Channels:
                     item = waiter.box.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     failed = next((url for url in urls if probe(url, seq) is not True), urls[-1])
-                    raise HopFailed(f"node {failed} did not pass step {seq} on within {timeout_s:.0f} s",
+                    raise HopFailed(f"Timeout: node {failed} did not pass step {seq} on within {timeout_s:.0f} s",
                                     failed_hop=failed) from None  # fmt: skip
                 if isinstance(item, _Closed):
                     at = urls.index(item.url)

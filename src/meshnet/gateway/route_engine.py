@@ -54,7 +54,7 @@ from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteC
 from meshnet.backends.grammar import TokenGrammar
 from meshnet.errors import BadGateway, EngineError, HopFailed, InvalidRequest, MeshnetError, Overloaded
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
-from meshnet.gateway.channels import Channels
+from meshnet.gateway.channels import Channels, ChannelUnavailable
 from meshnet.gateway.speculative import SPECULATIVE_MODES, PromptLookup, WalkCosts
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
@@ -312,9 +312,9 @@ class RouteEngine:
             run.surplus = False
         began = time.monotonic()
         try:
-            if self.channels is not None:
-                answer = self._channel_step(run, verb, headers, frame.body)
-            else:
+            answer = self._channel_step(run, verb, headers, frame.body) if self.channels is not None else None
+            direct = answer is not None
+            if answer is None:
                 path = f"/v1/sessions/{run.plan.session_id}/{verb}"
                 answer = self._post(run.plan.hops[0].url, path, frame.body, headers, below=len(run.plan.hops))
             self._check_tokens(answer, run.plan)
@@ -323,7 +323,7 @@ class RouteEngine:
             return (yield from self._recover(run, tokens, exc, cancel))
         self._walk_costs(run.plan).observe(len(chunk), _since(began))
         kept = _kept(answer, position, len(chunk))
-        if self.channels is not None:  # every entry describes the whole chunk: the hops drop drafts lazily
+        if direct:  # every entry describes the whole chunk: the hops drop drafts lazily
             verify_hops(run.ledger, run.plan.hops, answer["hops"])
             run.ledger.rewind(kept)
             run.surplus = kept < position + len(chunk)
@@ -333,8 +333,9 @@ class RouteEngine:
         run.usage.add(run.plan.hops, decode=kept - position)
         return answer
 
-    def _channel_step(self, run: _Run, verb: str, headers: dict[str, str], body: bytes) -> dict[str, Any]:
-        """One step over the decode channel: the head gets it, the tail's answer comes straight back."""
+    def _channel_step(self, run: _Run, verb: str, headers: dict[str, str], body: bytes) -> dict[str, Any] | None:
+        """One step over the decode channel: the head gets it, the tail's answer comes straight back;
+        ``None`` when a node of the route takes no channel (nothing was sent: HTTP then)."""
         assert self.channels is not None
         plan = run.plan
         sid = plan.session_id
@@ -346,15 +347,18 @@ class RouteEngine:
             except (httpx.HTTPError, ValueError, AttributeError):
                 return None
 
-        return self.channels.step(
-            [h.url for h in plan.hops],
-            sid,
-            verb=verb,
-            headers=headers,
-            body=body,
-            timeout_s=hop_timeout_s(self.timeout_s, len(plan.hops)),
-            probe=probe,
-        )
+        try:
+            return self.channels.step(
+                [h.url for h in plan.hops],
+                sid,
+                verb=verb,
+                headers=headers,
+                body=body,
+                timeout_s=hop_timeout_s(self.timeout_s, len(plan.hops)),
+                probe=probe,
+            )
+        except ChannelUnavailable:
+            return None
 
     def _recover(
         self, run: _Run, tokens: list[int], error: HopFailed, cancel: threading.Event

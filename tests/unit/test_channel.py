@@ -1,0 +1,212 @@
+"""The decode channel's frames (golden bytes) and both of its ends, over real WebSockets on
+loopback: a node's ``channel.serve`` with a scripted step handler, and the gateway's ``Channels``."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.routing import WebSocketRoute
+from starlette.websockets import WebSocket
+from websockets.sync.client import connect
+
+from meshnet.errors import BadGateway, HopFailed, InvalidRequest, SessionBroken
+from meshnet.gateway.channels import Channels, ChannelUnavailable
+from meshnet.ids import SessionId
+from meshnet.node import channel
+from meshnet.node.channel import Direct
+from meshnet.protocol.channel import CHANNEL_PATH, Kind, decode_frame, encode_frame, ws_url
+from tests.asgi import serve_in_thread
+
+HELLO_GOLDEN = bytes.fromhex("4d4e010128000000") + b'{"channel":"c1","node":"n1","version":1}'
+
+
+def test_frames_have_the_documented_bytes() -> None:
+    assert encode_frame(Kind.HELLO, {"channel": "c1", "node": "n1", "version": 1}) == HELLO_GOLDEN
+    body = np.asarray([[42]], dtype="<i4").tobytes()
+    step = encode_frame(Kind.STEP, {"session": "ses-1", "seq": 7}, body)
+    assert step[:4] == b"MN\x01\x02" and step.endswith(b"\x2a\x00\x00\x00")
+    frame = decode_frame(step)
+    assert frame.kind is Kind.STEP and frame.header == {"session": "ses-1", "seq": 7} and frame.body == body
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        (b"MN", "at least 8 bytes"),
+        (b"XX\x01\x01\x00\x00\x00\x00", "not a Meshnet channel frame"),
+        (b"MN\x02\x01\x00\x00\x00\x00", "version 2"),
+        (b"MN\x01\x09\x00\x00\x00\x00", "unknown channel frame kind 9"),
+        (b"MN\x01\x02\xff\x00\x00\x00{}", "does not fit"),
+        (b"MN\x01\x02\x02\x00\x00\x00{x", "not JSON"),
+        (b"MN\x01\x02\x02\x00\x00\x00[]", "JSON object"),
+    ],
+)
+def test_a_bad_frame_says_what_is_wrong(data: bytes, needle: str) -> None:
+    with pytest.raises(InvalidRequest, match=needle):
+        decode_frame(data)
+
+
+def test_channel_urls() -> None:
+    assert ws_url("http://10.0.0.1:7000/") == "ws://10.0.0.1:7000/v1/channel"
+    assert ws_url("https://node.example") == "wss://node.example/v1/channel"
+    with pytest.raises(ValueError, match="http"):
+        ws_url("ftp://x")
+
+
+class ScriptedHop:
+    """A node whose step handler is a script: session "ok-*" answers a token, "broken" fails naming
+    a deeper hop, "bad" is the node's own 400, "slow" answers after ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.peers: dict[str, channel.Peer] = {}
+        self.release = threading.Event()
+        self.steps: list[tuple[str, dict[str, str], bytes, bool, Direct]] = []
+
+    async def on_step(
+        self, sid: SessionId, headers: Headers, body: bytes, verify: bool, direct: Direct
+    ) -> dict[str, Any] | None:
+        self.steps.append((sid, dict(headers), body, verify, direct))
+        if sid == "broken":
+            raise SessionBroken("session broken on this node", failed_hop="http://deeper")
+        if sid == "bad":
+            raise InvalidRequest("header X-Meshnet-Position must be the step's absolute position")
+        if sid == "slow":
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
+        return {"token": 7, "logprob": -0.5, "position": 3, "hops": [*direct.hops, {"node": "tail"}]}
+
+    def app(self) -> Starlette:
+        async def endpoint(websocket: WebSocket) -> None:
+            await channel.serve(websocket, node_id="tail", peers=self.peers, max_body_bytes=1024, on_step=self.on_step)
+
+        return Starlette(routes=[WebSocketRoute(CHANNEL_PATH, endpoint)])
+
+
+@pytest.fixture
+def hop() -> Iterator[tuple[ScriptedHop, str]]:
+    scripted = ScriptedHop()
+    with serve_in_thread(scripted.app(), ws="websockets-sansio", ws_per_message_deflate=False) as url:
+        yield scripted, url
+    scripted.release.set()
+
+
+def _step(channels: Channels, url: str, session: str, **kw: Any) -> dict[str, Any]:
+    args: dict[str, Any] = {"verb": "decode-step", "headers": {"X-Meshnet-Position": "2"}, "body": b"\x01\x00\x00\x00"}
+    args.update(kw)
+    args.setdefault("timeout_s", 10.0)
+    args.setdefault("probe", lambda _url, _seq: True)
+    return channels.step([url], session, **args)
+
+
+def test_a_step_comes_back_as_the_tails_answer_with_every_hops_entry(hop: tuple[ScriptedHop, str]) -> None:
+    scripted, url = hop
+    channels = Channels()
+    try:
+        answer = _step(channels, url, "ok-1", verb="verify")
+        assert answer == {"token": 7, "logprob": -0.5, "position": 3, "hops": [{"node": "tail"}]}
+        sid, headers, body, verify, direct = scripted.steps[-1]
+        assert (sid, headers["x-meshnet-position"], body, verify) == ("ok-1", "2", b"\x01\x00\x00\x00", True)
+        assert direct.returns == tuple(scripted.peers)  # the gateway's own channel is the return address
+        assert _step(channels, url, "ok-2")["token"] == 7  # the same kept-open channel serves the next one
+        assert len(scripted.peers) == 1
+    finally:
+        channels.close()
+
+
+def test_errors_map_as_over_http(hop: tuple[ScriptedHop, str]) -> None:
+    _, url = hop
+    channels = Channels()
+    try:
+        with pytest.raises(HopFailed) as failed:
+            _step(channels, url, "broken")
+        assert failed.value.failed_hop == "http://deeper" and "session broken" in failed.value.message
+        with pytest.raises(BadGateway, match="absolute position") as own:  # the head's own error names no hop
+            _step(channels, url, "bad")
+        assert not isinstance(own.value, HopFailed)
+    finally:
+        channels.close()
+
+
+def test_a_malformed_frame_gets_an_error_and_the_channel_serves_the_next_step(hop: tuple[ScriptedHop, str]) -> None:
+    scripted, url = hop
+    with connect(ws_url(url), compression=None) as ws:
+        hello = decode_frame(bytes(ws.recv(timeout=5, decode=False)))
+        assert hello.kind is Kind.HELLO and hello.header["node"] == "tail"
+        ws.send(b"garbage!")
+        error = decode_frame(bytes(ws.recv(timeout=5, decode=False)))
+        assert error.kind is Kind.ERROR and error.header["status"] == 400 and error.header["session"] is None
+        assert "not a Meshnet channel frame" in error.header["error"]["message"]
+        ws.send("text")
+        assert "binary" in decode_frame(bytes(ws.recv(timeout=5, decode=False))).header["error"]["message"]
+        bad = {"session": "ok-3", "seq": 1, "verb": "rewind", "headers": {}, "returns": ["nobody"]}
+        ws.send(encode_frame(Kind.STEP, bad))
+        error = decode_frame(bytes(ws.recv(timeout=5, decode=False)))
+        assert (error.header["session"], error.header["seq"]) == ("ok-3", 1) and "verb" in error.header["error"][
+            "message"
+        ]
+        big = {**bad, "verb": "decode-step"}
+        ws.send(encode_frame(Kind.STEP, big, b"\x00" * 2048))
+        assert decode_frame(bytes(ws.recv(timeout=5, decode=False))).header["status"] == 413
+        good = {**big, "seq": 2}  # an unknown return id: the report comes back on the channel the step came on
+        ws.send(encode_frame(Kind.STEP, good, b"\x01\x00\x00\x00"))
+        token = decode_frame(bytes(ws.recv(timeout=5, decode=False)))
+        assert token.kind is Kind.TOKEN and token.header["answer"]["token"] == 7
+    assert [s[0] for s in scripted.steps] == ["ok-3"]
+
+
+def test_a_closed_channel_names_its_node_and_silence_is_located_by_probing(hop: tuple[ScriptedHop, str]) -> None:
+    scripted, url = hop
+    channels = Channels()
+    try:
+        asked: list[tuple[str, int]] = []
+
+        def probe(at: str, seq: int) -> bool | None:
+            asked.append((at, seq))
+            return False
+
+        with pytest.raises(HopFailed, match="did not pass step") as silent:
+            _step(channels, url, "slow", timeout_s=0.5, probe=probe)
+        assert silent.value.failed_hop == url and asked and asked[0][0] == url
+        scripted.release.set()
+        # the node goes away mid-step: the waiting step fails at once, naming it
+        scripted.release.clear()
+        done: dict[str, BaseException] = {}
+
+        def waiting() -> None:
+            try:
+                _step(channels, url, "slow", timeout_s=30.0)
+            except BaseException as exc:
+                done["error"] = exc
+
+        thread = threading.Thread(target=waiting)
+        thread.start()
+        deadline = 50
+        while not any(s[0] == "slow" for s in scripted.steps[1:]) and deadline:
+            threading.Event().wait(0.05)
+            deadline -= 1
+        for open_channel in list(channels._open.values()):
+            open_channel.connection.close()  # what a killed node looks like from the gateway
+        thread.join(10)
+        assert isinstance(done.get("error"), HopFailed) and done["error"].failed_hop == url
+    finally:
+        scripted.release.set()
+        channels.close()
+
+
+def test_a_node_without_a_channel_is_unavailable_and_not_redialed_at_every_step() -> None:
+    channels = Channels()
+    try:
+        with serve_in_thread(Starlette(routes=[])) as url:  # an HTTP server that takes no WebSocket
+            with pytest.raises(ChannelUnavailable, match="refused its decode channel"):
+                _step(channels, url, "ok-1")
+            with pytest.raises(ChannelUnavailable, match="less than 30 s ago"):
+                _step(channels, url, "ok-1")
+    finally:
+        channels.close()
