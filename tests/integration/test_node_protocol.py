@@ -10,7 +10,9 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
+from websockets.sync.client import connect as ws_connect
 
+from meshnet.protocol.channel import Kind, decode_frame, encode_frame, ws_url
 from meshnet.protocol.wire import encode_tensor, format_shape
 from tests.procs import Proc, meshnet_process
 
@@ -346,3 +348,50 @@ def test_a_verify_chunk_keeps_the_accepted_drafts_and_leaves_the_kv_of_plain_dec
         health = httpx.get(f"{node.url}/v1/health", timeout=10).json()
         assert health["kv_bytes_used"] == 10 * health["kv_bytes_per_token"]
     assert httpx.delete(f"{middle.url}/v1/sessions/{sid}", timeout=30).status_code == 200
+
+
+def test_decode_steps_over_the_channel_match_http_and_a_bad_frame_hurts_no_session(middle: Proc, tail: Proc) -> None:
+    """The decode channel against real nodes: a gateway-side channel to the middle and one to the
+    tail; steps go to the middle, which passes them on over its own channel, and the tail's token
+    comes back on the tail's channel — the same tokens as the HTTP binding. A malformed frame gets an
+    ERROR and the session goes on."""
+    expected = run_session(middle, tail, "ses-chan-http", 4)
+    first = post(middle, "ses-chan", activations(6, 1), start=0, tail_url=tail.url)
+    assert first.status_code == 200, first.text
+    tokens = [first.json()["token"]]
+    with (
+        ws_connect(ws_url(middle.url), compression=None) as to_middle,
+        ws_connect(ws_url(tail.url), compression=None) as to_tail,
+    ):
+        returns = [
+            decode_frame(bytes(ws.recv(timeout=10, decode=False))).header["channel"] for ws in (to_middle, to_tail)
+        ]
+
+        def step(seq: int, position: int, values: np.ndarray) -> bytes:
+            frame = encode_tensor(values, "float32")
+            headers = {"X-Meshnet-Model": MODEL, "X-Meshnet-Route-Id": "rte-test", "X-Meshnet-Position": str(position),
+                       "X-Meshnet-Shape": format_shape(frame.shape), "X-Meshnet-Dtype": "float32"}  # fmt: skip
+            header = {"session": "ses-chan", "seq": seq, "verb": "decode-step", "headers": headers, "returns": returns}
+            return encode_frame(Kind.STEP, header, frame.body)
+
+        for n in range(4):
+            if n == 2:  # garbage, then a step with a wrong shape: errors for that step only
+                to_middle.send(b"MN\x01\x02garbage")
+                bad = decode_frame(bytes(to_middle.recv(timeout=10, decode=False)))
+                assert bad.kind is Kind.ERROR and bad.header["status"] == 400, bad.header
+                to_middle.send(step(99, 6 + n, activations(2, 5)))
+                bad = decode_frame(bytes(to_middle.recv(timeout=10, decode=False)))
+                assert bad.header["seq"] == 99 and "shape" in bad.header["error"]["message"], bad.header
+            to_middle.send(step(n, 6 + n, activations(1, 100 + n)))
+            token = decode_frame(bytes(to_tail.recv(timeout=30, decode=False)))
+            assert token.kind is Kind.TOKEN and token.header["seq"] == n, token.header
+            answer = token.header["answer"]
+            assert [h["node"] for h in answer["hops"]] == [hop_id(middle), hop_id(tail)]
+            tokens.append(answer["token"])
+        state = httpx.get(f"{tail.url}/v1/sessions/ses-chan", timeout=10).json()
+        assert state["seq"] == 3 and state["position"] == 10 and state["broken"] is None
+    assert tokens == expected
+
+
+def hop_id(node: Proc) -> str:
+    return str(httpx.get(f"{node.url}/v1/health", timeout=10).json()["node_id"])

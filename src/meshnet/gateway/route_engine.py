@@ -342,7 +342,7 @@ class RouteEngine:
 
         def probe(url: str, seq: int) -> bool | None:
             try:
-                response = self._client().get(f"{url}/v1/sessions/{sid}", timeout=5.0)
+                response = self._client().get(f"{url}/v1/sessions/{sid}", timeout=min(5.0, self.timeout_s))
                 return bool(response.status_code == 200 and response.json().get("seq") == seq)
             except (httpx.HTTPError, ValueError, AttributeError):
                 return None
@@ -354,7 +354,9 @@ class RouteEngine:
                 verb=verb,
                 headers=headers,
                 body=body,
-                timeout_s=hop_timeout_s(self.timeout_s, len(plan.hops)),
+                # no hop waits for another here, so no nesting: one hop timeout bounds the walk, as it
+                # bounds the innermost HTTP hop's wait for everything below it
+                timeout_s=self.timeout_s,
                 probe=probe,
             )
         except ChannelUnavailable:
