@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -250,3 +251,27 @@ def test_penalties_on_the_route_are_serves(swarm: Proc, server: Proc, model_id: 
         assert texts[0] == texts[1]
         if prompt == PROMPTS[0]:  # a story repeats words the penalties push down (a copy keeps its text)
             assert texts[0] != chat(server.url, model_id, prompt)
+
+
+def test_the_decode_channel_on_and_off_give_serves_text(swarm: Proc, server: Proc, model_id: str) -> None:
+    """``meshnet up``'s gateway decodes over the channel; a second gateway on the same nodes sends
+    HTTP requests per hop (``--decode-channel off``): both give ``serve``'s greedy text, streamed or
+    not, with drafts and without, and the nodes really took steps over their channels."""
+    match = re.search(r"meshnet: tracker (http://\S+?);", swarm.output())
+    assert match, swarm.output()
+    nodes = [n["url"] for n in httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]]
+    before = [_metric(url, "meshnet_node_channel_steps_total") for url in nodes]
+    flags = ["--speculative", "off", "--decode-channel", "off"]
+    with meshnet_process(["gateway", "--tracker", match.group(1), "--port", "0", *flags]) as http_gateway:
+        for prompt in ("Repeat after me: one two three, one two three, one two three.", PROMPTS[3]):
+            expected = chat(server.url, model_id, prompt)
+            assert chat(swarm.url, model_id, prompt, stream=True) == expected
+            assert chat(http_gateway.url, model_id, prompt) == expected
+    after = [_metric(url, "meshnet_node_channel_steps_total") for url in nodes]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    assert all(_metric(url, "meshnet_node_channels_open") >= 1 for url in nodes)  # kept open between steps
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(next(x for x in text.splitlines() if x.startswith(f"{name} ")).split()[1])

@@ -645,6 +645,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
     async def on_step(
         sid: SessionId, headers: Headers, body: bytes, verify: bool, direct: Direct
     ) -> dict[str, Any] | None:
+        node.metrics.channel_steps.inc()
         return (await step(node, sid, headers, body, verify=verify, direct=direct))[0]
 
     async def decode_channel(websocket: WebSocket) -> None:
@@ -687,6 +688,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
     async def metrics(_: Request) -> Response:
         node.metrics.sessions.set(len(shard.store))
         node.metrics.kv_bytes.set(shard.store.bytes_used())
+        node.metrics.channels.set(len(node.peers))
         return Response(node.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     routes = [
