@@ -25,6 +25,11 @@ every draft the tail kept plus one token of its own; every hop has already dropp
 positions. A verify chunk that fails is repaired like the plain step it started with: every hop
 drops the drafts and the step is resent without them.
 
+Decode channel (``decode_channel=True``, gateway.channels): decode steps go to the head as frames
+on a kept-open WebSocket, pass every hop without waiting, and the tail's answer comes straight
+back; a route with a node that takes no channel gets HTTP steps. Failures name the hop as over
+HTTP, so repair is the same.
+
 Every answer is checked before its token goes out (``protocol.ledger.verify_hops``): each hop must
 hold the positions the gateway sent and have computed them from what the hop before it sent —
 from the gateway's own token ids, in the gateway's chunks, at the head. A route that disagrees

@@ -28,6 +28,12 @@ Penalties and grammars: when the session's sampling parameters set a presence or
 penalty or a grammar, the token ids travel beside the activations to the tail (and into the seam
 logs), which counts the generated ones and brings its grammar state up to them before each choice.
 
+Decode channel (``node.channel``, docs/protocol.md): decode steps may also come as frames on a
+kept-open WebSocket. They are validated and computed by the same code; a hop passes the step on
+over its own channel to the next hop without waiting, the tail sends its answer straight to the
+gateway, and a failure goes to the gateway from the hop that met it. After a verify chunk there,
+the hops before the tail drop the rejected drafts when the next step says so (``X-Meshnet-Rewind``).
+
 Concurrency: one request per session at a time (a second gets 409); compute is serialized by
 the shard backend; everything else runs on the event loop.
 """
