@@ -102,11 +102,12 @@ class _NodeChannel:
         self._reader.start()
 
     def send(self, data: bytes) -> None:
+        """Nothing went out when this fails: the caller can still send the step another way."""
         try:
             with self._send_lock:
                 self.connection.send(data)
         except (OSError, WebSocketException) as exc:
-            raise HopFailed(f"node {self.url}: decode channel lost: {exc}", failed_hop=self.url) from None
+            raise ChannelUnavailable(f"node {self.url}: decode channel lost: {exc}") from None
 
     def _read(self, owner: Channels) -> None:
         reason = "closed"
