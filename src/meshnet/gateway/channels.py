@@ -156,9 +156,10 @@ class Channels:
                     return channel
             try:
                 channel = _NodeChannel(self, url)
-            except ChannelUnavailable:
+            except ChannelUnavailable as exc:
                 with self._lock:
                     self._refused[url] = time.monotonic()
+                log.warning("%s; its routes get HTTP decode steps, the channel is tried again in %.0f s", exc, _RETRY_S)
                 raise
             with self._lock:
                 self._open[url] = channel
