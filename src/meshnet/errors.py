@@ -50,6 +50,7 @@ __all__ = [
     "StoreFull",
     "Unauthorized",
     "UnknownModel",
+    "hop_error",
     "http_status",
 ]
 
@@ -166,6 +167,17 @@ class HopFailed(BadGateway):
     def __init__(self, message: str, *, failed_hop: str) -> None:
         super().__init__(message)
         self.failed_hop = failed_hop
+
+
+def hop_error(message: str, *, status: object, failed_hop: object, sender: str, sender_is_head: bool) -> BadGateway:
+    """What an error answer from the hop at ``sender`` means to the gateway: a failure naming the hop
+    it names (``failed_hop``), or the sender itself when it is past the head or lost the session
+    (410: it restarted; replace, rebuild it); anything else of the head's own is a plain 502."""
+    if failed_hop:
+        return HopFailed(message, failed_hop=str(failed_hop))
+    if not sender_is_head or status == 410:
+        return HopFailed(message, failed_hop=sender)
+    return BadGateway(message)
 
 
 class RouteInconsistent(BadGateway):

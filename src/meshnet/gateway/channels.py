@@ -30,7 +30,7 @@ from typing import Any
 from websockets.exceptions import WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
-from meshnet.errors import BadGateway, HopFailed, InvalidRequest
+from meshnet.errors import BadGateway, HopFailed, InvalidRequest, hop_error
 from meshnet.protocol.channel import MAX_HEADER_BYTES, ChannelFrame, Kind, decode_frame, encode_frame, ws_url
 
 __all__ = ["ChannelUnavailable", "Channels", "Probe"]
@@ -265,9 +265,5 @@ def _answer(item: _Report | _Closed, *, head: str) -> dict[str, Any]:
     error: dict[str, Any] = raw if isinstance(raw, dict) else {}
     status = frame.header.get("status")
     message = f"route hop answered {status}: {error.get('message', 'no message')}"
-    failed = error.get("failed_hop")
-    if failed:
-        raise HopFailed(message, failed_hop=str(failed))
-    if item.url != head or status == 410:  # 410: the hop restarted and lost the session: replace (rebuild) it
-        raise HopFailed(message, failed_hop=item.url)
-    raise BadGateway(message)
+    raise hop_error(message, status=status, failed_hop=error.get("failed_hop"), sender=item.url,
+                    sender_is_head=item.url == head)  # fmt: skip

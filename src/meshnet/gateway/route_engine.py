@@ -57,7 +57,15 @@ import numpy as np
 
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep
 from meshnet.backends.grammar import TokenGrammar
-from meshnet.errors import BadGateway, EngineError, HopFailed, InvalidRequest, MeshnetError, Overloaded
+from meshnet.errors import (
+    BadGateway,
+    EngineError,
+    HopFailed,
+    InvalidRequest,
+    MeshnetError,
+    Overloaded,
+    hop_error,
+)
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
 from meshnet.gateway.channels import Channels, ChannelUnavailable
 from meshnet.gateway.speculative import SPECULATIVE_MODES, PromptLookup, WalkCosts
@@ -554,11 +562,9 @@ class RouteEngine:
         if response.status_code >= 400:
             message = f"route hop answered {response.status_code}: {error_message(response)}"
             failed = error_field(response, "failed_hop")
-            if failed:
-                raise HopFailed(message, failed_hop=str(failed))
-            if response.status_code == 410:  # the hop restarted and lost the session: replace (rebuild) it
-                raise HopFailed(message, failed_hop=hop_url)
-            raise BadGateway(message)
+            raise hop_error(
+                message, status=response.status_code, failed_hop=failed, sender=hop_url, sender_is_head=True
+            )
         return dict(response.json())
 
     def _close(self, plan: RoutePlan) -> None:

@@ -69,6 +69,7 @@ from meshnet.errors import (
     SessionBusy,
     SessionGone,
     SessionNotFound,
+    hop_error,
 )
 from meshnet.httputil import EXCEPTION_HANDLERS, check_declared_length, error_field, error_message, read_body
 from meshnet.ids import SessionId
@@ -381,11 +382,9 @@ class _Node:
         except httpx.HTTPError as exc:
             raise HopFailed(f"next hop {nxt} failed: {type(exc).__name__}: {exc}", failed_hop=nxt) from None
         if response.status_code >= 400:
+            message = f"next hop {nxt} answered {response.status_code}: {error_message(response)}"
             deeper = error_field(response, "failed_hop")
-            raise HopFailed(
-                f"next hop {nxt} answered {response.status_code}: {error_message(response)}",
-                failed_hop=str(deeper or nxt),
-            )
+            raise hop_error(message, status=response.status_code, failed_hop=deeper, sender=nxt, sender_is_head=False)
         try:
             return dict(response.json())
         except ValueError:
