@@ -15,7 +15,7 @@ import os
 import tempfile
 
 from benchmarks.bench_serve import stream_text
-from benchmarks.bench_speculative import two_gateway_swarm
+from benchmarks.bench_speculative import gateway_swarm
 from benchmarks.common import Section, decode_rate, median
 
 CORES = os.cpu_count() or 2
@@ -43,7 +43,7 @@ def run() -> Section:
     )
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         nodes = [["--layers", layers, "--threads", str(threads)] for layers in ("0:10", "10:20", "20:30")]
-        gateways, model = two_gateway_swarm(stack, tmp, nodes)
+        gateways, model = gateway_swarm(stack, tmp, nodes, {"ngram": ("--speculative", "ngram")})
         url = gateways["ngram"]
         stream_text(url, model, "warm up", TOKENS)
         rates: dict[str, list[float]] = {}

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import re
 import tempfile
 import time
 
 import httpx
-from tests.procs import Proc, meshnet_process
+from tests.procs import meshnet_process, tracker_url
 
 from benchmarks.bench_serve import DECODE_PROMPT, _rate, _stream
 from benchmarks.common import Section, median, route_compute_ms
@@ -47,12 +46,6 @@ def _decode_steps_bytes(url: str, model: str, nodes: list[str], context: int) ->
     after = _seam_bytes(nodes)
     prefill = final["prompt_tokens"] * 576 * 4  # float32 activations of the whole prompt
     return [(a - b - prefill) / steps for a, b in zip(after[:-1], before[:-1], strict=True)]
-
-
-def _tracker(swarm: Proc) -> str:
-    match = re.search(r"meshnet: tracker (http://\S+?);", swarm.output())
-    assert match, "meshnet up printed no tracker URL"
-    return match.group(1)
 
 
 def _concurrent_rate(url: str, model: str, sessions: int) -> float:
@@ -93,7 +86,7 @@ def run() -> Section:
                 [
                     "gateway",
                     "--tracker",
-                    _tracker(swarm),
+                    tracker_url(swarm),
                     "--port",
                     "0",
                     "--speculative",

@@ -35,7 +35,7 @@ PASSAGE = (
 COPY_PROMPT = f"Text: {PASSAGE}\nThe same text, copied word for word: {PASSAGE[:40]}"
 
 
-def two_gateway_swarm(
+def gateway_swarm(
     stack: contextlib.ExitStack,
     tmp: str,
     node_args: Sequence[list[str]],
@@ -68,7 +68,7 @@ def run() -> Section:
     )
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         nodes = [["--layers", layers, "--threads", str(threads)] for layers in ("0:10", "10:20", "20:30")]
-        gateways, model = two_gateway_swarm(stack, tmp, nodes)
+        gateways, model = gateway_swarm(stack, tmp, nodes)
         for url in gateways.values():
             stream_text(url, model, "warm up", TOKENS)
         rates: dict[tuple[str, str], list[float]] = {}

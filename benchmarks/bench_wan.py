@@ -24,7 +24,7 @@ import time
 from tests.wan import delay_proxy
 
 from benchmarks.bench_serve import stream_text
-from benchmarks.bench_speculative import COPY_PROMPT, two_gateway_swarm
+from benchmarks.bench_speculative import COPY_PROMPT, gateway_swarm
 from benchmarks.common import Section, median, route_compute_ms
 
 CORES = os.cpu_count() or 2
@@ -92,7 +92,7 @@ def run() -> Section:
             proxy = stack.enter_context(delay_proxy(port, ONE_WAY_S))
             nodes.append(["--layers", layers, "--threads", str(threads), "--port", str(port),
                           "--public-url", f"http://127.0.0.1:{proxy.port}"])  # fmt: skip
-        gateways, model = two_gateway_swarm(stack, tmp, nodes, GATEWAYS)
+        gateways, model = gateway_swarm(stack, tmp, nodes, GATEWAYS)
         ms: dict[str, list[float]] = {mode: [] for mode in GATEWAYS}
         compute: list[float] = []
         texts: dict[str, set[str]] = {mode: set() for mode in GATEWAYS}

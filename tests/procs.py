@@ -55,6 +55,13 @@ def local_swarm(workdir: Path, *extra: str) -> Iterator[Proc]:
         yield proc
 
 
+def tracker_url(swarm: Proc) -> str:
+    """The tracker a ``meshnet up`` started, from the line it printed (to add a gateway beside its own)."""
+    match = re.search(r"meshnet: tracker (http://\S+?);", swarm.output())
+    assert match, f"meshnet up printed no tracker URL:\n{swarm.output()}"
+    return match.group(1)
+
+
 @contextlib.contextmanager
 def meshnet_process(args: Sequence[str], *, ready_timeout_s: float = 180.0) -> Iterator[Proc]:
     """Run ``meshnet ARGS`` until it prints ``listening on URL``; always stop it afterwards."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import signal
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import Proc, meshnet_process
+from tests.procs import Proc, meshnet_process, tracker_url
 
 pytestmark = pytest.mark.real
 
@@ -257,12 +256,10 @@ def test_the_decode_channel_on_and_off_give_serves_text(swarm: Proc, server: Pro
     """``meshnet up``'s gateway decodes over the channel; a second gateway on the same nodes sends
     HTTP requests per hop (``--decode-channel off``): both give ``serve``'s greedy text, streamed or
     not, with drafts and without, and the nodes really took steps over their channels."""
-    match = re.search(r"meshnet: tracker (http://\S+?);", swarm.output())
-    assert match, swarm.output()
     nodes = [n["url"] for n in httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]]
     before = [_metric(url, "meshnet_node_channel_steps_total") for url in nodes]
     flags = ["--speculative", "off", "--decode-channel", "off"]
-    with meshnet_process(["gateway", "--tracker", match.group(1), "--port", "0", *flags]) as http_gateway:
+    with meshnet_process(["gateway", "--tracker", tracker_url(swarm), "--port", "0", *flags]) as http_gateway:
         for prompt in ("Repeat after me: one two three, one two three, one two three.", PROMPTS[3]):
             expected = chat(server.url, model_id, prompt)
             assert chat(swarm.url, model_id, prompt, stream=True) == expected
