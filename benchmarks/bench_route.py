@@ -10,7 +10,6 @@ bench_serve: (chunks - 1) / (last chunk - first chunk) of a greedy stream.
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import tempfile
 import time
@@ -46,18 +45,6 @@ def _decode_steps_bytes(url: str, model: str, nodes: list[str], context: int) ->
     after = _seam_bytes(nodes)
     prefill = final["prompt_tokens"] * 576 * 4  # float32 activations of the whole prompt
     return [(a - b - prefill) / steps for a, b in zip(after[:-1], before[:-1], strict=True)]
-
-
-def _concurrent_rate(url: str, model: str, sessions: int) -> float:
-    def one(i: int) -> tuple[int, float, float]:
-        times, _ = _stream(url, model, f"{DECODE_PROMPT} ({i})", DECODE_TOKENS)
-        return len(times), times[0], times[-1]
-
-    with concurrent.futures.ThreadPoolExecutor(sessions) as pool:
-        results = list(pool.map(one, range(sessions)))
-    tokens = sum(n for n, _, _ in results)
-    span = max(end for _, _, end in results) - min(start for _, start, _ in results)
-    return tokens / span
 
 
 def _overhead_ms(url: str, model: str, hops: int) -> tuple[float, float]:
@@ -116,8 +103,6 @@ def run() -> Section:
                     long_tokens = final["prompt_tokens"]
             seam_100 = _decode_steps_bytes(swarm.url, model, nodes, 100)
             seam_2000 = _decode_steps_bytes(swarm.url, model, nodes, 2000)
-            one = median([_concurrent_rate(swarm.url, model, 1) for _ in range(2)])
-            four = median([_concurrent_rate(swarm.url, model, 4) for _ in range(2)])
     d_ratio = median(decode["route"]) / median(decode["serve"])
     p_ratio = median(prefill["route"]) / median(prefill["serve"])
     section.add("serve decode", f"{median(decode['serve']):.1f} tok/s")
@@ -138,9 +123,6 @@ def run() -> Section:
         section.add(f"seam body bytes per decode step at context {label} (head, middle)", shown, f"= {hidden_bytes}")
     equal = all(abs(a - b) < 1 for a, b in zip(seam_100, seam_2000, strict=True))
     section.add("seam bytes independent of context", "yes" if equal else "no", "equal", equal)
-    section.add("1 session decode (route)", f"{one:.1f} tok/s")
-    section.add("4 concurrent sessions, aggregate decode (route)", f"{four:.1f} tok/s")
-    section.add("aggregate ÷ one session", f"{four / one:.2f}", "≥ 1.5", four / one >= 1.5)
     section.notes.append(
         "Per-hop overhead = (ms per decoded token - the route's own compute per token, summed over its hops "
         "from the route.health telemetry) ÷ 3 hops; both gateways run on the same nodes, one after the other."

@@ -24,6 +24,7 @@ BENCHES = {
     "shards": "bench_shards",
     "torch": "bench_torch",
     "route": "bench_route",
+    "batch": "bench_batch",
     "speculative": "bench_speculative",
     "grammar": "bench_grammar",
     "wan": "bench_wan",

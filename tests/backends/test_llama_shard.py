@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,11 +11,13 @@ import pytest
 
 from meshnet.artifacts.bundled import bundled_gguf
 from meshnet.artifacts.shard_file import write_shard
-from meshnet.backends.chain import decode_chain, forward_chain, generate, prefill_chain
+from meshnet.backends.chain import ChainSession, decode_chain, forward_chain, generate, prefill_chain
 from meshnet.backends.llama_shard import SNAPSHOT_CELL_META_BYTES, LlamaShard, LlamaShardConfig
+from meshnet.backends.shard import DecodeStep, ShardOutput
 from meshnet.errors import (
     ContextOverflow,
     InvalidRequest,
+    PositionMismatch,
     SessionBusy,
     SessionGone,
     StoreFull,
@@ -274,3 +277,82 @@ def test_a_second_concurrent_call_on_one_session_is_refused(chain: list[LlamaSha
     with tail.store.use(sid, 0, 1), pytest.raises(SessionBusy):
         tail.decode_step(sid, 0, hidden=np.zeros((1, 576), dtype=np.float32))
     tail.close_session(sid)
+
+
+def test_a_verify_chunk_past_the_kv_padding_keeps_the_bits_of_steps(
+    chain: list[LlamaShard], prompts: list[list[int]]
+) -> None:
+    # Past 256 cells llama.cpp sums a lone row's attention in per-thread parts (2 threads here),
+    # a chunk's in one pass: the shards measured it and verify position by position there.
+    assert [s.info.verify_batched for s in chain] == [False] * 3
+    long = (prompts[0] * 20)[:300]
+    plain, spec = ChainSession(chain), ChainSession(chain)
+    logits = plain.prefill(long, 64)
+    spec.prefill(long, 64)
+    tokens, rows = [], []
+    for _ in range(5):
+        tokens.append(int(np.argmax(logits)))
+        logits = plain.step(tokens[-1])
+        rows.append(logits)
+    verified = spec.verify(tokens)
+    plain.close()
+    spec.close()
+    assert all(np.array_equal(v, r) for v, r in zip(verified, rows, strict=True))
+
+
+@pytest.fixture(scope="module")
+def one_thread_chain(cache: Path) -> Iterator[list[LlamaShard]]:
+    config = LlamaShardConfig(n_ctx=1024 * 6, max_sessions=6, n_threads=1)
+    shards = [LlamaShard.from_model(bundled_gguf(), r, cache_dir=cache, config=config) for r in RANGES]
+    yield shards
+    for shard in shards:
+        shard.close()
+
+
+def _decode_together(shards: list[LlamaShard], steps: list[DecodeStep]) -> list[ShardOutput | Exception]:
+    """One batched decode step of several sessions through every shard; a failed step stops there."""
+    outs: list[ShardOutput | Exception] = list(shards[0].decode_many(steps))
+    for shard in shards[1:]:
+        live = [i for i, o in enumerate(outs) if isinstance(o, ShardOutput)]
+        got = shard.decode_many([replace(steps[i], token=None, hidden=outs[i].hidden) for i in live])  # type: ignore[union-attr]
+        for i, o in zip(live, got, strict=True):
+            outs[i] = o
+    return outs
+
+
+def test_sessions_decoded_as_one_batch_match_their_solo_runs(
+    one_thread_chain: list[LlamaShard], chain: list[LlamaShard], prompts: list[list[int]]
+) -> None:
+    shards = one_thread_chain
+    # measured at load: one thread gives a batch the bits of lone steps, two threads do not
+    assert [s.info.decode_batch for s in shards] == [6] * 3
+    assert [s.info.decode_batch for s in chain] == [1] * 3
+    texts = [prompts[0], (prompts[1] * 30)[:300], prompts[2], prompts[3]]  # one past 256 cells
+    solo = [generate(shards, p, 24, chunk=64) for p in texts]
+    sids = [SessionId(f"batch-{i}") for i in range(len(texts))]
+    logits, positions = {}, {}
+    for sid, text in zip(sids, texts, strict=True):
+        for shard in shards:
+            shard.open_session(sid)
+        logits[sid] = prefill_chain(shards, sid, text, chunk=64)
+        positions[sid] = len(text)
+    outs: dict[SessionId, list[int]] = {sid: [] for sid in sids}
+    for n in range(24):
+        steps = []
+        for sid in sids:
+            outs[sid].append(int(np.argmax(logits[sid])))
+            steps.append(DecodeStep(sid, positions[sid], token=outs[sid][-1]))
+        if n == 5:  # a step at a wrong position fails alone and changes nothing
+            bad = _decode_together(shards, [replace(steps[0], position=positions[sids[0]] + 3), *steps[1:2]])
+            assert isinstance(bad[0], PositionMismatch) and isinstance(bad[1], ShardOutput)
+            for shard in shards:
+                shard.rewind(sids[1], positions[sids[1]])
+        results = _decode_together(shards, steps)
+        for sid, out in zip(sids, results, strict=True):
+            assert isinstance(out, ShardOutput) and out.logits is not None
+            logits[sid] = out.logits
+            positions[sid] += 1
+    for sid in sids:
+        for shard in shards:
+            shard.close_session(sid)
+    assert [outs[sid] for sid in sids] == solo

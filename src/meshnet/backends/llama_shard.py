@@ -20,8 +20,10 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import heapq
 import os
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +63,13 @@ SNAPSHOT_CELL_META_BYTES = 12
 # The most drafted positions one verify chunk adds (speculative decoding): more than a
 # prompt-lookup drafter usually gets accepted, and few enough to measure at load (_batch_matches_steps).
 MAX_VERIFY = 12
+# The most sessions' decode steps one llama_decode holds (batched decode), measured at load
+# (_batch_matches_solo) up to this many sessions.
+MAX_DECODE_BATCH = 16
+# llama.cpp pads a sequence's attended KV cells to a multiple of 256; from 512 cells on, the
+# attention of a lone row (a decode step) splits the cells across threads and sums the parts,
+# while several rows (a chunk, a batch of sessions) each sum all cells in one pass.
+KV_PAD = 256
 
 
 class HeadEmbeddings:
@@ -93,10 +102,13 @@ class LlamaShardConfig:
     n_threads: int | None = None
     n_batch: int = 512
     idle_ttl_s: float = 600.0
+    # The most sessions' decode steps one compute call may hold (1: one at a time); capped by
+    # max_sessions and MAX_DECODE_BATCH, and used only where measured to keep every session's bits.
+    decode_batch: int = MAX_DECODE_BATCH
 
     def __post_init__(self) -> None:
-        if self.max_sessions < 1 or self.n_ctx < self.max_sessions or self.n_batch < 1:
-            raise ValueError("a shard needs n_ctx >= max_sessions >= 1 and n_batch >= 1")
+        if self.max_sessions < 1 or self.n_ctx < self.max_sessions or self.n_batch < 1 or self.decode_batch < 1:
+            raise ValueError("a shard needs n_ctx >= max_sessions >= 1, n_batch >= 1 and decode_batch >= 1")
 
     @property
     def positions_per_session(self) -> int:
@@ -145,11 +157,20 @@ class LlamaShard(ShardBase[int]):
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         by_token = self._token_input or self._token_seam
         self._batch = llama_cpp.llama_batch_init(cfg.n_batch, 0 if by_token else self._width, 1)
-        self._free_seqs = list(range(cfg.max_sessions - 1, -1, -1))
+        # A heap: a new session takes the lowest free sequence id, so concurrent sessions hold
+        # runs of consecutive ids, which llama.cpp batches as one micro-batch (_forward_many).
+        self._free_seqs = list(range(cfg.max_sessions))
         self.info = self._describe(model_id or shard_path.name.removesuffix(".gguf"), layers, cfg)
+        # Load-time measurements run on scratch sequences, after a short history and after one
+        # past KV_PAD cells, where llama.cpp's attention of a lone row changes its summation order.
+        most = self._max_decode_batch(cfg)
+        long = min(KV_PAD + 4, cfg.positions_per_session - MAX_VERIFY - 2)
+        histories = (8, long) if long > KV_PAD else (8,)
         if self.info.max_verify:
-            batched = self._batch_matches_steps(self.info.max_verify + 1)
+            batched = self._batch_matches_steps(self.info.max_verify + 1, histories)
             self.info = dataclasses.replace(self.info, verify_batched=batched)
+        if most > 1 and self._batch_matches_solo(most, histories[-1]):
+            self.info = dataclasses.replace(self.info, decode_batch=most)
         self._init_store(
             StoreLimits(
                 bytes_per_token=self.info.kv.bytes_per_token,
@@ -261,49 +282,99 @@ class LlamaShard(ShardBase[int]):
             return 0
         return max(0, min(MAX_VERIFY, cfg.n_batch - 1))
 
-    def _batch_matches_steps(self, most: int) -> bool:
+    def _batch_matches_steps(self, most: int, histories: Sequence[int]) -> bool:
         """Measure whether a chunk of 2..``most`` positions computes every row (and the KV after it)
         to the same bits as one-position steps — then a verify chunk may run as one compute call.
 
         Whether it does depends on the weights' types and the kernels llama.cpp picks for them
         (measured: Q4_1 weights agree up to 63 rows; f32 and f16 weights differ in the low bits from
-        2 rows on), so it is measured here, on this shard's own weights and threads, on a scratch
-        sequence before any session exists. Kernels are chosen by shape and type, not by values."""
-        rng = np.random.default_rng(0)
-        seq, warm = 0, 8
-        n_in = self._n_vocab if self._embed is None else self._embed.n_vocab
-
-        def inputs(n: int) -> tuple[I32, F32 | None]:
-            tokens = rng.integers(0, max(1, n_in), n).astype(np.int32)
-            hidden = None if self.info.layers.is_head else rng.standard_normal((n, *self._seam_shape), dtype=np.float32)
-            return tokens, hidden
+        2 rows on), and on the history: past ``KV_PAD`` cells a one-row step's attention splits the
+        KV across threads, a chunk's does not (measured: equal with one thread, not with two). So it
+        is measured here, on this shard's own weights and threads, after each of ``histories``, on a
+        scratch sequence before any session exists. Kernels are chosen by shape and type, not by values."""
+        rng, seq = np.random.default_rng(0), 0
 
         def part(hidden: F32 | None, a: int, b: int) -> F32 | None:
             return None if hidden is None else hidden[a:b]
 
-        def rows(out: ShardOutput) -> F32:
-            got = out.logits if self._tail else out.hidden
-            assert got is not None
-            return got.reshape(-1, got.shape[-1]) if self._tail else got
-
         try:
             with self._compute:
-                self._forward(seq, 0, *inputs(warm))
-                for n in range(2, most + 1):
-                    tokens, hidden = inputs(n + 1)
-                    steps = [
-                        rows(self._forward(seq, warm + i, tokens[i : i + 1], part(hidden, i, i + 1)))
-                        for i in range(n + 1)
-                    ]
-                    self._truncate_state(seq, warm)
-                    chunk = rows(self._forward(seq, warm, tokens[:n], part(hidden, 0, n), True))
-                    after = rows(self._forward(seq, warm + n, tokens[n:], part(hidden, n, n + 1)))
-                    self._truncate_state(seq, warm)
-                    if not (np.array_equal(chunk, np.concatenate(steps[:n])) and np.array_equal(after, steps[n])):
-                        return False
+                for i, warm in enumerate(histories):
+                    self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                    self._forward(seq, 0, *self._scratch_inputs(rng, warm))
+                    # every size once; after a longer history only the attention can differ (2 rows, most)
+                    for n in range(2, most + 1) if i == 0 else sorted({2, most}):
+                        tokens, hidden = self._scratch_inputs(rng, n + 1)
+                        steps = [
+                            self._rows(self._forward(seq, warm + i, tokens[i : i + 1], part(hidden, i, i + 1)))
+                            for i in range(n + 1)
+                        ]
+                        self._truncate_state(seq, warm)
+                        chunk = self._rows(self._forward(seq, warm, tokens[:n], part(hidden, 0, n), True))
+                        after = self._rows(self._forward(seq, warm + n, tokens[n:], part(hidden, n, n + 1)))
+                        self._truncate_state(seq, warm)
+                        if not (np.array_equal(chunk, np.concatenate(steps[:n])) and np.array_equal(after, steps[n])):
+                            return False
                 return True
         finally:
             self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def _scratch_inputs(self, rng: np.random.Generator, n: int) -> tuple[I32, F32 | None]:
+        """Random inputs of ``n`` positions for the load-time measurements."""
+        n_in = self._n_vocab if self._embed is None else self._embed.n_vocab
+        tokens = rng.integers(0, max(1, n_in), n).astype(np.int32)
+        hidden = None if self.info.layers.is_head else rng.standard_normal((n, *self._seam_shape), dtype=np.float32)
+        return tokens, hidden
+
+    def _rows(self, out: ShardOutput) -> F32:
+        """An output's rows, ``[n, width]``: logits at the tail, else hidden states."""
+        got = out.logits if self._tail else out.hidden
+        assert got is not None
+        return got.reshape(-1, got.shape[-1]) if self._tail else got.reshape(got.shape[0], -1)
+
+    def _max_decode_batch(self, cfg: LlamaShardConfig) -> int:
+        """Sessions one decode batch may hold: a recurrent or compressor state checkpoints per
+        sequence around every compute call, and a graph that outputs one row after its layers
+        gives one row per batch; those run their sessions one at a time."""
+        if self._recurrent or self._rollback or self._one_output_row:
+            return 1
+        return max(1, min(MAX_DECODE_BATCH, cfg.decode_batch, cfg.max_sessions, cfg.n_batch))
+
+    def _batch_matches_solo(self, most: int, long: int) -> bool:
+        """Measure whether one batch of several sessions' decode steps computes every session's
+        row (and the KV after it) to the bits of that session's own step. Checked on scratch
+        sequences before any session exists, the first with a ``long`` history (past ``KV_PAD``
+        cells a lone step's attention splits the KV across threads, a batch's does not), the others
+        short: all ``most`` sessions at once, every other sequence id (one micro-batch each) and a
+        mix of runs, each handed to the batch in reverse order."""
+        rng = np.random.default_rng(1)
+        history = {seq: long if seq == 0 else 3 + 2 * seq for seq in range(most)}
+        patterns = [list(range(most)), list(range(0, most, 2))]
+        if most >= 4:
+            patterns.append([0, 1, 3])
+        try:
+            with self._compute:
+                for seq, n in history.items():
+                    self._forward(seq, 0, *self._scratch_inputs(rng, n))
+                for pattern in (p for p in patterns if len(p) > 1):
+                    step = {seq: self._scratch_inputs(rng, 1) for seq in pattern}
+                    after = {seq: self._scratch_inputs(rng, 1) for seq in pattern}
+                    solo: dict[int, tuple[F32, F32]] = {}
+                    for seq in pattern:
+                        first = self._rows(self._forward(seq, history[seq], *step[seq]))
+                        solo[seq] = (first, self._rows(self._forward(seq, history[seq] + 1, *after[seq])))
+                        self._truncate_state(seq, history[seq])
+                    order = pattern[::-1]
+                    batched = self._forward_many([(seq, history[seq], *step[seq]) for seq in order])
+                    for seq, out in zip(order, batched, strict=True):
+                        then = self._rows(self._forward(seq, history[seq] + 1, *after[seq]))
+                        self._truncate_state(seq, history[seq])
+                        if not (np.array_equal(self._rows(out), solo[seq][0]) and np.array_equal(then, solo[seq][1])):
+                            return False
+                return True
+        finally:
+            for seq in history:
+                self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
     @classmethod
     def from_model(cls, gguf: Path, layers: LayerRange | str, *, cache_dir: Path, **kwargs: Any) -> LlamaShard:
@@ -333,69 +404,100 @@ class LlamaShard(ShardBase[int]):
         n = tokens.shape[0] if tokens is not None else hidden.shape[0]  # type: ignore[union-attr]
         outputs: list[F32] = []
         logits: F32 | None = None
+        last_only = (self._tail and not all_logits) or self._one_output_row
         for begin in range(0, n, self._n_batch):
             end = min(n, begin + self._n_batch)
-            self._fill(state, start + begin, tokens=tokens, hidden=hidden, rows=(begin, end), every_row=all_logits)
-            self._captured = self._overwritten = 0
-            rc = int(self._ll.llama_decode(self._ctx, self._batch))
-            self._pending = None
-            if self._overwrite is not None and rc == 0 and self._overwritten != 1:
-                raise EngineError(
-                    f"the family's seam fix found no graph tensor {self._overwrite[:-1].decode()!r} "
-                    "(another llama.cpp version?); refusing to compute a wrong seam"
-                )
-            if rc == 1:
-                raise StoreFull("llama.cpp found no KV slot for this chunk; retry later", retry_after_s=5)
-            if rc != 0:
-                raise EngineError(f"llama_decode failed with code {rc}")
+            self._fill(
+                [state] * (end - begin),
+                np.arange(start + begin, start + end, dtype=np.int32),
+                tokens=None if tokens is None else tokens[begin:end],
+                hidden=None if hidden is None else hidden[begin:end],
+                last_only=last_only,
+            )
+            self._decode(end - begin)
             if self._tail and all_logits:
                 rows = [self._row_logits(i) for i in range(end - begin)]
                 logits = np.stack(rows) if logits is None else np.concatenate([logits, np.stack(rows)])
             elif self._tail:
                 logits = self._row_logits(-1)
             else:
-                if self._captured != end - begin:
-                    raise EngineError(f"captured {self._captured} hidden rows, expected {end - begin}")
                 outputs.append(self._out[: end - begin].reshape(end - begin, *self._seam_shape).copy())
         if self._tail:
             return ShardOutput(logits=logits)
         return ShardOutput(hidden=outputs[0] if len(outputs) == 1 else np.concatenate(outputs))
+
+    def _forward_many(self, rows: Sequence[tuple[int, int, I32 | None, F32 | None]]) -> list[ShardOutput]:
+        """One position of each of several sequences in one ``llama_decode``. The rows go in by
+        sequence id: with one KV stream per session llama.cpp computes each run of consecutive ids
+        as one micro-batch, in batch order, so the captured rows come out in that order too."""
+        order = sorted(range(len(rows)), key=lambda i: rows[i][0])
+        tokens = [t for i in order if (t := rows[i][2]) is not None]
+        hidden = [h for i in order if (h := rows[i][3]) is not None]
+        ids: I32 | None = np.concatenate(tokens) if tokens else None
+        states: F32 | None = np.concatenate(hidden) if hidden else None
+        if states is None and self._embed is not None:
+            assert ids is not None
+            states = self._embed(ids)
+            if self._head_scale is not None:
+                states *= self._head_scale
+        n = len(rows)
+        positions = np.asarray([rows[i][1] for i in order], dtype=np.int32)
+        self._fill([rows[i][0] for i in order], positions, tokens=ids, hidden=states, last_only=False)
+        self._decode(n)
+        outs: list[ShardOutput] = [ShardOutput()] * n
+        for at, i in enumerate(order):
+            if self._tail:
+                outs[i] = ShardOutput(logits=self._row_logits(at))
+            else:
+                outs[i] = ShardOutput(hidden=self._out[at : at + 1].reshape(1, *self._seam_shape).copy())
+        return outs
+
+    def _decode(self, n: int) -> None:
+        """``llama_decode`` of the filled batch of ``n`` rows, checked: the family's seam fix
+        overwrote every row once, and a non-tail shard captured every row's hidden state."""
+        self._captured = self._overwritten = 0
+        rc = int(self._ll.llama_decode(self._ctx, self._batch))
+        pending, self._pending = self._pending, None
+        if self._overwrite is not None and rc == 0 and (pending is None or self._overwritten != pending.size):
+            raise EngineError(
+                f"the family's seam fix found no graph tensor {self._overwrite[:-1].decode()!r} "
+                "(another llama.cpp version?); refusing to compute a wrong seam"
+            )
+        if rc == 1:
+            raise StoreFull("llama.cpp found no KV slot for this chunk; retry later", retry_after_s=5)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc}")
+        if not self._tail and self._captured != n:
+            raise EngineError(f"captured {self._captured} hidden rows, expected {n}")
 
     def _row_logits(self, row: int) -> F32:
         ptr = self._ll.llama_get_logits_ith(self._ctx, row)
         return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
 
     def _fill(
-        self,
-        seq: int,
-        pos0: int,
-        *,
-        tokens: I32 | None,
-        hidden: F32 | None,
-        rows: tuple[int, int],
-        every_row: bool = False,
+        self, seqs: Sequence[int], positions: I32, *, tokens: I32 | None, hidden: F32 | None, last_only: bool
     ) -> None:
+        """Fill the batch with one row per position: row ``i`` is ``positions[i]`` of sequence ``seqs[i]``."""
         batch = self._batch
-        begin, end = rows
-        n = end - begin
+        n = len(seqs)
         batch.n_tokens = n
         if self._token_input:
             assert tokens is not None
-            np.ctypeslib.as_array(batch.token, shape=(n,))[:] = tokens[begin:end]
+            np.ctypeslib.as_array(batch.token, shape=(n,))[:] = tokens
         else:
             assert hidden is not None
-            block = np.ascontiguousarray(hidden[begin:end], dtype=np.float32)
+            block = np.ascontiguousarray(hidden, dtype=np.float32)
             self._pending = block
             if self._token_seam:  # any valid id: the callback overwrites the looked-up rows
                 np.ctypeslib.as_array(batch.token, shape=(n,))[:] = 0
             else:
                 ctypes.memmove(batch.embd, block.ctypes.data, block.nbytes)
-        np.ctypeslib.as_array(batch.pos, shape=(n,))[:] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        np.ctypeslib.as_array(batch.pos, shape=(n,))[:] = positions
         np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
-        for i in range(n):
+        for i, seq in enumerate(seqs):
             batch.seq_id[i][0] = seq
         flags = np.ctypeslib.as_array(batch.logits, shape=(n,))
-        if (self._tail and not every_row) or self._one_output_row:
+        if last_only:
             flags[:] = 0
             flags[n - 1] = 1
         else:
@@ -421,17 +523,20 @@ class LlamaShard(ShardBase[int]):
                 return True
             ne = [ctypes.c_int64.from_address(tensor + _NE_OFFSET + 8 * i).value for i in range(4)]
             elements = ne[0] * ne[1] * ne[2] * ne[3]
+            # A batch of several sequences may run as several micro-batches, one graph each, in
+            # batch order: each takes the next rows of the inbound block / the next rows of ``out``.
             if rescaled:
-                rows = self._pending
-                if rows is None or ne[0] != n_embd or elements != rows.size:
+                rows, done = self._pending, self._overwritten
+                if rows is None or ne[0] != n_embd or done + elements > rows.size:
                     return False  # abort the graph: llama_decode fails, nothing wrong is computed
-                put(tensor, rows.ctypes.data, 0, rows.nbytes)
-                self._overwritten += 1
+                put(tensor, rows.ctypes.data + 4 * done, 0, elements * 4)
+                self._overwritten += elements
                 return True
-            if ne[0] != n_embd or elements % row or elements > out.size:
+            at = self._captured * row
+            if ne[0] != n_embd or elements % row or at + elements > out.size:
                 return False
-            get(tensor, out.ctypes.data, 0, elements * 4)
-            self._captured = elements // row
+            get(tensor, out.ctypes.data + 4 * at, 0, elements * 4)
+            self._captured += elements // row
             return True
 
         return callback
@@ -440,12 +545,12 @@ class LlamaShard(ShardBase[int]):
     def _new_state(self, sid: SessionId) -> int:
         if not self._free_seqs:
             raise StoreFull("no free llama.cpp sequence on this shard", retry_after_s=5)
-        return self._free_seqs.pop()
+        return heapq.heappop(self._free_seqs)
 
     def _free_state(self, state: int) -> None:
         self._ll.llama_memory_seq_rm(self._mem, state, -1, -1)
         self._checkpoints.pop(state, None)
-        self._free_seqs.append(state)
+        heapq.heappush(self._free_seqs, state)
 
     def _truncate_state(self, state: int, position: int) -> None:
         ll = self._ll

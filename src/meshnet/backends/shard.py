@@ -20,6 +20,7 @@ bfloat16/float16 and converts at the node boundary.
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import struct
 import threading
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from meshnet.errors import InvalidRequest, SeamMismatch
+from meshnet.errors import InvalidRequest, MeshnetError, SeamMismatch
 from meshnet.ids import SessionId
 from meshnet.layers import LayerRange
 from meshnet.session.store import SessionStore, StoreLimits
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from meshnet.backends.grammar import TokenGrammar
 
 __all__ = [
+    "DecodeStep",
     "KVFormat",
     "SeamSpec",
     "ShardBackend",
@@ -108,6 +110,20 @@ class ShardInfo:
     # (measured by the backend on its own weights), else as one call per position.
     max_verify: int = 0
     verify_batched: bool = False
+    # Batched decode: the most sessions' one-position steps one compute call may hold
+    # (``decode_many``). Above 1 only where the backend measured, on its own weights, that a
+    # batch gives every session the bits of its own step, so batching never changes any text.
+    decode_batch: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    """One session's one-position decode step, as ``decode_many`` takes it."""
+
+    sid: SessionId
+    position: int
+    token: int | None = None
+    hidden: F32 | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +156,8 @@ class ShardBackend(Protocol):
     def decode_step(
         self, sid: SessionId, position: int, *, token: int | None = None, hidden: F32 | None = None
     ) -> ShardOutput: ...
+
+    def decode_many(self, steps: Sequence[DecodeStep]) -> list[ShardOutput | MeshnetError]: ...
 
     def rewind(self, sid: SessionId, position: int) -> None: ...
 
@@ -220,6 +238,61 @@ class ShardBase(abc.ABC, Generic[S]):
             raise SeamMismatch(f"a decode step carries one position, got hidden of shape {hidden.shape}")
         return self.prefill(sid, position, tokens=tokens, hidden=hidden)
 
+    def decode_many(self, steps: Sequence[DecodeStep]) -> list[ShardOutput | MeshnetError]:
+        """Several sessions' decode steps, each one's output or its own error, in ``steps`` order.
+
+        Up to ``info.decode_batch`` steps run as one compute call (several sequences in one
+        batch); a step that is refused (bad input, wrong position, busy or unknown session) gets
+        its error and changes nothing, and the others still run. If the batch itself fails, every
+        session in it is back where it was and each step runs alone, so each gets its own outcome."""
+        results: list[ShardOutput | MeshnetError | None] = [None] * len(steps)
+        limit = max(1, self.info.decode_batch)
+        for begin in range(0, len(steps), limit):
+            part = range(begin, min(len(steps), begin + limit))
+            if len(part) == 1:
+                results[begin] = self._decode_one(steps[begin])
+            else:
+                self._decode_batch(steps, part, results)
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def _decode_one(self, step: DecodeStep) -> ShardOutput | MeshnetError:
+        try:
+            return self.decode_step(step.sid, step.position, token=step.token, hidden=step.hidden)
+        except MeshnetError as exc:
+            return exc
+
+    def _decode_batch(
+        self, steps: Sequence[DecodeStep], part: range, results: list[ShardOutput | MeshnetError | None]
+    ) -> None:
+        ready: list[int] = []
+        try:
+            with contextlib.ExitStack() as reserved:
+                rows: list[tuple[S, int, I32 | None, F32 | None]] = []
+                for i in part:
+                    step = steps[i]
+                    try:
+                        tokens = None if step.token is None else np.asarray([step.token], dtype=np.int32)
+                        tokens, hidden, n = self._check_inputs(tokens, step.hidden)
+                        if n != 1:
+                            raise SeamMismatch(f"a decode step carries one position, got {n}")
+                        session = reserved.enter_context(self._store.use(step.sid, step.position, 1))
+                    except MeshnetError as exc:
+                        results[i] = exc
+                        continue
+                    ready.append(i)
+                    rows.append((session.state, step.position, tokens, hidden))
+                if not rows:
+                    return
+                with self._compute:
+                    outs = self._forward_many(rows) if len(rows) > 1 else [self._forward(*rows[0])]
+                for i, out in zip(ready, outs, strict=True):
+                    results[i] = out
+        except MeshnetError:
+            # every reservation was undone as the error left it: each session is where it was
+            for i in ready:
+                results[i] = self._decode_one(steps[i])
+
     def rewind(self, sid: SessionId, position: int) -> None:
         """Forget positions ``>= position``; a backend that cannot (``EngineError``) leaves the session as it was."""
         self._store.rewind(sid, position)
@@ -268,6 +341,11 @@ class ShardBase(abc.ABC, Generic[S]):
     def _forward(
         self, state: S, start: int, tokens: I32 | None, hidden: F32 | None, all_logits: bool = False
     ) -> ShardOutput: ...
+
+    def _forward_many(self, rows: Sequence[tuple[S, int, I32 | None, F32 | None]]) -> list[ShardOutput]:
+        """One position of each of several sessions (``(state, position, tokens, hidden)``); a
+        backend that sets ``info.decode_batch`` above 1 computes them as one batch."""
+        return [self._forward(*row) for row in rows]
 
     @abc.abstractmethod
     def _new_state(self, sid: SessionId) -> S: ...

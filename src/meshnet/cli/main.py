@@ -11,7 +11,7 @@ from typing import Any
 from meshnet import __version__
 from meshnet.cli.artifacts import add_artifact_commands
 from meshnet.cli.serve import add_allow_uncertified, add_api_keys, add_chat_template
-from meshnet.cli.swarm import add_speculative, add_swarm_commands
+from meshnet.cli.swarm import add_decode_batch, add_speculative, add_swarm_commands
 
 __all__ = ["main"]
 
@@ -68,6 +68,20 @@ def _build_parser() -> argparse.ArgumentParser:
     add_swarm_commands(sub)
     add_artifact_commands(sub)
     _add_plan_parser(sub)
+    _add_up_parser(sub)
+
+    chat = sub.add_parser("chat", help="chat with a Meshnet server from the terminal")
+    chat.add_argument("prompt", nargs="?", help="one prompt; without it, an interactive session starts")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (default http://127.0.0.1:8000)")
+    chat.add_argument("--model", help="model id (default: the server's first model)")
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--no-status", action="store_true", help="hide the live status line")
+    return parser
+
+
+def _add_up_parser(sub: Any) -> None:
     up = sub.add_parser("up", help="run a whole local swarm: tracker, N nodes, gateway")
     up.add_argument("--gguf", type=Path, help="GGUF to split (default: the bundled model)")
     up.add_argument("--host", default="127.0.0.1")
@@ -83,6 +97,13 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--threads", type=int, help="threads per node (default: cores / nodes, at least 1)")
     up.add_argument("--ctx", type=int, default=2048, help="context per session (default 2048)")
     up.add_argument(
+        "--max-sessions",
+        type=int,
+        default=4,
+        help="sessions each node holds at once, and generations the gateway runs at once (default 4)",
+    )
+    add_decode_batch(up)
+    up.add_argument(
         "--wire-dtype",
         choices=("float32", "bfloat16", "float16"),
         default="float32",
@@ -93,16 +114,6 @@ def _build_parser() -> argparse.ArgumentParser:
     add_chat_template(up)
     add_api_keys(up)
     add_allow_uncertified(up)
-
-    chat = sub.add_parser("chat", help="chat with a Meshnet server from the terminal")
-    chat.add_argument("prompt", nargs="?", help="one prompt; without it, an interactive session starts")
-    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (default http://127.0.0.1:8000)")
-    chat.add_argument("--model", help="model id (default: the server's first model)")
-    chat.add_argument("--max-tokens", type=int, default=512)
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--no-status", action="store_true", help="hide the live status line")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -59,6 +59,7 @@ def add_swarm_commands(sub: Any) -> None:
     node.add_argument("--threads", type=int, help="compute threads (default: all cores)")
     node.add_argument("--ctx", type=int, default=2048, help="context per session in tokens (default 2048)")
     node.add_argument("--max-sessions", type=int, default=4, help="sessions held at once (default 4)")
+    add_decode_batch(node)
     node.add_argument(
         "--wire-dtype",
         choices=WIRE_DTYPES,
@@ -142,6 +143,28 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
         default="on",
         help="send decode steps over kept-open WebSockets, the tail's token straight back to the gateway "
         "(default on; off: one HTTP request per hop, answers back through every hop)",
+    )
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def add_decode_batch(parser: argparse.ArgumentParser) -> None:
+    """Batched decode on llama.cpp nodes (docs/protocol.md, "Batched decode")."""
+    parser.add_argument(
+        "--decode-batch",
+        type=_at_least_one,
+        default=16,
+        help="most sessions' decode steps a node computes as one llama.cpp batch (default 16, capped by "
+        "--max-sessions; 1: one at a time). Used only where the node measured at load that a batch gives "
+        "every session the bits of its own step (with one thread it does)",
     )
 
 
@@ -283,6 +306,7 @@ def _load_shard(args: argparse.Namespace, gguf: Path) -> tuple[Any, dict[str, An
         max_sessions=args.max_sessions,
         n_threads=threads,
         idle_ttl_s=args.session_ttl,
+        decode_batch=args.decode_batch,
     )
     if layers.is_full:
         return LlamaShard(gguf, model_id=model_id, config=config), advert

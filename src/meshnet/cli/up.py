@@ -182,6 +182,7 @@ def run_up(args: argparse.Namespace) -> int:
                 "node", "--gguf", str(gguf), "--layers", str(layers), "--port", "0", "--tracker", tracker_url,
                 "--backend", args.backend, "--threads", str(threads), "--wire-dtype", args.wire_dtype,
                 "--node-id", f"node-{i}", "--ctx", str(args.ctx),
+                "--max-sessions", str(args.max_sessions), "--decode-batch", str(args.decode_batch),
                 *(["--allow-uncertified"] if args.allow_uncertified else []),
             ]  # fmt: skip
             role = " spare" if i >= args.nodes - args.spares else ""
@@ -190,7 +191,7 @@ def run_up(args: argparse.Namespace) -> int:
         nodes = _wait_nodes(tracker_url, args.nodes, children[1:], deadline)
         gateway_args = [
             "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),
-            "--host", args.host, "--ctx", str(args.ctx),
+            "--host", args.host, "--ctx", str(args.ctx), "--max-concurrency", str(args.max_sessions),
             "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens),
             "--decode-channel", args.decode_channel,
             *(["--chat-template-file", str(args.chat_template_file)] if args.chat_template_file else []),

@@ -58,7 +58,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from meshnet.backends.shard import ShardBackend, ShardOutput, compute_chunks, verify_chunk
+from meshnet.backends.shard import DecodeStep, ShardBackend, ShardOutput, compute_chunks, verify_chunk
 from meshnet.errors import (
     Conflict,
     HopFailed,
@@ -82,6 +82,7 @@ from meshnet.node.advert import (
     benchmark_in_background,
     host_hardware,
 )
+from meshnet.node.batcher import DecodeBatcher
 from meshnet.node.channel import Direct
 from meshnet.node.metrics import NodeMetrics
 from meshnet.protocol import headers as H
@@ -154,6 +155,9 @@ class _Node:
         self.info = shard.info
         self.routes: dict[SessionId, _Route] = {}
         self.metrics = NodeMetrics()
+        # Decode steps of different sessions that arrive together compute as one batch, where
+        # the shard measured that a batch keeps every session's bits (node.batcher).
+        self.batcher = DecodeBatcher(shard, self.metrics.batch) if shard.info.decode_batch > 1 else None
         self.started = time.time()
         self.client: httpx.AsyncClient | None = None
         self.traffic = Traffic()  # queue depth and measured speed, for the tracker (node.advert)
@@ -311,9 +315,13 @@ class _Node:
     ) -> tuple[np.ndarray | None, np.ndarray | None, float]:
         loop = asyncio.get_running_loop()
         began = time.perf_counter()
-        out = await loop.run_in_executor(
-            None, lambda: self._compute(sid, start=start, tokens=tokens, hidden=hidden, sizes=sizes, verify=verify)
-        )
+        if self.batcher is not None and sizes == (1,) and not verify:
+            token = None if tokens is None else int(tokens[0])
+            out = await self.batcher.step(DecodeStep(sid, start, token=token, hidden=hidden))
+        else:
+            out = await loop.run_in_executor(
+                None, lambda: self._compute(sid, start=start, tokens=tokens, hidden=hidden, sizes=sizes, verify=verify)
+            )
         return out.hidden, out.logits, 1000 * (time.perf_counter() - began)
 
     def _compute(
@@ -686,6 +694,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
                 "seam": list(info.seam.shape),
                 "max_verify": info.max_verify,
                 "verify_batched": info.verify_batched,
+                "decode_batch": info.decode_batch,
                 "started": node.started,
             }
         )

@@ -17,6 +17,16 @@ class NodeMetrics:
         self.kv_bytes = Gauge("meshnet_node_kv_bytes", "KV/state bytes held for sessions", registry=r)
         self.channels = Gauge("meshnet_node_channels_open", "Decode channels dialed to this node, open now", registry=r)
         self.channel_steps = Counter("meshnet_node_channel_steps", "Decode steps taken over a channel", registry=r)
+        self.decode_batches = Counter(
+            "meshnet_node_decode_batches", "Shard calls that computed one-position steps (batched decode)", registry=r
+        )
+        self.decode_batch_steps = Counter(
+            "meshnet_node_decode_batch_steps", "One-position steps those calls computed, all sessions", registry=r
+        )
+
+    def batch(self, steps: int) -> None:
+        self.decode_batches.inc()
+        self.decode_batch_steps.inc(steps)
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
