@@ -284,7 +284,7 @@ def test_a_verify_chunk_past_the_kv_padding_keeps_the_bits_of_steps(
 ) -> None:
     # Past 256 cells llama.cpp sums a lone row's attention in per-thread parts (2 threads here),
     # a chunk's in one pass: the shards measured it and verify position by position there.
-    assert [s.info.verify_batched for s in chain] == [False] * 3
+    assert [(s.info.verify_batched, s.info.verify_batched_below) for s in chain] == [(True, 256)] * 3
     long = (prompts[0] * 20)[:300]
     plain, spec = ChainSession(chain), ChainSession(chain)
     logits = plain.prefill(long, 64)
@@ -320,16 +320,18 @@ def _decode_together(shards: list[LlamaShard], steps: list[DecodeStep]) -> list[
     return outs
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 def test_sessions_decoded_as_one_batch_match_their_solo_runs(
-    one_thread_chain: list[LlamaShard], chain: list[LlamaShard], prompts: list[list[int]]
+    one_thread_chain: list[LlamaShard], chain: list[LlamaShard], prompts: list[list[int]], threads: int
 ) -> None:
-    shards = one_thread_chain
-    # measured at load: one thread gives a batch the bits of lone steps, two threads do not
-    assert [s.info.decode_batch for s in shards] == [6] * 3
-    assert [s.info.decode_batch for s in chain] == [1] * 3
+    shards = one_thread_chain if threads == 1 else chain
+    # measured at load: with one thread a batch keeps the bits of lone steps everywhere; with two,
+    # below 256 positions only (the long session computes alone there)
+    below = None if threads == 1 else 256
+    assert [(s.info.decode_batch, s.info.decode_batch_below) for s in shards] == [(6, below)] * 3
     texts = [prompts[0], (prompts[1] * 30)[:300], prompts[2], prompts[3]]  # one past 256 cells
     solo = [generate(shards, p, 24, chunk=64) for p in texts]
-    sids = [SessionId(f"batch-{i}") for i in range(len(texts))]
+    sids = [SessionId(f"batch-{threads}-{i}") for i in range(len(texts))]
     logits, positions = {}, {}
     for sid, text in zip(sids, texts, strict=True):
         for shard in shards:

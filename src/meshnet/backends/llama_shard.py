@@ -163,14 +163,20 @@ class LlamaShard(ShardBase[int]):
         self.info = self._describe(model_id or shard_path.name.removesuffix(".gguf"), layers, cfg)
         # Load-time measurements run on scratch sequences, after a short history and after one
         # past KV_PAD cells, where llama.cpp's attention of a lone row changes its summation order.
+        # Exact below KV_PAD only (None: everywhere) where the short history agrees and the long
+        # one does not (or cannot be measured: a context too small for it).
         most = self._max_decode_batch(cfg)
         long = min(KV_PAD + 4, cfg.positions_per_session - MAX_VERIFY - 2)
-        histories = (8, long) if long > KV_PAD else (8,)
+        long_history = long if long > KV_PAD else None
         if self.info.max_verify:
-            batched = self._batch_matches_steps(self.info.max_verify + 1, histories)
-            self.info = dataclasses.replace(self.info, verify_batched=batched)
-        if most > 1 and self._batch_matches_solo(most, histories[-1]):
-            self.info = dataclasses.replace(self.info, decode_batch=most)
+            short_ok, long_ok = self._batch_matches_steps(self.info.max_verify + 1, long_history)
+            below = None if long_ok else KV_PAD
+            self.info = dataclasses.replace(self.info, verify_batched=short_ok, verify_batched_below=below)
+        if most > 1:
+            short_ok, long_ok = self._batch_matches_solo(most, long_history)
+            if short_ok:
+                below = None if long_ok else KV_PAD
+                self.info = dataclasses.replace(self.info, decode_batch=most, decode_batch_below=below)
         self._init_store(
             StoreLimits(
                 bytes_per_token=self.info.kv.bytes_per_token,
@@ -282,40 +288,45 @@ class LlamaShard(ShardBase[int]):
             return 0
         return max(0, min(MAX_VERIFY, cfg.n_batch - 1))
 
-    def _batch_matches_steps(self, most: int, histories: Sequence[int]) -> bool:
+    def _batch_matches_steps(self, most: int, long: int | None) -> tuple[bool, bool]:
         """Measure whether a chunk of 2..``most`` positions computes every row (and the KV after it)
-        to the same bits as one-position steps — then a verify chunk may run as one compute call.
+        to the same bits as one-position steps — then a verify chunk may run as one compute call:
+        (after a short history, after a ``long`` one).
 
         Whether it does depends on the weights' types and the kernels llama.cpp picks for them
         (measured: Q4_1 weights agree up to 63 rows; f32 and f16 weights differ in the low bits from
         2 rows on), and on the history: past ``KV_PAD`` cells a one-row step's attention splits the
         KV across threads, a chunk's does not (measured: equal with one thread, not with two). So it
-        is measured here, on this shard's own weights and threads, after each of ``histories``, on a
-        scratch sequence before any session exists. Kernels are chosen by shape and type, not by values."""
+        is measured here, on this shard's own weights and threads, on a scratch sequence before any
+        session exists. Kernels are chosen by shape and type, not by values."""
         rng, seq = np.random.default_rng(0), 0
 
         def part(hidden: F32 | None, a: int, b: int) -> F32 | None:
             return None if hidden is None else hidden[a:b]
 
+        def agrees(warm: int, sizes: Sequence[int]) -> bool:
+            self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._forward(seq, 0, *self._scratch_inputs(rng, warm))
+            for n in sizes:
+                tokens, hidden = self._scratch_inputs(rng, n + 1)
+                steps = [
+                    self._rows(self._forward(seq, warm + i, tokens[i : i + 1], part(hidden, i, i + 1)))
+                    for i in range(n + 1)
+                ]
+                self._truncate_state(seq, warm)
+                chunk = self._rows(self._forward(seq, warm, tokens[:n], part(hidden, 0, n), True))
+                after = self._rows(self._forward(seq, warm + n, tokens[n:], part(hidden, n, n + 1)))
+                self._truncate_state(seq, warm)
+                if not (np.array_equal(chunk, np.concatenate(steps[:n])) and np.array_equal(after, steps[n])):
+                    return False
+            return True
+
         try:
             with self._compute:
-                for i, warm in enumerate(histories):
-                    self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
-                    self._forward(seq, 0, *self._scratch_inputs(rng, warm))
-                    # every size once; after a longer history only the attention can differ (2 rows, most)
-                    for n in range(2, most + 1) if i == 0 else sorted({2, most}):
-                        tokens, hidden = self._scratch_inputs(rng, n + 1)
-                        steps = [
-                            self._rows(self._forward(seq, warm + i, tokens[i : i + 1], part(hidden, i, i + 1)))
-                            for i in range(n + 1)
-                        ]
-                        self._truncate_state(seq, warm)
-                        chunk = self._rows(self._forward(seq, warm, tokens[:n], part(hidden, 0, n), True))
-                        after = self._rows(self._forward(seq, warm + n, tokens[n:], part(hidden, n, n + 1)))
-                        self._truncate_state(seq, warm)
-                        if not (np.array_equal(chunk, np.concatenate(steps[:n])) and np.array_equal(after, steps[n])):
-                            return False
-                return True
+                if not agrees(8, range(2, most + 1)):  # every size once
+                    return False, False
+                # after a long history only the attention can differ: 2 rows and the most
+                return True, long is not None and agrees(long, sorted({2, most}))
         finally:
             self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
@@ -340,18 +351,22 @@ class LlamaShard(ShardBase[int]):
             return 1
         return max(1, min(MAX_DECODE_BATCH, cfg.decode_batch, cfg.max_sessions, cfg.n_batch))
 
-    def _batch_matches_solo(self, most: int, long: int) -> bool:
+    def _batch_matches_solo(self, most: int, long: int | None) -> tuple[bool, bool]:
         """Measure whether one batch of several sessions' decode steps computes every session's
-        row (and the KV after it) to the bits of that session's own step. Checked on scratch
-        sequences before any session exists, the first with a ``long`` history (past ``KV_PAD``
-        cells a lone step's attention splits the KV across threads, a batch's does not), the others
-        short: all ``most`` sessions at once, every other sequence id (one micro-batch each) and a
-        mix of runs, each handed to the batch in reverse order."""
-        rng = np.random.default_rng(1)
-        history = {seq: long if seq == 0 else 3 + 2 * seq for seq in range(most)}
+        row (and the KV after it) to the bits of that session's own step: (with short histories,
+        with one ``long`` history in the batch — past ``KV_PAD`` cells a lone step's attention
+        splits the KV across threads, a batch's does not). Checked on scratch sequences before any
+        session exists: all ``most`` sessions at once, every other sequence id (one micro-batch
+        each) and a mix of runs, each handed to the batch in reverse order."""
         patterns = [list(range(most)), list(range(0, most, 2))]
         if most >= 4:
             patterns.append([0, 1, 3])
+        short = self._batches_agree({seq: 3 + 2 * seq for seq in range(most)}, patterns)
+        return short, short and long is not None and self._batches_agree({0: long, 1: 5}, [[0, 1]])
+
+    def _batches_agree(self, history: dict[int, int], patterns: Sequence[list[int]]) -> bool:
+        """Scratch sequences with these histories: each pattern's batch against its lone steps."""
+        rng = np.random.default_rng(1)
         try:
             with self._compute:
                 for seq, n in history.items():

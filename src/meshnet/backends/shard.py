@@ -114,6 +114,11 @@ class ShardInfo:
     # (``decode_many``). Above 1 only where the backend measured, on its own weights, that a
     # batch gives every session the bits of its own step, so batching never changes any text.
     decode_batch: int = 1
+    # Where a chunk or a batch keeps those bits only for positions below a bound (llama.cpp with
+    # several threads: past 256 cells a lone row's attention is summed in per-thread parts), the
+    # bound; None: at every position. Positions at or past it compute one at a time.
+    verify_batched_below: int | None = None
+    decode_batch_below: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,11 +251,14 @@ class ShardBase(abc.ABC, Generic[S]):
         its error and changes nothing, and the others still run. If the batch itself fails, every
         session in it is back where it was and each step runs alone, so each gets its own outcome."""
         results: list[ShardOutput | MeshnetError | None] = [None] * len(steps)
-        limit = max(1, self.info.decode_batch)
-        for begin in range(0, len(steps), limit):
-            part = range(begin, min(len(steps), begin + limit))
+        limit, below = max(1, self.info.decode_batch), self.info.decode_batch_below
+        together = [i for i, step in enumerate(steps) if below is None or step.position < below]
+        for i in sorted(set(range(len(steps))) - set(together)):
+            results[i] = self._decode_one(steps[i])
+        for begin in range(0, len(together), limit):
+            part = together[begin : begin + limit]
             if len(part) == 1:
-                results[begin] = self._decode_one(steps[begin])
+                results[part[0]] = self._decode_one(steps[part[0]])
             else:
                 self._decode_batch(steps, part, results)
         assert all(r is not None for r in results)
@@ -263,7 +271,7 @@ class ShardBase(abc.ABC, Generic[S]):
             return exc
 
     def _decode_batch(
-        self, steps: Sequence[DecodeStep], part: range, results: list[ShardOutput | MeshnetError | None]
+        self, steps: Sequence[DecodeStep], part: Sequence[int], results: list[ShardOutput | MeshnetError | None]
     ) -> None:
         ready: list[int] = []
         try:
@@ -454,8 +462,10 @@ def verify_chunk(
 ) -> ShardOutput:
     """A speculative verify chunk on one shard: every position computed to the bits of a
     one-position step — in one call where the shard measured that a chunk gives those bits
-    (``ShardInfo.verify_batched``), else one call per position. The tail returns every position's
+    (``ShardInfo.verify_batched``, for positions below ``verify_batched_below``), else one call per position. The tail returns every position's
     logits (``[n, vocab]``). A failure undoes the positions before it, so a refused chunk changes nothing."""
     n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
-    sizes = (n,) if shard.info.verify_batched else (1,) * n
+    below = shard.info.verify_batched_below
+    one_call = shard.info.verify_batched and (below is None or start + n <= below)
+    sizes = (n,) if one_call else (1,) * n
     return compute_chunks(shard, sid, start, sizes, tokens=tokens, hidden=hidden, all_logits=True)

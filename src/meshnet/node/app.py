@@ -694,7 +694,9 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
                 "seam": list(info.seam.shape),
                 "max_verify": info.max_verify,
                 "verify_batched": info.verify_batched,
+                "verify_batched_below": info.verify_batched_below,
                 "decode_batch": info.decode_batch,
+                "decode_batch_below": info.decode_batch_below,
                 "started": node.started,
             }
         )
