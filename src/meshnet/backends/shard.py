@@ -462,8 +462,9 @@ def verify_chunk(
 ) -> ShardOutput:
     """A speculative verify chunk on one shard: every position computed to the bits of a
     one-position step — in one call where the shard measured that a chunk gives those bits
-    (``ShardInfo.verify_batched``, for positions below ``verify_batched_below``), else one call per position. The tail returns every position's
-    logits (``[n, vocab]``). A failure undoes the positions before it, so a refused chunk changes nothing."""
+    (``ShardInfo.verify_batched``, for positions below ``verify_batched_below``), else one call
+    per position. The tail returns every position's logits (``[n, vocab]``). A failure undoes the
+    positions before it, so a refused chunk changes nothing."""
     n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
     below = shard.info.verify_batched_below
     one_call = shard.info.verify_batched and (below is None or start + n <= below)
