@@ -180,7 +180,8 @@ def run() -> Section:
     )
     section.notes.append(
         "What bounds the ratio on this machine: one session already keeps about one of the 2 cores busy (three "
-        "1-thread nodes taking turns, and the gateway), so concurrency alone gives at most ~2×; a batch saves "
+        "1-thread nodes taking turns, and the gateway), so concurrency alone gives at most about twice "
+        "one session; a batch saves "
         "only what the '8 lone steps ÷ one batch of 8' rows show, since llama.cpp's CPU kernels cost nearly "
         "per row on this small model; and a node sees few steps at once (mean steps per call above). "
         "Nodes with more cores each, or larger models (whose steps are bound by reading the weights, which a "

@@ -489,15 +489,15 @@ def _parse_sans(sans: Sequence[str]) -> list[x509.GeneralName]:
         raise InvalidRequest(f"at most {MAX_SANS} DNS names and IP addresses, got {len(sans)}", param="sans")
     names: list[x509.GeneralName] = []
     for san in sans:
+        if not isinstance(san, str):
+            raise InvalidRequest(f"{san!r} is neither an IP address nor a DNS name", param="sans")
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(san)))
-            continue
         except ValueError:
-            pass
-        labels = san.split(".") if isinstance(san, str) else []
-        if not labels or len(san) > _MAX_DNS_CHARS or not all(_DNS_LABEL.fullmatch(label) for label in labels):
-            raise InvalidRequest(f"{san!r} is neither an IP address nor a DNS name", param="sans")
-        names.append(x509.DNSName(san.lower()))
+            labels = san.split(".")
+            if len(san) > _MAX_DNS_CHARS or not all(_DNS_LABEL.fullmatch(label) for label in labels):
+                raise InvalidRequest(f"{san!r} is neither an IP address nor a DNS name", param="sans") from None
+            names.append(x509.DNSName(san.lower()))
     return names
 
 
