@@ -32,8 +32,9 @@ Both base64url parts must be canonical (re-encoding the decoded bytes gives the 
 exactly one string stands for a given ticket: no spare-bit or padding variants.
 
 Verification (:meth:`TicketVerifier.verify`): the shape of the token (prefix, parts, size,
-base64url), then the payload's ``tracker_key_id`` picks one of the trusted tracker keys (several
-during a key rotation); an unknown key id or a signature that does not verify is ``Unauthorized``.
+base64url), then the payload's ``tracker_key_id`` (read from the not yet trusted JSON only to
+choose a key) picks one of the trusted tracker keys (several during a key rotation); an unknown
+key id or a signature that does not verify is ``Unauthorized``.
 Only a payload whose signature verified is read field by field: exact types and field set, then
 expiry (with :data:`CLOCK_SKEW_S` of allowance), then that the ticket is for the session (and
 route) the request names, that the verifying node is on the route, and its kind. A missing,
@@ -463,8 +464,8 @@ def _split(token: object) -> tuple[bytes, bytes, bytes]:
 def _load_json(payload: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(payload.decode("ascii"), parse_constant=_no_constant)
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise _malformed("the ticket's payload is not ASCII JSON") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise _malformed(f"the ticket's payload is not ASCII JSON: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise _malformed("the ticket's payload must be a JSON object")
     return obj

@@ -55,8 +55,12 @@ __all__ = [
     "CA_KEY_FILE",
     "CA_VALIDITY",
     "CLOCK_SKEW",
+    "DIRECTORY_MODE",
     "MEMBER_VALIDITY",
+    "PRIVATE_MODE",
+    "PUBLIC_MODE",
     "ROLES",
+    "CertificateLike",
     "Member",
     "MemberRequest",
     "SwarmCA",
@@ -65,6 +69,7 @@ __all__ = [
     "check_role",
     "csr_member_id",
     "fingerprint",
+    "key_matches",
     "key_pem",
     "load_certificate",
     "load_private_key",
@@ -122,7 +127,7 @@ class Member:
 class MemberRequest:
     """What the CA needs to issue a member certificate: the member's CSR (PEM, from :func:`make_csr`;
     its CN is the member id) and what the CA grants. ``sans`` are DNS names or IP addresses the
-    member serves TLS on; ``not_before``/``expires`` default to now − ``CLOCK_SKEW`` and now +
+    member serves TLS on; ``not_before``/``expires`` default to now - ``CLOCK_SKEW`` and now +
     ``MEMBER_VALIDITY`` (no later than the CA's own expiry)."""
 
     csr_pem: bytes
@@ -157,7 +162,9 @@ def new_member_key() -> ec.EllipticCurvePrivateKey:
 
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     """The key as unencrypted PKCS#8 PEM (written 0600; see the module docstring)."""
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def make_csr(key: ec.EllipticCurvePrivateKey, member_id: str) -> bytes:
@@ -176,6 +183,12 @@ def fingerprint(cert: CertificateLike) -> str:
     """SHA-256 of the certificate's DER, lowercase hex: what an invite pins the CA by."""
     der = as_certificate(cert).public_bytes(serialization.Encoding.DER)
     return hashlib.sha256(der).hexdigest()
+
+
+def key_matches(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> bool:
+    """Whether ``cert`` is a certificate for ``key`` (their public keys are the same)."""
+    theirs = _public_der(cert.public_key())
+    return theirs is not None and theirs == _public_der(key.public_key())
 
 
 def as_certificate(value: CertificateLike, *, what: str = "certificate") -> x509.Certificate:
@@ -222,7 +235,7 @@ def member_of(cert: CertificateLike, ca_cert: CertificateLike, *, now: datetime 
     when = now or datetime.now(UTC)
     _check_issued_by(member_cert, ca, swarm_id)
     _check_window(ca, when, f"the CA certificate of swarm {swarm_id}")
-    _check_window(member_cert, when, f"the certificate of {_describe(member_cert)}")
+    _check_window(member_cert, when, _describe(member_cert))
     member = _claims(member_cert)
     if member.swarm_id != swarm_id:
         raise Unauthorized(f"{member.member_id} is not a member of swarm {swarm_id}: it names swarm {member.swarm_id}")
@@ -271,7 +284,7 @@ class SwarmCA:
         key = load_private_key(key_path)
         if not isinstance(key.curve, _CURVE):
             raise InvalidRequest(f"{key_path} is a {key.curve.name} key; a swarm CA key is P-256 ({_CURVE.name})")
-        if _public_der(key.public_key()) != _public_der(cert.public_key()):
+        if not key_matches(cert, key):
             raise InvalidRequest(f"{key_path} is not the key of the certificate {cert_path}")
         try:
             swarm_id = swarm_id_of(cert)
@@ -361,7 +374,7 @@ def load_certificate(path: Path) -> x509.Certificate:
     try:
         return x509.load_pem_x509_certificate(data)
     except ValueError as exc:
-        raise InvalidRequest(f"{path} is not a PEM certificate (corrupt or truncated?): {exc}") from exc
+        raise InvalidRequest(f"{path} is not a PEM certificate (corrupt or truncated?)") from exc
 
 
 def load_private_key(path: Path) -> ec.EllipticCurvePrivateKey:
@@ -370,7 +383,8 @@ def load_private_key(path: Path) -> ec.EllipticCurvePrivateKey:
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
-        raise InvalidRequest(f"{path} is not an unencrypted PEM private key (corrupt or truncated?): {exc}") from exc
+        reason = "it is encrypted" if isinstance(exc, TypeError) else "corrupt or truncated?"
+        raise InvalidRequest(f"{path} is not an unencrypted PEM private key ({reason})") from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise InvalidRequest(f"{path} holds a {type(key).__name__}; Meshnet keys are ECDSA (P-256)")
     return key
@@ -406,7 +420,9 @@ def _ca_certificate(
     return builder.sign(key, _SIGNATURE_HASH())
 
 
-def _key_usage(*, digital_signature: bool = False, key_cert_sign: bool = False, crl_sign: bool = False) -> x509.KeyUsage:
+def _key_usage(
+    *, digital_signature: bool = False, key_cert_sign: bool = False, crl_sign: bool = False
+) -> x509.KeyUsage:
     return x509.KeyUsage(
         digital_signature=digital_signature,
         content_commitment=False,
@@ -528,16 +544,21 @@ def _describe(cert: x509.Certificate) -> str:
 
 
 def _check_swarm_name(name: str) -> str:
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS or not name.isprintable() or name != name.strip():
+    if (
+        not isinstance(name, str)
+        or not 0 < len(name) <= MAX_NAME_CHARS
+        or not name.isprintable()
+        or name != name.strip()
+    ):
         raise InvalidRequest(
             f"swarm name {name!r} is not valid: use 1 to {MAX_NAME_CHARS} printable characters", param="name"
         )
     return name
 
 
-def _public_der(key: object) -> bytes:
+def _public_der(key: object) -> bytes | None:
     if not isinstance(key, ec.EllipticCurvePublicKey):
-        return b""
+        return None
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
