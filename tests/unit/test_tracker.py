@@ -533,3 +533,28 @@ def test_a_node_of_another_model_under_the_same_name_is_refused(client: TestClie
     torch_node = registration("h", "6:12", architecture="qwen3_5_moe_text", **hybrid)
     assert client.post("/v1/nodes", json=torch_node).status_code == 201
     assert client.get("/v1/nodes").json()["nodes"][0]["seam"] == [576]
+
+
+def test_a_live_node_id_cannot_be_taken_over_from_another_address(client: TestClient) -> None:
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from tests.asgi import serve_in_thread
+
+    async def health(_: Any) -> JSONResponse:
+        return JSONResponse({"status": "ok", "node_id": "honest"})
+
+    with serve_in_thread(Starlette(routes=[Route("/v1/health", health)])) as honest_url:
+        assert client.post("/v1/nodes", json=registration("honest", "0:12", url=honest_url)).status_code == 201
+        stolen = client.post("/v1/nodes", json=registration("honest", "0:12", url="http://127.0.0.1:9/"))
+        error = assert_error(stolen, 409, "conflict_error", param="node_id")
+        assert honest_url in error["message"] and "another --node-id" in error["message"]
+        [node] = client.get("/v1/nodes").json()["nodes"]
+        assert node["url"] == honest_url  # nothing changed
+        # its own heartbeats are still taken
+        assert client.post("/v1/nodes", json=registration("honest", "0:12", url=honest_url)).status_code == 200
+    # the honest node is gone (killed, restarted elsewhere): its id moves at once
+    moved = client.post("/v1/nodes", json=registration("honest", "0:12", url="http://127.0.0.1:9/"))
+    assert moved.status_code == 200
+    assert client.get("/v1/nodes").json()["nodes"][0]["url"] == "http://127.0.0.1:9"

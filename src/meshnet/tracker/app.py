@@ -12,13 +12,14 @@ import time
 from dataclasses import asdict, replace
 from typing import Annotated, Any
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.errors import InvalidRequest, ModelMismatch
+from meshnet.errors import Conflict, InvalidRequest, ModelMismatch
 from meshnet.httputil import EXCEPTION_HANDLERS, read_body, service_url
 from meshnet.layers import LayerRange
 from meshnet.models.families import family_of_model_type
@@ -31,6 +32,7 @@ __all__ = ["create_tracker_app"]
 
 NODE_TTL_S = 15.0  # three missed 5 s heartbeats
 WARM_WINDOW_S = 600.0  # a node that computed anything this recently still has its weights paged in
+TAKEOVER_PROBE_S = 2.0  # how long the tracker waits for a registered node to answer before its id may move
 MAX_PROBE_TARGETS = 16  # next-hop URLs handed to a node per heartbeat, for it to measure latency to
 _RECORD_KEEP_S = 86_400.0  # reliability records of nodes gone this long are forgotten
 # What a node may advertise: finite and physically plausible. A speed of 1e-300 positions/s made
@@ -246,12 +248,31 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
             max_verify=reg.max_verify,
         )
         _check_same_model(node, tracker.live_nodes())
+        live = {n.node_id: n for n in tracker.live_nodes()}
+        held = live.get(reg.node_id)
+        if held is not None and held.url != node.url and await _still_answers(held):
+            raise Conflict(
+                f"node id {reg.node_id!r} is registered by a live node at {held.url}, which still answers as "
+                f"{reg.node_id!r}; give this node another --node-id, or stop that one first (a restarted node "
+                "takes its id back as soon as the old address stops answering)",
+                param="node_id",
+            )
         # A node that expired and came back registers afresh (201), like one never seen.
-        fresh = reg.node_id not in {n.node_id for n in tracker.live_nodes()}
+        fresh = held is None
         node = replace(node, reliability=tracker.heartbeat(reg.node_id, reg.heartbeat_s))
         tracker.nodes[reg.node_id] = node
         answer = {"registered": reg.node_id, "ttl_s": NODE_TTL_S, "next_hops": tracker.next_hops(node)}
         return JSONResponse(answer, status_code=201 if fresh else 200)
+
+    async def _still_answers(held: NodeRecord) -> bool:
+        """Whether the node registered under an id still serves at its address as that id: then a
+        registration of the id from another address is a takeover, not a restart, and is refused."""
+        try:
+            async with httpx.AsyncClient(timeout=TAKEOVER_PROBE_S) as client:
+                answer = await client.get(f"{held.url}/v1/health")
+            return answer.status_code == 200 and answer.json().get("node_id") == held.node_id
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False
 
     async def list_nodes(_: Request) -> Response:
         return JSONResponse({"nodes": [_node_json(n) for n in tracker.live_nodes()]})
