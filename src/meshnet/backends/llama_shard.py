@@ -3,7 +3,8 @@
 Recipe (docs/backends.md): the shard file is written by ``meshnet.artifacts.shard_file``; inbound hidden
 states go in through ``batch.embd`` at absolute positions; the outbound hidden state is copied out
 of the graph by a ``cb_eval`` callback on ``l_out-{n_layer-1}``; every session is a ``seq_id`` of
-one shared ``llama_context`` (``kv_unified``, ``n_ubatch == n_batch`` so rows keep batch order);
+one shared ``llama_context`` with a KV stream of its own (``kv_unified`` off; ``n_ubatch == n_batch``
+so a chunk's rows keep batch order; several sessions' decode steps go in as one batch, by seq id);
 snapshots are ``llama_state_seq_get_data`` / ``set_data``.
 
 Non-tail shards have a one-token vocabulary, so marking every row as an output (needed: llama.cpp

@@ -11,7 +11,7 @@ from typing import Any
 from meshnet import __version__
 from meshnet.cli.artifacts import add_artifact_commands
 from meshnet.cli.serve import add_allow_uncertified, add_api_keys, add_chat_template
-from meshnet.cli.swarm import add_decode_batch, add_speculative, add_swarm_commands
+from meshnet.cli.swarm import add_decode_batch, add_speculative, add_swarm_commands, at_least_one
 
 __all__ = ["main"]
 
@@ -98,7 +98,7 @@ def _add_up_parser(sub: Any) -> None:
     up.add_argument("--ctx", type=int, default=2048, help="context per session (default 2048)")
     up.add_argument(
         "--max-sessions",
-        type=int,
+        type=at_least_one,
         default=4,
         help="sessions each node holds at once, and generations the gateway runs at once (default 4)",
     )

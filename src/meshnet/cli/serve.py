@@ -150,23 +150,25 @@ MAX_HEADER_BYTES = 512 * 1024
 
 
 def serve_app(app: Any, sock: socket.socket) -> None:
-    """Serve ``app`` on a bound socket until SIGINT/SIGTERM (in-flight responses finish first)."""
-    import uvicorn
+    """Serve ``app`` on a bound socket until SIGINT/SIGTERM (in-flight responses finish first).
 
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=5,
-        # a session's first hop request carries its grammar in a header (sampling.MAX_GRAMMAR_BYTES)
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        # the decode channel (nodes): websockets' sans-I/O protocol, no compression (tensors do not compress)
-        ws="websockets-sansio",
-        ws_per_message_deflate=False,
-    )
-    server = uvicorn.Server(config)
+    The caller has announced the socket already ("listening on"), so a Ctrl-C can arrive while
+    uvicorn is still being imported: that is a clean stop too, with nothing started."""
     try:
-        server.run(sockets=[sock])
+        import uvicorn
+
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            # a session's first hop request carries its grammar in a header (sampling.MAX_GRAMMAR_BYTES)
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            # the decode channel (nodes): websockets' sans-I/O protocol, no compression (tensors do not compress)
+            ws="websockets-sansio",
+            ws_per_message_deflate=False,
+        )
+        uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         pass  # uvicorn re-raises the Ctrl-C it already handled by shutting down gracefully: a clean stop
     finally:

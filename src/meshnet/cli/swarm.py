@@ -58,7 +58,7 @@ def add_swarm_commands(sub: Any) -> None:
     node.add_argument("--backend", choices=("llama", "torch"), default="llama")
     node.add_argument("--threads", type=int, help="compute threads (default: all cores)")
     node.add_argument("--ctx", type=int, default=2048, help="context per session in tokens (default 2048)")
-    node.add_argument("--max-sessions", type=int, default=4, help="sessions held at once (default 4)")
+    node.add_argument("--max-sessions", type=at_least_one, default=4, help="sessions held at once (default 4)")
     add_decode_batch(node)
     node.add_argument(
         "--wire-dtype",
@@ -146,7 +146,8 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _at_least_one(text: str) -> int:
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
     try:
         value = int(text)
     except ValueError:
@@ -160,7 +161,7 @@ def add_decode_batch(parser: argparse.ArgumentParser) -> None:
     """Batched decode on llama.cpp nodes (docs/protocol.md, "Batched decode")."""
     parser.add_argument(
         "--decode-batch",
-        type=_at_least_one,
+        type=at_least_one,
         default=16,
         help="most sessions' decode steps a node computes as one llama.cpp batch (default 16, capped by "
         "--max-sessions; 1: one at a time). Used only where the node measured at load that a batch gives "
