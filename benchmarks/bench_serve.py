@@ -91,6 +91,8 @@ def stream_text(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "meshnet" not in chunk:  # an error event: say what it was
+                raise RuntimeError(f"the stream of {url} failed after {len(times)} chunks: {chunk}")
             final = chunk["meshnet"]
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 text += chunk["choices"][0]["text"]
