@@ -51,8 +51,6 @@ and a session outlives the ticket it opened with.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import itertools
 import json
@@ -70,6 +68,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from meshnet.errors import InvalidRequest, Unauthorized
 from meshnet.httputil import service_url
 from meshnet.ids import RouteId, SessionId
+from meshnet.protocol.tokens import b64url_decode, b64url_encode, canonical_json
 from meshnet.routes import Hop
 
 __all__ = [
@@ -118,7 +117,6 @@ REPAIR: TicketKind = "repair"  # issued when the tracker repairs a session's rou
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # as meshnet.ids
 _LAYERS_PATTERN = re.compile(r"(0|[1-9][0-9]{0,8}):(0|[1-9][0-9]{0,8})")
 _KEY_ID_PATTERN = re.compile(rf"[0-9a-f]{{{KEY_ID_HEX_CHARS}}}")
-_B64_PATTERN = re.compile(r"[A-Za-z0-9_-]*")
 _HOP_FIELDS = frozenset({"node_id", "url", "layers"})
 _TICKET_FIELDS = frozenset(
     {
@@ -342,9 +340,8 @@ class TicketSigner:
         if ticket.tracker_key_id not in ("", self._key_id):
             raise ValueError(f"the ticket names tracker key {ticket.tracker_key_id}; this signer holds {self._key_id}")
         payload = {**ticket.as_json(), "tracker_key_id": self._key_id}
-        raw = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-        signed = f"{TOKEN_PREFIX}.{_b64encode(raw.encode('ascii'))}"
-        token = f"{signed}.{_b64encode(self._key.sign(signed.encode('ascii')))}"
+        signed = f"{TOKEN_PREFIX}.{b64url_encode(canonical_json(payload))}"
+        token = f"{signed}.{b64url_encode(self._key.sign(signed.encode('ascii')))}"
         if len(token) > MAX_TICKET_BYTES:
             raise ValueError(f"a {len(token)}-byte ticket is over the {MAX_TICKET_BYTES}-byte limit nodes accept")
         return token
@@ -422,21 +419,12 @@ class TicketVerifier:
 # -- token encoding ---------------------------------------------------------------------------
 
 
-def _b64encode(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
 def _b64decode(text: str, what: str) -> bytes:
     """Canonical unpadded base64url only: one text per byte string."""
-    if not _B64_PATTERN.fullmatch(text) or len(text) % 4 == 1:
-        raise _malformed(f"the ticket's {what} is not base64url (A-Z a-z 0-9 - _, no padding)")
     try:
-        data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (binascii.Error, ValueError):
-        raise _malformed(f"the ticket's {what} is not base64url") from None
-    if _b64encode(data) != text:
-        raise _malformed(f"the ticket's {what} is not canonical base64url (stray bits in its last character)")
-    return data
+        return b64url_decode(text)
+    except ValueError as exc:
+        raise _malformed(f"the ticket's {what} {exc}") from None
 
 
 def _split(token: object) -> tuple[bytes, bytes, bytes]:

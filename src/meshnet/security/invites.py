@@ -24,8 +24,6 @@ being expired, so its nonce need not be kept forever; the grace covers a clock s
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import math
 import secrets
@@ -43,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
 
 from meshnet.errors import InvalidRequest, Unauthorized
+from meshnet.protocol.tokens import b64url_decode, b64url_encode, canonical_json
 from meshnet.security.identity import (
     ROLES,
     CertificateLike,
@@ -146,8 +145,8 @@ def mint_invite(
         tracker_url=None if tracker_url is None else _check_url(tracker_url),
         ca_fingerprint=ca.fingerprint,
     )
-    signed = f"{TOKEN_PREFIX}.{_b64encode(_canonical(invite.payload()))}"
-    return f"{signed}.{_b64encode(_sign(ca.key, signed.encode('ascii')))}"
+    signed = f"{TOKEN_PREFIX}.{b64url_encode(canonical_json(invite.payload()))}"
+    return f"{signed}.{b64url_encode(_sign(ca.key, signed.encode('ascii')))}"
 
 
 def peek_invite(token: str) -> Invite:
@@ -274,22 +273,11 @@ def admit(
 # -- encoding ---------------------------------------------------------------------------------------
 
 
-def _canonical(payload: Mapping[str, Any]) -> bytes:
-    return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode("ascii")
-
-
-def _b64encode(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
 def _b64decode(text: str, what: str) -> bytes:
     try:
-        data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidRequest(f"malformed invite: its {what} is not base64url") from exc
-    if _b64encode(data) != text:  # stray characters or unused bits set: not the encoding we sign
-        raise InvalidRequest(f"malformed invite: its {what} is not canonical base64url")
-    return data
+        return b64url_decode(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"malformed invite: its {what} {exc}") from None
 
 
 def _split(token: str) -> tuple[bytes, bytes, bytes]:
