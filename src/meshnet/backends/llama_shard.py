@@ -412,11 +412,6 @@ class LlamaShard(ShardBase[int]):
             # A recurrence cannot be truncated: keep its state as it was before this chunk, so a
             # rewind to ``start`` (a failed chunk, a repair resending a step) can restore it.
             self._checkpoints[state] = (start, self._partial_state(state))
-        if hidden is None and self._embed is not None:
-            assert tokens is not None
-            hidden = self._embed(tokens)
-            if self._head_scale is not None:
-                hidden *= self._head_scale
         n = tokens.shape[0] if tokens is not None else hidden.shape[0]  # type: ignore[union-attr]
         outputs: list[F32] = []
         logits: F32 | None = None
@@ -451,11 +446,6 @@ class LlamaShard(ShardBase[int]):
         hidden = [h for i in order if (h := rows[i][3]) is not None]
         ids: I32 | None = np.concatenate(tokens) if tokens else None
         states: F32 | None = np.concatenate(hidden) if hidden else None
-        if states is None and self._embed is not None:
-            assert ids is not None
-            states = self._embed(ids)
-            if self._head_scale is not None:
-                states *= self._head_scale
         n = len(rows)
         positions = np.asarray([rows[i][1] for i in order], dtype=np.int32)
         self._fill([rows[i][0] for i in order], positions, tokens=ids, hidden=states, last_only=False)
@@ -501,7 +491,11 @@ class LlamaShard(ShardBase[int]):
             assert tokens is not None
             np.ctypeslib.as_array(batch.token, shape=(n,))[:] = tokens
         else:
-            assert hidden is not None
+            if hidden is None:  # a head that looks its embeddings up itself (row by row: any slicing agrees)
+                assert tokens is not None and self._embed is not None
+                hidden = self._embed(tokens)
+                if self._head_scale is not None:
+                    hidden *= self._head_scale
             block = np.ascontiguousarray(hidden, dtype=np.float32)
             self._pending = block
             if self._token_seam:  # any valid id: the callback overwrites the looked-up rows
