@@ -5,6 +5,7 @@
     │   ├── ContextOverflow           400  context_length_exceeded
     │   └── SeamMismatch              400  seam_mismatch      (hidden width, dtype, shape at a seam)
     ├── Unauthorized                  401  invalid_api_key    (no API key, or not one of this gateway's)
+    ├── Forbidden                     403  permission_error   (a swarm member acting outside its role or id)
     ├── NotFound                      404  not_found_error
     │   ├── UnknownModel              404  model_not_found
     │   └── SessionNotFound           404  session_not_found
@@ -33,6 +34,7 @@ __all__ = [
     "Conflict",
     "ContextOverflow",
     "EngineError",
+    "Forbidden",
     "HopFailed",
     "InvalidRequest",
     "MeshnetError",
@@ -93,6 +95,14 @@ class Unauthorized(MeshnetError):
     status = 401
     error_type = "invalid_request_error"
     code = "invalid_api_key"
+
+
+class Forbidden(MeshnetError):
+    """Who the caller is is known (its swarm certificate), and this is not its to do."""
+
+    status = 403
+    error_type = "permission_error"
+    code = "forbidden"
 
 
 class NotFound(MeshnetError):

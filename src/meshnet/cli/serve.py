@@ -6,6 +6,7 @@ import argparse
 import errno
 import logging
 import socket
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -149,14 +150,22 @@ def api_keys_for(args: argparse.Namespace, who: str) -> KeyRing | None:
 MAX_HEADER_BYTES = 512 * 1024
 
 
-def serve_app(app: Any, sock: socket.socket) -> None:
+def serve_app(app: Any, sock: socket.socket, *, tls: ssl.SSLContext | None = None) -> None:
     """Serve ``app`` on a bound socket until SIGINT/SIGTERM (in-flight responses finish first).
+    With ``tls`` (``security.tls.server_context``) it serves HTTPS, and each request carries its
+    client's certificate in the ASGI "tls" extension (``security.transport``).
 
     The caller has announced the socket already ("listening on"), so a Ctrl-C can arrive while
     uvicorn is still being imported: that is a clean stop too, with nothing started."""
     try:
         import uvicorn
 
+        extra: dict[str, Any] = {}
+        if tls is not None:
+            from meshnet.security.transport import peer_protocols
+
+            http, ws = peer_protocols()
+            extra = {"http": http, "ws": ws, "ssl_context_factory": lambda *_: tls, "proxy_headers": False}
         config = uvicorn.Config(
             app,
             log_level="warning",
@@ -165,8 +174,8 @@ def serve_app(app: Any, sock: socket.socket) -> None:
             # a session's first hop request carries its grammar in a header (sampling.MAX_GRAMMAR_BYTES)
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             # the decode channel (nodes): websockets' sans-I/O protocol, no compression (tensors do not compress)
-            ws="websockets-sansio",
             ws_per_message_deflate=False,
+            **{"ws": "websockets-sansio", **extra},
         )
         uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ class GatewayState:
     started: int
     tracker: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tracker_tls: ssl.SSLContext | None = None  # a private swarm's member TLS, for the swarm view
 
 
 def create_app(
@@ -79,6 +81,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     chat_template: str | None = None,
     api_keys: KeyRing | None = None,
+    tracker_tls: ssl.SSLContext | None = None,
 ) -> Starlette:
     """Compose a gateway around one engine; the caller owns the engine's lifetime. ``chat_template``
     replaces the model's own; with ``api_keys`` the API needs a key (``gateway.auth``)."""
@@ -94,6 +97,7 @@ def create_app(
         started=int(time.time()),
         tracker=swarm_tracker.rstrip("/") if swarm_tracker else None,
         max_body_bytes=max_body_bytes,
+        tracker_tls=tracker_tls,
     )
 
     @contextlib.asynccontextmanager
@@ -693,7 +697,7 @@ async def swarm(state: GatewayState, _: Request) -> Response:
         info = state.engine.info
         local = {"node": "local", "layers": str(info.layers), "health": {"status": "ok"}}
         return JSONResponse({"tracker": None, "nodes": [local], "sessions": sessions})
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    async with httpx.AsyncClient(timeout=5.0, verify=state.tracker_tls or True) as client:
         try:
             nodes = (await client.get(f"{state.tracker}/v1/nodes")).json()["nodes"]
         except (httpx.HTTPError, ValueError, KeyError) as exc:

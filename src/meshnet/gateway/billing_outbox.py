@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Iterable
@@ -85,8 +86,10 @@ class BillingOutbox:
         give_up_s: float = 3000.0,
         timeout_s: float = 10.0,
         spool_dir: Path | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.tracker_url = tracker_url.rstrip("/")
+        self.tls = tls  # the member TLS of a private swarm's gateway
         self.give_up_s = give_up_s
         self._timeout = timeout_s
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -175,7 +178,7 @@ class BillingOutbox:
 
     # -- the delivery thread -------------------------------------------------------------------
     def _run(self) -> None:
-        with httpx.Client(timeout=self._timeout) as client:
+        with httpx.Client(timeout=self._timeout, verify=self.tls or True) as client:
             while not self._stop.is_set():
                 item = self._queue.get()
                 if item is None:

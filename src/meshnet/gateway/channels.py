@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import logging
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,7 @@ class _NodeChannel:
             self.connection: ClientConnection = self._stack.enter_context(
                 connect(
                     ws_url(url),
+                    ssl=owner.tls if url.startswith("https:") else None,
                     open_timeout=_OPEN_TIMEOUT_S,
                     compression=None,
                     max_size=_MAX_FRAME_BYTES,
@@ -131,9 +133,10 @@ class _NodeChannel:
 
 
 class Channels:
-    """Kept-open decode channels to nodes, by URL."""
+    """Kept-open decode channels to nodes, by URL; to ``https`` nodes with the member TLS ``tls``."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
         self._open: dict[str, _NodeChannel] = {}
         self._dialing: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()

@@ -47,6 +47,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import ssl
 import threading
 import time
 from collections.abc import Generator, Sequence
@@ -133,6 +134,7 @@ class RouteEngine:
         speculative: str = "ngram",
         draft_tokens: int = 12,
         decode_channel: bool = True,
+        client_tls: ssl.SSLContext | None = None,
     ) -> None:
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
@@ -152,8 +154,9 @@ class RouteEngine:
         self.timeout_s = timeout_s  # the innermost hop's wait for its next hop; outer waits nest above it
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
         self._local = threading.local()
-        self.outbox = outbox if outbox is not None else BillingOutbox(self.tracker_url)
-        self.channels = Channels() if decode_channel else None
+        self.client_tls = client_tls  # a private swarm's member TLS, for every outgoing connection
+        self.outbox = outbox if outbox is not None else BillingOutbox(self.tracker_url, tls=client_tls)
+        self.channels = Channels(client_tls) if decode_channel else None
 
     # -- tokenizer ---------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
@@ -173,7 +176,9 @@ class RouteEngine:
     def _client(self) -> httpx.Client:
         client: httpx.Client | None = getattr(self._local, "client", None)
         if client is None:
-            client = httpx.Client(timeout=self._timeout, limits=httpx.Limits(keepalive_expiry=300))
+            client = httpx.Client(
+                timeout=self._timeout, limits=httpx.Limits(keepalive_expiry=300), verify=self.client_tls or True
+            )
             self._local.client = client
         return client
 

@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ class NodeConfig:
     replay_chunk: int = 256  # positions per request when a repair replays the seam log
     # Extra fields for the tracker registration (e.g. the artifact manifest digest and held files).
     advert: tuple[tuple[str, Any], ...] = ()
+    client_tls: ssl.SSLContext | None = None  # a private swarm's member TLS, for every outgoing connection
 
 
 @dataclass
@@ -163,7 +165,7 @@ class _Node:
         self.traffic = Traffic()  # queue depth and measured speed, for the tracker (node.advert)
         self.log_bytes = 0  # all sessions' seam logs together
         self.peers: dict[str, channel.Peer] = {}  # accepted decode channels by return id
-        self.dialer = channel.Dialer(config.max_body_bytes)  # decode channels to next hops
+        self.dialer = channel.Dialer(config.max_body_bytes, tls=config.client_tls)  # decode channels to next hops
 
     # -- request plumbing ----------------------------------------------------------------------
     def check_model(self, headers: Headers) -> None:
@@ -608,6 +610,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
         node.client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.hop_timeout_s, connect=5.0),
             limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=300),
+            verify=config.client_tls or True,
         )
         tasks = [asyncio.create_task(_sweep(node))]
         bench = SelfBenchmark(shard)

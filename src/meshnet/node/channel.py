@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -170,8 +171,9 @@ def _step_fields(frame: ChannelFrame) -> tuple[bool, Headers, tuple[dict[str, An
 class Dialer:
     """Kept-open channels to next hops, one per URL, shared by every session."""
 
-    def __init__(self, max_frame_bytes: int) -> None:
+    def __init__(self, max_frame_bytes: int, *, tls: ssl.SSLContext | None = None) -> None:
         self.max_frame_bytes = max_frame_bytes + MAX_HEADER_BYTES
+        self.tls = tls  # the member TLS this node dials ``https`` next hops with
         self._open: dict[str, ClientConnection] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._drains: set[asyncio.Task[None]] = set()
@@ -196,7 +198,11 @@ class Dialer:
             if connection is not None and connection.state is State.OPEN:
                 return connection
             connection = await connect(
-                ws_url(url), open_timeout=_HELLO_TIMEOUT_S, compression=None, max_size=self.max_frame_bytes
+                ws_url(url),
+                ssl=self.tls if url.startswith("https:") else None,
+                open_timeout=_HELLO_TIMEOUT_S,
+                compression=None,
+                max_size=self.max_frame_bytes,
             )
             try:
                 hello = decode_frame(await asyncio.wait_for(connection.recv(decode=False), _HELLO_TIMEOUT_S))

@@ -8,6 +8,7 @@ the database so a route stays sticky across a tracker restart. The tracker never
 from __future__ import annotations
 
 import random
+import ssl
 import time
 from dataclasses import asdict, replace
 from typing import Annotated, Any
@@ -23,6 +24,15 @@ from meshnet.errors import Conflict, InvalidRequest, ModelMismatch
 from meshnet.httputil import EXCEPTION_HANDLERS, read_body, service_url
 from meshnet.layers import LayerRange
 from meshnet.models.families import family_of_model_type
+from meshnet.security.membership import (
+    CA_PATH,
+    JOIN_PATH,
+    MAX_JOIN_BODY_BYTES,
+    RequireMember,
+    SwarmAuthority,
+    require_node,
+    tracker_policy,
+)
 from meshnet.tracker.db import TrackerDB
 from meshnet.tracker.reliability import Reliability
 from meshnet.tracker.routing import Hardware, NodeRecord
@@ -212,11 +222,20 @@ def _check_same_model(node: NodeRecord, live: list[NodeRecord]) -> None:
             )
 
 
-def create_tracker_app(db: TrackerDB) -> Starlette:
+def create_tracker_app(
+    db: TrackerDB, *, swarm: SwarmAuthority | None = None, client_tls: ssl.SSLContext | None = None
+) -> Any:
+    """The tracker's ASGI app. With ``swarm`` it is a private swarm's tracker: it admits members
+    (``POST /v1/swarm/join``, ``GET /v1/swarm/ca``), takes every other request only from members
+    (``RequireMember`` with ``tracker_policy``; serve it over TLS that asks for client
+    certificates), and takes a registration only from the node it names. ``client_tls`` is the
+    context its own requests to nodes go out with (the takeover probe)."""
     tracker = _Tracker(db)
 
     async def register(request: Request) -> Response:
         reg = parse_body(Registration, await read_body(request, MAX_BODY_BYTES, "the tracker"))
+        if swarm is not None:
+            require_node(request.scope, reg.node_id)
         try:
             layers = LayerRange.parse(reg.layers, reg.total_layers)
         except ValueError as exc:
@@ -268,7 +287,7 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
         """Whether the node registered under an id still serves at its address as that id: then a
         registration of the id from another address is a takeover, not a restart, and is refused."""
         try:
-            async with httpx.AsyncClient(timeout=TAKEOVER_PROBE_S) as client:
+            async with httpx.AsyncClient(timeout=TAKEOVER_PROBE_S, verify=client_tls or True) as client:
                 answer = await client.get(f"{held.url}/v1/health")
             return answer.status_code == 200 and answer.json().get("node_id") == held.node_id
         except (httpx.HTTPError, ValueError, AttributeError):
@@ -290,13 +309,24 @@ def create_tracker_app(db: TrackerDB) -> Starlette:
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok", "nodes": len(tracker.live_nodes()), "database": db.url_for_display})
 
-    return Starlette(
+    async def join(request: Request) -> Response:
+        assert swarm is not None
+        return JSONResponse(swarm.join(await read_body(request, MAX_JOIN_BODY_BYTES, "the tracker")), status_code=201)
+
+    async def swarm_ca(_: Request) -> Response:
+        assert swarm is not None
+        return Response(swarm.ca.cert_pem, media_type="application/x-pem-file")
+
+    membership = [Route(JOIN_PATH, join, methods=["POST"]), Route(CA_PATH, swarm_ca, methods=["GET"])]
+    app = Starlette(
         routes=[
             Route("/v1/nodes", register, methods=["POST"]),
             Route("/v1/nodes", list_nodes, methods=["GET"]),
             Route("/v1/artifacts/{digest}/peers", artifact_peers, methods=["GET"]),
             Route("/v1/health", health, methods=["GET"]),
             *SessionsApi(tracker, db).routes(),
+            *(membership if swarm is not None else []),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
     )
+    return app if swarm is None else RequireMember(app, swarm.ca.cert, policy=tracker_policy)
