@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MESHNET = [sys.executable, "-m", "meshnet.cli.main"]
-_LISTENING = re.compile(r"listening on (http://\S+)")
+_LISTENING = re.compile(r"listening on (https?://\S+)")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from meshnet import __version__
 from meshnet.cli.artifacts import add_artifact_commands
 from meshnet.cli.serve import add_allow_uncertified, add_api_keys, add_chat_template
 from meshnet.cli.swarm import add_decode_batch, add_speculative, add_swarm_commands, at_least_one
+from meshnet.cli.swarm_admin import add_swarm_admin_commands
 
 __all__ = ["main"]
 
@@ -66,6 +67,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_allow_uncertified(make)
 
     add_swarm_commands(sub)
+    add_swarm_admin_commands(sub)
     add_artifact_commands(sub)
     _add_plan_parser(sub)
     _add_up_parser(sub)
@@ -123,10 +125,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_serve(args)
     if args.command in ("node", "tracker", "gateway", "up"):
-        from meshnet.cli import swarm, up
+        from meshnet.cli import hubs, swarm, up
 
-        runner = {"node": swarm.run_node, "tracker": swarm.run_tracker, "gateway": swarm.run_gateway}
+        runner = {"node": swarm.run_node, "tracker": hubs.run_tracker, "gateway": hubs.run_gateway}
         return runner[args.command](args) if args.command in runner else up.run_up(args)
+    if args.command == "swarm":
+        from meshnet.cli.swarm_admin import run_swarm
+
+        return run_swarm(args)
     if args.command == "plan":
         from meshnet.cli.shard import run_plan
 

@@ -7,18 +7,24 @@ import os
 import socket
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 from meshnet.cli.artifacts import add_fetch_arguments, fetch_node_shard
+from meshnet.cli.member_tls import (
+    add_member_tls,
+    add_tracker_tls,
+    check_covers,
+    check_plain_bind,
+    member_tls_for,
+)
 from meshnet.cli.serve import (
     add_allow_uncertified,
     add_api_keys,
     add_chat_template,
-    api_keys_for,
     bind_socket,
     check_certified,
-    read_chat_template,
     resolve_gguf,
     serve_app,
     setup_logging,
@@ -28,7 +34,7 @@ from meshnet.errors import MeshnetError
 from meshnet.httputil import is_wildcard, service_url
 from meshnet.layers import LayerRange
 
-__all__ = ["add_swarm_commands", "default_cache_dir", "run_gateway", "run_node", "run_tracker"]
+__all__ = ["add_swarm_commands", "default_cache_dir", "run_node"]
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -67,12 +73,17 @@ def add_swarm_commands(sub: Any) -> None:
         help="activations sent onward (default float32: exact; a lossy dtype makes the text depend on where "
         "routes are cut, and route repair keeps such seams in place)",
     )
-    node.add_argument("--node-id", help="stable id (default: derived from host, port and layers)")
     node.add_argument(
-        "--public-url",
-        help="the URL gateways and other nodes reach this node at, advertised to the tracker "
-        "(default http://HOST:PORT; set it behind NAT, a reverse proxy or a link emulator)",
+        "--node-id", help="stable id (default: the certificate's member id, else derived from port and layers)"
     )
+    node.add_argument(
+        "--advertise-url",
+        "--public-url",
+        dest="public_url",
+        help="the URL gateways and other nodes reach this node at, advertised to the tracker "
+        "(default http(s)://HOST:PORT; set it behind NAT, a reverse proxy or a link emulator)",
+    )
+    add_member_tls(node)
     add_allow_uncertified(node)
     node.add_argument("--cache-dir", type=Path, default=None, help="where shard files are cut to")
     node.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session's KV is freed")
@@ -94,6 +105,7 @@ def add_swarm_commands(sub: Any) -> None:
     tracker.add_argument("--host", default="127.0.0.1")
     tracker.add_argument("--port", type=int, default=8001)
     tracker.add_argument("--db", default="sqlite:///.meshnet/tracker.db", help="SQLAlchemy URL (sqlite or postgresql)")
+    add_tracker_tls(tracker)
 
     gateway = sub.add_parser("gateway", help="OpenAI API + telemetry over a route of nodes")
     gateway.add_argument("--gguf", type=Path, help="the model's GGUF, for its tokenizer (default: bundled)")
@@ -117,6 +129,7 @@ def add_swarm_commands(sub: Any) -> None:
     add_speculative(gateway)
     add_chat_template(gateway)
     add_api_keys(gateway)
+    add_member_tls(gateway, insecure=False)  # for its clients; its own OpenAI port is the API keys' business
     gateway.add_argument(
         "--hop-timeout",
         type=float,
@@ -172,6 +185,11 @@ def add_decode_batch(parser: argparse.ArgumentParser) -> None:
 def run_node(args: argparse.Namespace) -> int:
     setup_logging()
     _check_advertisable(args.host, _public_url(args.public_url))  # a bad one fails now, not after loading the model
+    args.member_tls = member_tls_for(args, "node", "node")
+    if args.member_tls is None:
+        check_plain_bind(args.host, args.insecure, "node", "join a private swarm and give --swarm-dir DIR")
+    elif args.node_id not in (None, args.member_tls.member_id):
+        usage_error(f"meshnet node: --node-id {args.node_id} is not the certificate's id {args.member_tls.member_id!r}")
     from meshnet.artifacts.fetch import FetchError
 
     if args.hf is not None:
@@ -238,8 +256,8 @@ def _check_advertisable(host: str, public_url: str | None) -> None:
     if is_wildcard(host) and public_url is None:
         usage_error(
             f"meshnet node: --host {host} listens on every interface, and http://{host}:PORT is not an address "
-            "other hosts can reach; give --public-url http://THIS-MACHINE'S-ADDRESS:PORT (what the tracker hands "
-            "to gateways and the hop before this one)"
+            "other hosts can reach; give --advertise-url (or --public-url) https://THIS-MACHINE'S-ADDRESS:PORT "
+            "(what the tracker hands to gateways and the hop before this one)"
         )
 
 
@@ -247,12 +265,18 @@ def _serve_node(
     args: argparse.Namespace, sock: socket.socket, shard: Any, advert: dict[str, Any], *, started: float, seeder: Any
 ) -> int:
     host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}"
+    tls = args.member_tls
+    url = f"{'https' if tls else 'http'}://{host}:{port}"
     public = _public_url(args.public_url) or url
+    if tls is not None:
+        if not public.startswith("https://"):
+            usage_error(f"meshnet node: a swarm member serves https; --advertise-url {public} must be https://")
+        check_covers(tls, urllib.parse.urlsplit(public).hostname or "", "node")
     from meshnet.node.app import NodeConfig, create_node_app
+    from meshnet.security.membership import RequireMember
 
     info = shard.info
-    node_id = args.node_id or f"node-{port}-{info.layers.start}-{info.layers.stop}"
+    node_id = args.node_id or (tls.member_id if tls else f"node-{port}-{info.layers.start}-{info.layers.stop}")
     config = NodeConfig(
         node_id=node_id,
         url=public,
@@ -263,6 +287,7 @@ def _serve_node(
         sweep_interval_s=min(5.0, max(0.2, args.session_ttl / 2)),
         tracker_url=args.tracker.rstrip("/") if args.tracker else None,
         advert=tuple(advert.items()),
+        client_tls=tls.client_context() if tls else None,
     )
     print(
         f"meshnet: node {node_id} holds layers {info.layers} of {info.model_id} ({info.backend}, "
@@ -274,7 +299,11 @@ def _serve_node(
         print(f"meshnet: advertised as {public}", flush=True)
     print(f"meshnet: listening on {url}", flush=True)
     try:
-        serve_app(create_node_app(shard, config), sock)
+        app = create_node_app(shard, config)
+        if tls is None:
+            serve_app(app, sock)
+        else:
+            serve_app(RequireMember(app, tls.ca_cert), sock, tls=tls.server_context())
     finally:
         if seeder is not None:
             seeder.close()
@@ -313,85 +342,3 @@ def _load_shard(args: argparse.Namespace, gguf: Path) -> tuple[Any, dict[str, An
         return LlamaShard(gguf, model_id=model_id, config=config), advert
     cache = args.cache_dir or default_cache_dir()
     return LlamaShard.from_model(gguf, layers, cache_dir=cache, model_id=model_id, config=config), advert
-
-
-def run_tracker(args: argparse.Namespace) -> int:
-    setup_logging()
-    from meshnet.tracker.app import create_tracker_app
-    from meshnet.tracker.db import TrackerDB
-
-    sock = bind_socket(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    try:
-        db = TrackerDB(args.db)
-    except ValueError as exc:
-        sock.close()
-        print(f"meshnet tracker: {exc}", file=sys.stderr)
-        return 2
-    url = f"http://{host}:{port}"
-    print(f"meshnet: tracker on {url} (database {db.url_for_display})", flush=True)
-    print(f"meshnet: listening on {url}", flush=True)
-    try:
-        serve_app(create_tracker_app(db), sock)
-    finally:
-        db.close()
-    return 0
-
-
-def run_gateway(args: argparse.Namespace) -> int:
-    setup_logging()
-    if args.draft_tokens < 1:
-        print(f"meshnet gateway: --draft-tokens must be at least 1, got {args.draft_tokens}", file=sys.stderr)
-        return 2
-    if not 0 < args.max_body_mb <= 4096:
-        print(f"meshnet gateway: --max-body-mb must be within (0, 4096], got {args.max_body_mb}", file=sys.stderr)
-        return 2
-    gguf = resolve_gguf(args.gguf, "gateway")
-    template = read_chat_template(args.chat_template_file, "gateway")
-    keys = api_keys_for(args, "gateway")
-    sock = bind_socket(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    from meshnet.backends.llama_vocab import LlamaVocab
-    from meshnet.gateway import create_app
-    from meshnet.gateway.billing_outbox import BillingOutbox
-    from meshnet.gateway.route_engine import RouteEngine
-
-    try:
-        vocab = LlamaVocab(gguf)
-    except MeshnetError as exc:
-        sock.close()
-        print(f"meshnet gateway: {exc.message}", file=sys.stderr)
-        return 2
-    cap = min(args.ctx, vocab.info.n_ctx_train, 131072)
-    engine = RouteEngine(
-        vocab,
-        args.tracker,
-        n_ctx=cap,
-        max_concurrency=args.max_concurrency,
-        prefill_chunk=args.prefill_chunk,
-        timeout_s=args.hop_timeout,
-        speculative=args.speculative,
-        draft_tokens=args.draft_tokens,
-        decode_channel=args.decode_channel == "on",
-        outbox=BillingOutbox(args.tracker, spool_dir=args.billing_spool),
-    )
-    if engine.outbox.recovered:
-        print(f"meshnet: delivering {engine.outbox.recovered} billing record(s) an earlier gateway left", flush=True)
-    url = f"http://{host}:{port}"
-    print(f"meshnet: gateway for {vocab.info.model_id} over tracker {args.tracker}; context cap {cap}", flush=True)
-    print(f"meshnet: OpenAI API on {url}/v1", flush=True)
-    print(f"meshnet: listening on {url}", flush=True)
-    try:
-        app = create_app(
-            engine,
-            max_queue=args.max_queue,
-            swarm_tracker=args.tracker,
-            max_body_bytes=int(args.max_body_mb * 2**20),
-            chat_template=template,
-            api_keys=keys,
-        )
-        serve_app(app, sock)
-    finally:
-        engine.close()
-        vocab.close()
-    return 0

@@ -44,7 +44,12 @@ JOIN_TIMEOUT_S = 30.0
 
 
 class JoinError(MeshnetError):
-    """A join that did not happen; the message says what to fix."""
+    """A join that did not happen; the message says what to fix. ``unreachable``: the tracker did
+    not answer at all (try again), rather than refusing."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 def default_sans(extra: Sequence[str] = ()) -> list[str]:
@@ -94,7 +99,7 @@ def join_swarm(
         with httpx.Client(verify=context, timeout=timeout_s) as client:
             answer = client.post(f"{tracker}{JOIN_PATH}", json={**body, "sans": list(sans)})
     except httpx.HTTPError as exc:
-        raise JoinError(f"cannot reach the tracker at {tracker}: {exc}") from None
+        raise JoinError(f"cannot reach the tracker at {tracker}: {exc}", unreachable=True) from None
     if answer.status_code != 201:
         raise JoinError(f"the tracker refused the join (HTTP {answer.status_code}): {error_message(answer)}")
     try:
@@ -113,7 +118,7 @@ def _fetch_ca(tracker: str, want: str, timeout_s: float) -> bytes:
         with httpx.Client(verify=unverified, timeout=timeout_s) as client:
             answer = client.get(f"{tracker}{CA_PATH}")
     except httpx.HTTPError as exc:
-        raise JoinError(f"cannot reach the tracker at {tracker}: {exc}") from None
+        raise JoinError(f"cannot reach the tracker at {tracker}: {exc}", unreachable=True) from None
     if answer.status_code != 200:
         raise JoinError(f"the tracker at {tracker} serves no swarm CA (HTTP {answer.status_code})")
     try:

@@ -1,0 +1,109 @@
+"""``meshnet tracker`` and ``meshnet gateway``: the processes of a swarm besides its nodes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshnet.cli.member_tls import member_tls_for, tracker_tls_for
+from meshnet.cli.serve import api_keys_for, bind_socket, read_chat_template, resolve_gguf, serve_app, setup_logging
+from meshnet.errors import MeshnetError
+
+__all__ = ["run_gateway", "run_tracker"]
+
+
+def run_tracker(args: argparse.Namespace) -> int:
+    setup_logging()
+    from meshnet.tracker.app import create_tracker_app
+    from meshnet.tracker.db import TrackerDB
+
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    tls = tracker_tls_for(args, host, port)
+    try:
+        db = TrackerDB(args.db)
+    except ValueError as exc:
+        sock.close()
+        print(f"meshnet tracker: {exc}", file=sys.stderr)
+        return 2
+    url = tls.url if tls else f"http://{host}:{port}"
+    print(f"meshnet: tracker on {url} (database {db.url_for_display})", flush=True)
+    if tls is not None:
+        swarm = tls.authority.ca
+        print(f"meshnet: private swarm {swarm.swarm_id} from {args.swarm}: members only, over mutual TLS", flush=True)
+    print(f"meshnet: listening on {url}", flush=True)
+    try:
+        if tls is None:
+            serve_app(create_tracker_app(db), sock)
+        else:
+            app = create_tracker_app(db, swarm=tls.authority, client_tls=tls.client)
+            serve_app(app, sock, tls=tls.server)
+    finally:
+        db.close()
+    return 0
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    setup_logging()
+    if args.draft_tokens < 1:
+        print(f"meshnet gateway: --draft-tokens must be at least 1, got {args.draft_tokens}", file=sys.stderr)
+        return 2
+    if not 0 < args.max_body_mb <= 4096:
+        print(f"meshnet gateway: --max-body-mb must be within (0, 4096], got {args.max_body_mb}", file=sys.stderr)
+        return 2
+    gguf = resolve_gguf(args.gguf, "gateway")
+    template = read_chat_template(args.chat_template_file, "gateway")
+    keys = api_keys_for(args, "gateway")
+    member = member_tls_for(args, "gateway", "gateway")
+    if member is not None and not args.tracker.startswith("https://"):
+        print(f"meshnet gateway: a swarm member talks to its tracker over https, not {args.tracker}", file=sys.stderr)
+        return 2
+    client_tls = member.client_context() if member else None
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    from meshnet.backends.llama_vocab import LlamaVocab
+    from meshnet.gateway import create_app
+    from meshnet.gateway.billing_outbox import BillingOutbox
+    from meshnet.gateway.route_engine import RouteEngine
+
+    try:
+        vocab = LlamaVocab(gguf)
+    except MeshnetError as exc:
+        sock.close()
+        print(f"meshnet gateway: {exc.message}", file=sys.stderr)
+        return 2
+    cap = min(args.ctx, vocab.info.n_ctx_train, 131072)
+    engine = RouteEngine(
+        vocab,
+        args.tracker,
+        n_ctx=cap,
+        max_concurrency=args.max_concurrency,
+        prefill_chunk=args.prefill_chunk,
+        timeout_s=args.hop_timeout,
+        speculative=args.speculative,
+        draft_tokens=args.draft_tokens,
+        decode_channel=args.decode_channel == "on",
+        outbox=BillingOutbox(args.tracker, spool_dir=args.billing_spool, tls=client_tls),
+        client_tls=client_tls,
+    )
+    if engine.outbox.recovered:
+        print(f"meshnet: delivering {engine.outbox.recovered} billing record(s) an earlier gateway left", flush=True)
+    url = f"http://{host}:{port}"
+    print(f"meshnet: gateway for {vocab.info.model_id} over tracker {args.tracker}; context cap {cap}", flush=True)
+    print(f"meshnet: OpenAI API on {url}/v1", flush=True)
+    print(f"meshnet: listening on {url}", flush=True)
+    try:
+        app = create_app(
+            engine,
+            max_queue=args.max_queue,
+            swarm_tracker=args.tracker,
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            chat_template=template,
+            api_keys=keys,
+            tracker_tls=client_tls,
+        )
+        serve_app(app, sock)
+    finally:
+        engine.close()
+        vocab.close()
+    return 0
