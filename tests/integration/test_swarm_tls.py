@@ -1,0 +1,127 @@
+"""A private swarm end to end: ``meshnet swarm init``, a tracker with ``--swarm``, two nodes and a
+gateway that joined with invites, all talking mutual TLS on loopback; outsiders are refused."""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from meshnet.security.identity import SwarmCA
+from meshnet.security.invites import mint_invite
+from meshnet.security.join import join_swarm
+from meshnet.security.tls import Credentials
+from tests.procs import MESHNET, Proc, meshnet_process
+
+pytestmark = pytest.mark.real
+
+NODE_ARGS = ["--threads", "1", "--ctx", "256", "--max-sessions", "2"]
+
+
+def _meshnet(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MESHNET, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def _join(swarm: Path, role: str, member_id: str, into: Path) -> Path:
+    invite = _meshnet("swarm", "invite", "--dir", str(swarm), "--role", role, "--id", member_id)
+    assert invite.returncode == 0, invite.stderr
+    joined = _meshnet("swarm", "join", invite.stdout.strip(), "--dir", str(into))
+    assert joined.returncode == 0, joined.stderr
+    return into
+
+
+def _client(credentials: Path) -> httpx.Client:
+    return httpx.Client(verify=Credentials.at(credentials).client_context(), timeout=30)
+
+
+def _wait_nodes(tracker: str, admin: Path, want: set[str]) -> dict[str, str]:
+    deadline = time.monotonic() + 120
+    with _client(admin) as client:
+        while time.monotonic() < deadline:
+            nodes = {n["node_id"]: n["url"] for n in client.get(f"{tracker}/v1/nodes").json()["nodes"]}
+            if set(nodes) >= want:
+                return nodes
+            time.sleep(0.3)
+    raise TimeoutError(f"nodes {want} did not register with {tracker}")
+
+
+@pytest.fixture(scope="module")
+def private_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Proc, dict[str, str], Proc]]:
+    root = tmp_path_factory.mktemp("private")
+    swarm = root / "swarm"
+    assert _meshnet("swarm", "init", str(swarm)).returncode == 0
+    with contextlib.ExitStack() as stack:
+        tracker = stack.enter_context(
+            meshnet_process(["tracker", "--swarm", str(swarm), "--port", "0", "--db", f"sqlite:///{root}/t.db"])
+        )
+        assert tracker.url.startswith("https://127.0.0.1:")
+        head = _join(swarm, "node", "head", root / "head")
+        tail = _join(swarm, "node", "tail", root / "tail")
+        gateway = _join(swarm, "gateway", "gw", root / "gw")
+        for layers, credentials in (("0:15", head), ("15:30", tail)):
+            node = ["node", "--layers", layers, "--swarm-dir", str(credentials), "--tracker", tracker.url]
+            stack.enter_context(meshnet_process([*node, "--port", "0", *NODE_ARGS]))
+        nodes = _wait_nodes(tracker.url, swarm / "admin", {"head", "tail"})
+        gw = stack.enter_context(
+            meshnet_process(["gateway", "--swarm-dir", str(gateway), "--tracker", tracker.url, "--port", "0"])
+        )
+        yield swarm, tracker, nodes, gw
+
+
+def test_a_chat_completion_runs_over_mutual_tls(private_swarm: tuple[Path, Proc, dict[str, str], Proc]) -> None:
+    swarm, _, nodes, gateway = private_swarm
+    assert all(url.startswith("https://127.0.0.1:") for url in nodes.values())
+    model = httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 12, "temperature": 0}
+    answer = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"]
+    # decode steps went over the nodes' TLS WebSockets (wss), not only HTTPS hop requests
+    with _client(swarm / "admin") as admin:
+        metrics = admin.get(f"{nodes['head']}/metrics").text
+    steps = [line for line in metrics.splitlines() if line.startswith("meshnet_node_channel_steps_total")]
+    assert steps and float(steps[0].split()[-1]) > 0, steps
+    view = httpx.get(f"{gateway.url}/v1/swarm", timeout=30).json()
+    assert {n["node_id"]: n["health"]["status"] for n in view["nodes"]} == {"head": "ok", "tail": "ok"}
+
+
+def test_outsiders_are_refused_by_tracker_and_nodes(
+    private_swarm: tuple[Path, Proc, dict[str, str], Proc], tmp_path: Path
+) -> None:
+    swarm, tracker, nodes, _ = private_swarm
+    anonymous = ssl.create_default_context(cafile=str(swarm / "ca.pem"))
+    with httpx.Client(verify=anonymous, timeout=10) as client:
+        answer = client.get(f"{tracker.url}/v1/nodes")
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "certificate_required"
+        with pytest.raises(httpx.TransportError):  # the node's handshake wants a client certificate
+            client.get(f"{nodes['head']}/v1/health")
+    # a member of another swarm (its own tracker and CA) fails the handshake with this one's node
+    other = SwarmCA.init(tmp_path / "other", name="other")
+    with meshnet_process(
+        ["tracker", "--swarm", str(other.directory), "--port", "0", "--db", f"sqlite:///{tmp_path}/o.db"]
+    ) as foreign:
+        token = mint_invite(other, role="node", member_id="spy", tracker_url=foreign.url)
+        spy = join_swarm(token, tmp_path / "spy")
+    with httpx.Client(verify=spy.client_context(), timeout=10) as client, pytest.raises(httpx.TransportError):
+        client.get(f"{nodes['head']}/v1/health")
+
+
+def test_a_node_runs_only_as_its_certificate_says(
+    private_swarm: tuple[Path, Proc, dict[str, str], Proc], tmp_path: Path
+) -> None:
+    swarm, tracker, _, _ = private_swarm
+    head = swarm.parent / "head"
+    out = _meshnet("node", "--layers", "0:15", "--swarm-dir", str(head), "--node-id", "tail", "--port", "0")
+    assert out.returncode == 2 and "not the certificate's id 'head'" in out.stderr, out.stderr
+    out = _meshnet("node", "--layers", "0:15", "--swarm-dir", str(swarm.parent / "gw"), "--port", "0")
+    assert out.returncode == 2 and "needs a node certificate" in out.stderr, out.stderr
+    out = _meshnet(
+        "gateway", "--swarm-dir", str(swarm.parent / "gw"), "--tracker", tracker.url.replace("https", "http")
+    )
+    assert out.returncode == 2 and "over https" in out.stderr, out.stderr
