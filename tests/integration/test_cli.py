@@ -82,7 +82,7 @@ def test_serve_refuses_bad_flags() -> None:
 def test_node_refuses_an_address_no_peer_can_dial() -> None:
     """Bound to every interface, a node would advertise http://0.0.0.0:PORT: refused before the model loads."""
     out = run("node", "--layers", "0:10", "--host", "0.0.0.0", "--port", "0", timeout=60)
-    assert out.returncode == 2 and "give --public-url" in out.stderr, out.stderr
+    assert out.returncode == 2 and "give --advertise-url" in out.stderr, out.stderr
     for bad, says in (("http://0.0.0.0:7000", "wildcard address"), ("http://h:7000/x", "no user, path"),
                       ("http://h", "explicit port"), ("ftp://h:1", "http://HOST:PORT")):  # fmt: skip
         out = run("node", "--layers", "0:10", "--public-url", bad, "--port", "0", timeout=60)
