@@ -125,3 +125,18 @@ def test_a_node_runs_only_as_its_certificate_says(
         "gateway", "--swarm-dir", str(swarm.parent / "gw"), "--tracker", tracker.url.replace("https", "http")
     )
     assert out.returncode == 2 and "over https" in out.stderr, out.stderr
+
+
+def test_up_tls_runs_the_local_swarm_as_a_private_one(tmp_path: Path) -> None:
+    up = ["up", "--tls", "--port", "0", "--nodes", "2", "--threads", "1", "--ctx", "256", "--workdir", str(tmp_path)]
+    with meshnet_process(up, ready_timeout_s=300) as swarm:
+        assert f"private swarm {tmp_path / 'swarm'}" in swarm.output()
+        view = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+        assert view["tracker"].startswith("https://") and len(view["nodes"]) == 2
+        assert all(n["url"].startswith("https://") and n["health"]["status"] == "ok" for n in view["nodes"])
+        model = httpx.get(f"{swarm.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "One, two,", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{swarm.url}/v1/completions", json=body, timeout=120).status_code == 200
+        anonymous = ssl.create_default_context(cafile=str(tmp_path / "swarm" / "ca.pem"))
+        with httpx.Client(verify=anonymous, timeout=10) as client:
+            assert client.get(f"{view['tracker']}/v1/nodes").status_code == 401

@@ -116,6 +116,12 @@ def _add_up_parser(sub: Any) -> None:
     add_chat_template(up)
     add_api_keys(up)
     add_allow_uncertified(up)
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="run it as a private swarm: a CA under the workdir, every member joined with an invite, mutual TLS "
+        "between tracker, nodes and gateway (the gateway's OpenAI port stays plain HTTP)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import argparse
 import itertools
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -113,13 +114,15 @@ def _wait_url(child: _Child, deadline: float) -> str:
     raise TimeoutError(f"{child.name} did not start within {_READY_TIMEOUT_S:.0f}s; see {child.log_path}")
 
 
-def _wait_nodes(tracker: str, want: int, children: list[_Child], deadline: float) -> list[dict[str, Any]]:
+def _wait_nodes(
+    tracker: str, want: int, children: list[_Child], deadline: float, tls: ssl.SSLContext | None = None
+) -> list[dict[str, Any]]:
     while time.monotonic() < deadline:
         for child in children:
             if child.popen.poll() is not None:
                 raise RuntimeError(f"{child.name} exited:\n{child.log_path.read_text()[-2000:]}")
         try:
-            nodes = httpx.get(f"{tracker}/v1/nodes", timeout=5).json()["nodes"]
+            nodes = httpx.get(f"{tracker}/v1/nodes", timeout=5, verify=tls or True).json()["nodes"]
             if len(nodes) >= want:
                 return list(nodes)
         except httpx.HTTPError:
@@ -172,9 +175,10 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         print(f"meshnet: starting a local swarm of {args.nodes} {args.backend} nodes (logs in {workdir})", flush=True)
-        tracker = _Child(
-            "tracker", ["tracker", "--port", "0", "--db", f"sqlite:///{workdir}/tracker.db"], workdir / "tracker.log"
-        )
+        swarm = _PrivateSwarm(workdir / "swarm") if args.tls else None
+        tracker_args = ["tracker", "--port", "0", "--db", f"sqlite:///{workdir}/tracker.db"]
+        tracker_args += ["--swarm", str(swarm.directory)] if swarm else []
+        tracker = _Child("tracker", tracker_args, workdir / "tracker.log")
         children.append(tracker)
         tracker_url = _wait_url(tracker, deadline)
         for i, layers in enumerate(ranges):
@@ -184,11 +188,12 @@ def run_up(args: argparse.Namespace) -> int:
                 "--node-id", f"node-{i}", "--ctx", str(args.ctx),
                 "--max-sessions", str(args.max_sessions), "--decode-batch", str(args.decode_batch),
                 *(["--allow-uncertified"] if args.allow_uncertified else []),
+                *(swarm.member_args("node", f"node-{i}", tracker_url) if swarm else []),
             ]  # fmt: skip
             role = " spare" if i >= args.nodes - args.spares else ""
             children.append(_Child(f"node-{i} ({layers}{role})", node_args, workdir / f"node-{i}.log"))
         print(f"meshnet: tracker {tracker_url}; loading {args.nodes} nodes ({threads} threads each) ...", flush=True)
-        nodes = _wait_nodes(tracker_url, args.nodes, children[1:], deadline)
+        nodes = _wait_nodes(tracker_url, args.nodes, children[1:], deadline, swarm.admin_tls() if swarm else None)
         gateway_args = [
             "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),
             "--host", args.host, "--ctx", str(args.ctx), "--max-concurrency", str(args.max_sessions),
@@ -197,11 +202,12 @@ def run_up(args: argparse.Namespace) -> int:
             *(["--chat-template-file", str(args.chat_template_file)] if args.chat_template_file else []),
             *(["--api-keys", str(args.api_keys)] if args.api_keys else []),
             *(["--no-auth"] if args.no_auth else []),
+            *(swarm.member_args("gateway", "gateway", tracker_url) if swarm else []),
         ]  # fmt: skip
         gateway = _Child("gateway", gateway_args, workdir / "gateway.log")
         children.append(gateway)
         gateway_url = _wait_url(gateway, deadline)
-        _banner(gateway_url, tracker_url, nodes)
+        _banner(gateway_url, tracker_url, nodes, swarm.directory if swarm else None)
         vital, reported = {tracker, gateway}, set()
         while not stop:
             for child in children:
@@ -229,7 +235,32 @@ def run_up(args: argparse.Namespace) -> int:
         print("meshnet: swarm stopped", flush=True)
 
 
-def _banner(gateway: str, tracker: str, nodes: list[dict[str, Any]]) -> None:
+class _PrivateSwarm:
+    """``meshnet up --tls``: a swarm CA under the workdir, each member joined with its own invite."""
+
+    def __init__(self, directory: Path) -> None:
+        from meshnet.security.identity import SwarmCA
+        from meshnet.security.join import default_sans
+        from meshnet.security.membership import ADMIN_DIR, SwarmAuthority
+
+        self.directory = directory
+        self.ca = SwarmCA.init(directory, name="meshnet up")
+        self.admin = SwarmAuthority(self.ca).issue_own("admin", "admin", default_sans(), directory / ADMIN_DIR)
+
+    def member_args(self, role: str, member_id: str, tracker_url: str) -> list[str]:
+        """Join ``member_id`` (its key made here, in its own directory) and name its credentials."""
+        from meshnet.security.invites import mint_invite
+        from meshnet.security.join import join_swarm
+
+        token = mint_invite(self.ca, role=role, member_id=member_id, tracker_url=tracker_url, expires_in_s=600)
+        credentials = join_swarm(token, self.directory / "members" / member_id)
+        return ["--swarm-dir", str(credentials.directory)]
+
+    def admin_tls(self) -> ssl.SSLContext:
+        return self.admin.client_context()
+
+
+def _banner(gateway: str, tracker: str, nodes: list[dict[str, Any]], swarm: Path | None) -> None:
     lines = [
         "",
         "  Meshnet local swarm is up",
@@ -241,6 +272,8 @@ def _banner(gateway: str, tracker: str, nodes: list[dict[str, Any]]) -> None:
     lines += [
         f"  {n['node_id']:<12} {n['url']:<28} layers {n['layers']}" for n in sorted(nodes, key=lambda n: n["node_id"])
     ]
+    if swarm is not None:
+        lines.append(f"  private swarm {swarm} (mutual TLS; admin credential {swarm / 'admin'})")
     lines += ["  Ctrl-C stops every process.", ""]
     print("\n".join(lines), flush=True)
     print(f"meshnet: listening on {gateway}", flush=True)

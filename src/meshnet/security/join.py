@@ -70,11 +70,12 @@ def join_swarm(
     directory: Path,
     *,
     member_id: str | None = None,
-    sans: Sequence[str] = (),
+    sans: Sequence[str] | None = None,
     tracker_url: str | None = None,
     timeout_s: float = JOIN_TIMEOUT_S,
 ) -> Credentials:
-    """Join the swarm ``token`` invites to; the new credentials, written to ``directory``."""
+    """Join the swarm ``token`` invites to; the new credentials, written to ``directory``. The
+    certificate lists ``sans`` (default: :func:`default_sans`, loopback and this host's name)."""
     invite = peek_invite(token.strip())
     member_id = member_id or invite.member_id
     if member_id is None:
@@ -93,11 +94,16 @@ def join_swarm(
     ca_pem = _fetch_ca(tracker, invite.ca_fingerprint, timeout_s)
     read_invite(token.strip(), ca_pem)  # expired, altered or for another swarm: say so before asking
     key = new_member_key()
-    body = {"token": token.strip(), "csr": make_csr(key, member_id).decode("ascii"), "member_id": member_id}
+    body = {
+        "token": token.strip(),
+        "csr": make_csr(key, member_id).decode("ascii"),
+        "member_id": member_id,
+        "sans": list(default_sans() if sans is None else sans),
+    }
     context = ssl.create_default_context(cadata=ca_pem.decode("ascii"))
     try:
         with httpx.Client(verify=context, timeout=timeout_s) as client:
-            answer = client.post(f"{tracker}{JOIN_PATH}", json={**body, "sans": list(sans)})
+            answer = client.post(f"{tracker}{JOIN_PATH}", json=body)
     except httpx.HTTPError as exc:
         raise JoinError(f"cannot reach the tracker at {tracker}: {exc}", unreachable=True) from None
     if answer.status_code != 201:
