@@ -73,9 +73,10 @@ from meshnet.gateway.speculative import SPECULATIVE_MODES, PromptLookup, WalkCos
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
-from meshnet.protocol import headers as H
-from meshnet.protocol.ledger import ChunkLedger, format_chunks, pack_chunks, verify_hops
-from meshnet.protocol.wire import encode_tensor, format_shape
+from meshnet.protocol import http_binding
+from meshnet.protocol.ledger import ChunkLedger, pack_chunks, verify_hops
+from meshnet.protocol.messages import HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.wire import encode_tensor
 from meshnet.routes import Hop, RoutePlan, hop_timeout_s
 from meshnet.sampling import Alternatives, Sampler
 
@@ -318,23 +319,17 @@ class RouteEngine:
         chunk = [tokens[-1], *drafts]
         for token in chunk:  # a verify chunk's positions compute as one-position steps (ShardInfo)
             run.add([token])
-        frame = encode_tensor(np.asarray([chunk], dtype=np.int32), "int32")
-        headers = {**self._base(run.plan), H.POSITION: str(position), H.SHAPE: format_shape(frame.shape)}
-        headers[H.DTYPE] = "int32"
-        verb = "decode-step"
-        if drafts:
-            headers[H.DRAFT] = ",".join(map(str, drafts))
-            verb = "verify"
-        if run.surplus:
-            headers[H.REWIND] = "1"
-            run.surplus = False
+        request = HopRequest(
+            Verb.VERIFY if drafts else Verb.DECODE, run.plan.session_id, position, len(chunk), _ids_payload(chunk),
+            model=self.info.model_id, route_id=run.plan.route_id, drafts=tuple(drafts), rewind=run.surplus,
+        )  # fmt: skip
+        run.surplus = False
         began = time.monotonic()
         try:
-            answer = self._channel_step(run, verb, headers, frame.body) if self.channels is not None else None
+            answer = self._channel_step(run, request) if self.channels is not None else None
             direct = answer is not None
             if answer is None:
-                path = f"/v1/sessions/{run.plan.session_id}/{verb}"
-                answer = self._post(run.plan.hops[0].url, path, frame.body, headers, below=len(run.plan.hops))
+                answer = self._send(run.plan.hops[0].url, request, below=len(run.plan.hops))
             self._check_tokens(answer, run.plan)
         except HopFailed as exc:
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
@@ -351,12 +346,14 @@ class RouteEngine:
         run.usage.add(run.plan.hops, decode=kept - position)
         return answer
 
-    def _channel_step(self, run: _Run, verb: str, headers: dict[str, str], body: bytes) -> dict[str, Any] | None:
+    def _channel_step(self, run: _Run, request: HopRequest) -> dict[str, Any] | None:
         """One step over the decode channel: the head gets it, the tail's answer comes straight back;
         ``None`` when a node of the route takes no channel (nothing was sent: HTTP then)."""
         assert self.channels is not None
         plan = run.plan
         sid = plan.session_id
+        _path, headers, body = http_binding.encode_request(request)
+        del headers["Content-Type"]
 
         def probe(url: str, seq: int) -> bool | None:
             try:
@@ -369,7 +366,7 @@ class RouteEngine:
             return self.channels.step(
                 [h.url for h in plan.hops],
                 sid,
-                verb=verb,
+                verb=str(request.verb),
                 headers=headers,
                 body=body,
                 # no hop waits for another here, so no nesting: one hop timeout bounds the walk, as it
@@ -419,14 +416,14 @@ class RouteEngine:
             answer = self._replay_tokens(run, tokens, count)
         else:
             upstream = new_hops[first - 1]
-            path, below = f"/v1/sessions/{sid}/reroute", len(new_hops) - first + 1
+            below = len(new_hops) - first + 1
             chunks = 1 + position // 256  # the upstream replays its log in requests of up to 256 positions
-            headers = self._reroute_headers(run, first - 1, count, position)
-            answer = self._post(upstream.url, path, b"", headers, below=below, scale=chunks)
+            reroute = self._reroute(run, first - 1, count, position)
+            answer = self._post_reroute(upstream.url, reroute, below=below, scale=chunks)
             above: list[dict[str, Any]] = []
             for i in range(first - 2, -1, -1):  # the hops above it broke the session too: clear them
-                headers = self._reroute_headers(run, i, 0, position)
-                cleared = self._post(new_hops[i].url, path, b"", headers, below=len(new_hops) - i)
+                reroute = self._reroute(run, i, 0, position)
+                cleared = self._post_reroute(new_hops[i].url, reroute, below=len(new_hops) - i)
                 above.insert(0, (cleared.get("hops") or [{}])[0])
             answer["hops"] = [*above, *answer.get("hops", [])]
         self._check_tokens(answer, run.plan)
@@ -440,28 +437,21 @@ class RouteEngine:
                     self._client().delete(f"{hop.url}/v1/sessions/{sid}", timeout=5.0)
         return answer, position
 
-    def _reroute_headers(self, run: _Run, index: int, replay: int, step: int) -> dict[str, str]:
+    def _reroute(self, run: _Run, index: int, replay: int, step: int) -> RerouteRequest:
         """A reroute for the step at position ``step``: the hop drops anything past it (drafts) first."""
-        hops = run.plan.hops
-        return {
-            **self._base(run.plan),
-            H.NEXT_HOPS: ",".join(h.url for h in hops[index + 1 :]),
-            H.REPLAY: str(replay),
-            H.SAMPLING: run.sampling,
-            H.POSITION: str(step),
-        }
+        plan = run.plan
+        hops = tuple(h.url for h in plan.hops[index + 1 :])
+        return RerouteRequest(plan.session_id, hops, plan.route_id, model=self.info.model_id, replay=replay,
+                              sampling=run.sampling, step=step)  # fmt: skip
 
     def _replay_tokens(self, run: _Run, tokens: list[int], count: int) -> dict[str, Any]:
         """Rebuild a new head (and ``count - 1`` hops after it) from the token ids, then resend the step."""
         plan, position = run.plan, len(tokens) - 1
-        url = f"/v1/sessions/{plan.session_id}"
-        for _, headers, body in self._chunk_requests(run, tokens[:position]):
-            headers[H.REPLAY] = str(count)
-            self._post(plan.hops[0].url, f"{url}/prefill", body, headers, below=len(plan.hops))
-        ids = np.asarray(tokens, dtype=np.int32)
-        frame = encode_tensor(ids[position:].reshape(1, 1), "int32")
-        headers = {**self._base(plan), H.POSITION: str(position), H.SHAPE: "1,1", H.DTYPE: "int32", H.REWIND: "1"}
-        return self._post(plan.hops[0].url, f"{url}/decode-step", frame.body, headers, below=len(plan.hops))
+        for _, request in self._chunk_requests(run, tokens[:position]):
+            self._send(plan.hops[0].url, dataclasses.replace(request, replay=count), below=len(plan.hops))
+        step = HopRequest(Verb.DECODE, plan.session_id, position, 1, _ids_payload(tokens[position:]),
+                          model=self.info.model_id, route_id=plan.route_id, rewind=True)  # fmt: skip
+        return self._send(plan.hops[0].url, step, below=len(plan.hops))
 
     def _fresh_route(self, run: _Run, tokens: list[int]) -> None:
         """Abandon the current route (work on it is not billed) for a new one without the failed nodes."""
@@ -505,52 +495,47 @@ class RouteEngine:
             self._tracker("POST", f"/v1/nodes/{hop.node}/failures", json=body)
 
     # -- the wire ----------------------------------------------------------------------------
-    def _base(self, plan: RoutePlan) -> dict[str, str]:
-        return {H.MODEL: self.info.model_id, H.ROUTE_ID: plan.route_id, "Content-Type": "application/octet-stream"}
-
     def _prefill(
         self, run: _Run, tokens: Sequence[int], cancel: threading.Event
     ) -> Generator[EngineStep, None, dict[str, Any] | None]:
         """Prefill ``tokens`` on ``run.plan`` in the chunks of ``run.ledger``; the last chunk's answer samples."""
-        path = f"/v1/sessions/{run.plan.session_id}/prefill"
         answer: dict[str, Any] | None = None
         total = len(tokens)
-        for end, headers, body in self._chunk_requests(run, tokens):
+        for end, chunk in self._chunk_requests(run, tokens):
             if cancel.is_set():
                 return None
-            if end == total:
-                headers[H.SAMPLE] = "1"
-            answer = self._post(run.plan.hops[0].url, path, body, headers, below=len(run.plan.hops))
+            request = dataclasses.replace(chunk, sample=True) if end == total else chunk
+            answer = self._send(run.plan.hops[0].url, request, below=len(run.plan.hops))
             yield PrefillProgress(done=end, total=total)
         if answer is not None:
             self._check_tokens(answer, run.plan)
         return answer
 
-    def _chunk_requests(
-        self, run: _Run, tokens: Sequence[int]
-    ) -> Generator[tuple[int, dict[str, str], bytes], None, None]:
-        """``(end, headers, body)`` of the prefill requests for ``tokens``, in exactly the chunks the
-        route computed them in first (several chunks to a request, each its own compute call:
-        ``X-Meshnet-Chunks``)."""
-        plan, ids = run.plan, np.asarray(tokens, dtype=np.int32)
+    def _chunk_requests(self, run: _Run, tokens: Sequence[int]) -> Generator[tuple[int, HopRequest], None, None]:
+        """``(end, request)`` of the prefill requests for ``tokens``, in exactly the chunks the route
+        computed them in first (several chunks to a request, each its own compute call)."""
+        plan = run.plan
         ends = run.ledger.ends
         if len(tokens) not in ends:
             raise EngineError(f"{len(tokens)} positions do not end on a chunk of this generation")
         sizes = run.ledger.sizes()[: ends.index(len(tokens)) + 1]
         for begin, chunks in pack_chunks(sizes, self.prefill_chunk):
             end = begin + sum(chunks)
-            frame = encode_tensor(ids[begin:end].reshape(1, -1), "int32")
-            headers = {
-                **self._base(plan),
-                H.TOKEN_RANGE: f"{begin}-{end - 1}",
-                H.SHAPE: format_shape(frame.shape),
-                H.DTYPE: "int32",
-            }
-            if len(chunks) > 1:
-                headers[H.CHUNKS] = format_chunks(chunks)
-            if begin == 0:
-                headers.update({H.NEXT_HOPS: ",".join(h.url for h in plan.hops[1:]), H.SAMPLING: run.sampling})
-            yield end, headers, frame.body
+            first = begin == 0  # the first request names the route and the tail's sampling
+            yield end, HopRequest(
+                Verb.PREFILL, plan.session_id, begin, end - begin, _ids_payload(tokens[begin:end]),
+                model=self.info.model_id, route_id=plan.route_id, chunks=tuple(chunks) if len(chunks) > 1 else None,
+                next_hops=tuple(h.url for h in plan.hops[1:]) if first else None,
+                sampling=run.sampling if first else None,
+            )  # fmt: skip
+
+    def _send(self, hop_url: str, request: HopRequest, *, below: int) -> dict[str, Any]:
+        path, headers, body = http_binding.encode_request(request)
+        return self._post(hop_url, path, body, headers, below=below)
+
+    def _post_reroute(self, hop_url: str, request: RerouteRequest, *, below: int, scale: int = 1) -> dict[str, Any]:
+        path, headers = http_binding.encode_reroute(request)
+        return self._post(hop_url, path, b"", headers, below=below, scale=scale)
 
     def _post(
         self, hop_url: str, path: str, body: bytes, headers: dict[str, str], *, below: int, scale: int = 1
@@ -585,6 +570,10 @@ class RouteEngine:
         client = getattr(self._local, "client", None)
         if client is not None:
             client.close()
+
+
+def _ids_payload(tokens: Sequence[int]) -> Payload:
+    return Payload(encode_tensor(np.asarray([list(tokens)], dtype=np.int32), "int32"))
 
 
 def _tokens_of(answer: dict[str, Any]) -> list[tuple[int, float, Alternatives]]:

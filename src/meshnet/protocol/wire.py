@@ -19,12 +19,14 @@ from meshnet.errors import PayloadTooLarge, SeamMismatch
 __all__ = [
     "DTYPES",
     "TensorFrame",
+    "checked_values",
     "decode_tensor",
     "encode_tensor",
     "format_shape",
     "frame_values",
     "parse_range",
     "parse_shape",
+    "read_frame",
     "split_token_ids",
     "token_ids_prefix",
 ]
@@ -80,23 +82,30 @@ def decode_tensor(
     body: bytes, shape_header: str | None, dtype_header: str | None, *, max_bytes: int
 ) -> npt.NDArray[np.float32] | npt.NDArray[np.int32]:
     """Validate and decode a hop body: int32 stays int32, every float dtype becomes float32."""
+    return checked_values(read_frame(body, shape_header, dtype_header, max_bytes=max_bytes))
+
+
+def read_frame(body: bytes, shape_header: str | None, dtype_header: str | None, *, max_bytes: int) -> TensorFrame:
+    """A hop body as a frame whose size matches its shape and dtype; its values are read later
+    (``checked_values``), by the one that knows what it must hold."""
     if len(body) > max_bytes:
         raise PayloadTooLarge(f"body of {len(body)} bytes exceeds this node's limit of {max_bytes} bytes")
     dtype = (dtype_header or "").strip().lower()
     if dtype not in DTYPES:
         raise SeamMismatch(f"X-Meshnet-Dtype {dtype_header!r} is not supported; use one of {', '.join(DTYPES)}")
     shape = parse_shape(shape_header)
-    size, storage = DTYPES[dtype]
-    expected = int(np.prod(shape)) * size
+    expected = int(np.prod(shape)) * DTYPES[dtype][0]
     if len(body) != expected:
         raise SeamMismatch(
             f"body is {len(body)} bytes but shape {format_shape(shape)} of {dtype} needs {expected} bytes"
         )
-    raw = np.frombuffer(body, dtype=storage).reshape(shape)
-    if dtype == "int32":
-        return raw.astype(np.int32)
-    values = _widen(raw, dtype)
-    if not np.isfinite(values).all():
+    return TensorFrame(shape, dtype, body)
+
+
+def checked_values(frame: TensorFrame) -> npt.NDArray[np.float32] | npt.NDArray[np.int32]:
+    """The values of a frame ``read_frame`` accepted: int32 as is, floats widened and all finite."""
+    values = frame_values(frame)
+    if frame.dtype != "int32" and not np.isfinite(values).all():
         raise SeamMismatch("activations contain NaN or Inf")
     return values
 

@@ -1,0 +1,518 @@
+"""A shard node's logic, independent of any transport: ``NodeService``.
+
+Flow of one request (a ``protocol.messages.HopRequest``, whichever transport brought it): check
+the session's route binding → compute this shard's layers on a worker thread → pass the output on
+to the next hop through a ``node.transport.HopTransport`` → answer. The tail samples the next
+token (``meshnet.sampling``) and its answer (token, logprob, per-hop entries) travels back up the
+chain. ``node.app`` drives it over HTTP and the decode channel; tests drive chains of services
+over ``LocalTransport`` with fake shards.
+
+Pipelined prefill: a non-final prefill chunk is answered ``ACCEPTED`` as soon as this node has
+computed it and queued the forward; forwards of one session leave in position order. A forward
+that fails marks the session *broken* on this node: every later request on it gets the reason,
+so a session is either advanced on every hop or reported broken — never silently diverged.
+Every failure names the innermost hop that failed (``failed_hop``), which is what route repair
+replaces.
+
+Route repair (docs/protocol.md): every non-tail node keeps a seam log per session
+(``node.session.SeamLogs``). ``reroute`` points a session at new next hops and replays the log
+into them (``replay``: they rebuild their KV without answering a token), then resends the
+interrupted step with ``rewind`` so a hop that already computed it drops it first. Nothing
+upstream recomputes, and no KV crosses the network.
+
+Speculative decoding (``verify``): a decode step with drafted tokens after it computes every
+position as a one-position step would (``shard.verify_chunk``); the tail keeps the drafts its
+sampler agrees with plus one token of its own, and every hop drops the rejected positions as the
+answer passes it back.
+
+Penalties and grammars: when the session's sampling parameters set a presence or frequency
+penalty or a grammar, the token ids travel beside the activations to the tail (and into the seam
+logs), which counts the generated ones and brings its grammar state up to them before each choice.
+
+Decode channel (``node.channel``): a step may come with a ``Direct`` (it came over a kept-open
+WebSocket); a hop passes it on over its own channel without waiting, the tail sends its answer
+straight to the gateway, and a failure goes to the gateway from the hop that met it. After a
+verify chunk there, the hops before the tail drop the rejected drafts when the next step says so
+(``rewind``).
+
+Concurrency: one request per session at a time (a second gets 409); compute is serialized by
+the shard backend; everything else runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshnet.backends.shard import DecodeStep, ShardBackend, ShardOutput, compute_chunks, verify_chunk
+from meshnet.errors import (
+    Conflict,
+    HopFailed,
+    InvalidRequest,
+    MeshnetError,
+    SeamMismatch,
+    SessionBusy,
+    SessionGone,
+    SessionNotFound,
+)
+from meshnet.ids import SessionId
+from meshnet.node.advert import Traffic
+from meshnet.node.batcher import DecodeBatcher
+from meshnet.node.channel import Direct
+from meshnet.node.checks import check_drafts, check_model, check_next_hops, sampling_params, shard_inputs
+from meshnet.node.metrics import NodeMetrics
+from meshnet.node.session import NodeSession, SeamLogs
+from meshnet.node.transport import HopTransport
+from meshnet.protocol import headers as H
+from meshnet.protocol.ledger import ChunkLedger, pack_chunks
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.wire import TensorFrame, encode_tensor, frame_values
+from meshnet.routes import hop_timeout_s
+from meshnet.sampling import Sampler
+
+__all__ = ["ChannelSend", "NodeConfig", "NodeService"]
+
+# (next hop, request, its decode-channel routing, timeout) -> sent; raises HopFailed naming the hop
+ChannelSend = Callable[[str, HopRequest, Direct, float], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    node_id: str
+    url: str
+    wire_dtype: str = "float32"  # what this node sends to the next hop (float32: exact)
+    max_body_bytes: int = 256 * 2**20
+    hop_timeout_s: float = 120.0
+    sweep_interval_s: float = 5.0
+    tracker_url: str | None = None
+    heartbeat_s: float = 5.0
+    # Outbound activations kept per session for route repair (all sessions together); 0 turns it off.
+    seam_log_bytes: int = 512 * 2**20
+    replay_chunk: int = 256  # positions per request when a repair replays the seam log
+    # Extra fields for the tracker registration (e.g. the artifact manifest digest and held files).
+    advert: tuple[tuple[str, Any], ...] = ()
+    client_tls: ssl.SSLContext | None = None  # a private swarm's member TLS, for every outgoing connection
+
+
+class NodeService:
+    def __init__(
+        self,
+        shard: ShardBackend,
+        config: NodeConfig,
+        transport: HopTransport,
+        *,
+        channel_send: ChannelSend | None = None,
+        metrics: NodeMetrics | None = None,
+    ) -> None:
+        self.shard = shard
+        self.config = config
+        self.info = shard.info
+        self.transport = transport
+        self.channel_send = channel_send
+        self.sessions: dict[SessionId, NodeSession] = {}
+        self.metrics = metrics or NodeMetrics()
+        # Decode steps of different sessions that arrive together compute as one batch, where
+        # the shard measured that a batch keeps every session's bits (node.batcher).
+        self.batcher = DecodeBatcher(shard, self.metrics.batch) if shard.info.decode_batch > 1 else None
+        self.traffic = Traffic()  # queue depth and measured speed, for the tracker (node.advert)
+        self.logs = SeamLogs(config.seam_log_bytes)
+        self.started = time.time()
+
+    # -- requests ------------------------------------------------------------------------------
+    async def handle(self, request: HopRequest, direct: Direct | None = None) -> HopAnswer | None:
+        """Compute a request's positions and pass them on; the answer. A ``direct`` step goes on
+        over the decode channel and answers nothing here (``None``) but on the tail, whose answer
+        goes straight to the gateway with every hop's entry."""
+        check_model(self.info, request.model)
+        if request.drafts:
+            check_drafts(self.info, self.config.node_id, request.drafts)
+        if direct is not None and request.replay:
+            raise InvalidRequest(f"a decode-channel step is never replayed: drop {H.REPLAY}")
+        tokens, hidden = shard_inputs(self.info, request)
+        s = self._session(request)
+        if s.busy:
+            raise SessionBusy(
+                f"session {request.session} already has a request in flight on this node; send one at a time"
+            )
+        s.busy = True
+        try:
+            return await self._compute_and_pass(s, request, tokens, hidden, direct)
+        finally:
+            s.busy = False
+
+    async def _compute_and_pass(
+        self, s: NodeSession, request: HopRequest, tokens: np.ndarray | None, hidden: np.ndarray | None,
+        direct: Direct | None,
+    ) -> HopAnswer | None:  # fmt: skip
+        sid, start, n = request.session, request.start, request.n
+        if request.rewind:
+            await self.rewind(s, start)
+        own = self._carried_ids(s, tokens, start)
+        with self.traffic.measure(n, decode=request.decode):
+            out_hidden, logits, compute_ms = await self._run(
+                sid, start=start, tokens=own, hidden=hidden, sizes=request.sizes, verify=bool(request.drafts)
+            )
+        self.metrics.positions.inc(n)
+        frame = None
+        if out_hidden is not None:
+            frame = encode_tensor(out_hidden.reshape(1, *out_hidden.shape), self.config.wire_dtype)
+        self._record(s, request.sizes, tokens, hidden, frame)
+        if direct is not None:
+            s.seq = direct.seq
+        me = self._entry(s, compute_ms, positions=n)
+        if self.info.layers.is_tail:
+            if request.replay:
+                return HopAnswer(AnswerKind.REPLAYED, (me,), count=n)
+            if not request.final:
+                return HopAnswer(AnswerKind.ACCEPTED, (me,), count=n)
+            assert logits is not None
+            answer = await self._sampled(s, request, logits, me, direct=direct is not None)
+            if direct is not None:
+                answer = answer.after(*_entries(direct.hops))
+            return answer
+        assert frame is not None
+        return await self._pass_on(s, request=request, frame=frame, tokens=tokens, me=me, direct=direct)
+
+    async def _pass_on(
+        self, s: NodeSession, *, request: HopRequest, frame: TensorFrame, tokens: np.ndarray | None, me: HopEntry,
+        direct: Direct | None,
+    ) -> HopAnswer | None:  # fmt: skip
+        """Log and forward what this hop computed; the answer (``None`` for a ``direct`` step)."""
+        ids = self._ids_onward(s, tokens)
+        self.logs.append(s, request.start, frame, ids)
+        if request.replay == 1:
+            return HopAnswer(AnswerKind.REPLAYED, (me,), count=request.n)  # the hops after this one already hold it
+        onward = request.onward(Payload(frame, ids), s.next_hops, model=self.info.model_id, route_id=s.route_id)
+        self.metrics.seam_bytes.inc(len(frame.body) + len(ids or b""))
+        previous = s.forward
+        if direct is not None:  # fire and forget: the tail answers the gateway, a failure is reported there
+            if previous is not None:
+                with contextlib.suppress(Exception):
+                    await previous  # its outcome is the session's break reason, checked below
+            s.check_open()
+            assert self.channel_send is not None, "a decode-channel step came to a node without channels"
+            try:
+                timeout = hop_timeout_s(self.config.hop_timeout_s, len(s.next_hops))
+                await self.channel_send(s.next_hops[0], onward, direct.onward(me.to_json()), timeout)
+            except MeshnetError as exc:
+                s.break_with(exc)
+                raise
+            return None
+
+        async def send() -> HopAnswer:
+            if previous is not None:
+                await previous  # forwards leave in position order
+            return await self._forward(s, onward)
+
+        task: asyncio.Task[HopAnswer] = asyncio.ensure_future(send())
+        s.forward = task
+        if not request.final and not request.replay:
+            task.add_done_callback(_consume)
+            return HopAnswer(AnswerKind.ACCEPTED, (me,), count=request.n)
+        answer = await task
+        if request.drafts:  # the rejected drafts go here too, as the answer passes back up
+            await self._drop_rejected(s, answer, start=request.start, n=request.n)
+            me = self._entry(s, me.compute_ms, positions=me.positions)
+        return answer.after(me)
+
+    async def _forward(self, s: NodeSession, request: HopRequest) -> HopAnswer:
+        """Send ``request`` to the session's next hop; a failure breaks the session here."""
+        try:
+            timeout = hop_timeout_s(self.config.hop_timeout_s, len(s.next_hops))
+            return await self.transport.send(s.next_hops[0], request, timeout_s=timeout)
+        except MeshnetError as exc:
+            s.break_with(exc)
+            raise
+
+    async def _sampled(
+        self, s: NodeSession, request: HopRequest, logits: np.ndarray, me: HopEntry, *, direct: bool
+    ) -> HopAnswer:
+        """The tail's answer: the token after the chunk; for a verify chunk, the drafts it keeps and one
+        token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first. Its
+        entry (``me``) says what it held before: after a ``direct`` verify chunk, the hops before
+        it drop the rejected drafts only when the next step tells them (``rewind``), so every
+        entry of the answer describes the whole chunk."""
+        assert s.sampler is not None
+        sampler, start, n, drafts = s.sampler, request.start, request.n, request.drafts
+        if s.carry_ids:  # the generated tokens before the first one this answer picks
+            sampler.set_history(s.ids_seen[sampler.params.generated_from : start + n - len(drafts)])
+        if not drafts:
+            token, logprob = sampler.sample(logits, position=start + n)
+            top = sampler.alternatives(logits) if sampler.params.top_logprobs else None
+            return HopAnswer(AnswerKind.TOKEN, (me,), position=start + n, token=token, logprob=logprob, top=top)
+        tokens, logprobs = sampler.verify(logits, drafts, position=start + 1)
+        kept = start + len(tokens)
+        await self.rewind(s, kept)
+        if not direct:
+            me = self._entry(s, me.compute_ms, positions=me.positions)
+        tops = (
+            tuple(sampler.alternatives(row) for row in logits[: len(tokens)]) if sampler.params.top_logprobs else None
+        )
+        return HopAnswer(
+            AnswerKind.TOKENS, (me,), position=kept, tokens=tuple(tokens), logprobs=tuple(logprobs), tops=tops,
+            drafted=len(drafts), accepted=len(tokens) - 1,
+        )  # fmt: skip
+
+    async def _drop_rejected(self, s: NodeSession, answer: HopAnswer, *, start: int, n: int) -> None:
+        """Keep what the verify ``answer`` kept (up to its ``position``) of the chunk of ``n`` at ``start``."""
+        kept, hop = answer.position, s.next_hops[0]
+        if answer.kind is not AnswerKind.TOKENS or kept is None or not start < kept <= start + n:
+            error = HopFailed(
+                f"next hop {hop} answered a verify chunk at {start} with position {kept!r}", failed_hop=hop
+            )
+            s.break_with(error)
+            raise error
+        await self.rewind(s, kept)
+
+    # -- repair, rewind, delete ------------------------------------------------------------------
+    async def rewind(self, s: NodeSession, position: int) -> None:
+        """Drop this node's positions from ``position`` on (KV, ledger, seam log)."""
+        before = self.shard.store.get(s.session).position
+        if before <= position:
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, lambda: self.shard.rewind(s.session, position))
+        s.ledger.rewind(position)
+        self.logs.trim(s, position, before)
+        del s.ids_seen[position:]
+
+    async def reroute(self, request: RerouteRequest) -> HopAnswer:
+        """Point the session at new next hops; with ``replay`` > 0, rebuild them from the seam log.
+
+        Every position but the newest is replayed in exactly the chunks it was first computed in
+        (a position's KV depends on its chunk, protocol.ledger), packed into prefill requests
+        that the first ``replay`` hops compute without answering a token; the newest position —
+        the interrupted decode step — is then resent through the whole chain (``rewind`` lets a
+        hop that already has it drop it first), and its answer — the next token — is returned,
+        with this hop's own entry first.
+
+        ``step``: the interrupted step's position. A hop that holds more (the drafts of an
+        interrupted verify chunk) drops them first: the step is resent without drafts.
+        """
+        sid = request.session
+        check_model(self.info, request.model)
+        s = self._existing(sid)
+        if request.route_id != s.route_id:
+            raise Conflict(f"session {sid} is pinned to route {s.route_id}, not {request.route_id}")
+        hops = check_next_hops(self.info, self.config.node_id, request.next_hops)
+        if s.busy:
+            raise SessionBusy(f"session {sid} has a request in flight on this node; reroute it after that")
+        s.busy = True
+        try:
+            return await self._reroute(s, hops, request)
+        finally:
+            s.busy = False
+
+    async def _reroute(self, s: NodeSession, hops: tuple[str, ...], request: RerouteRequest) -> HopAnswer:
+        sid = s.session
+        if s.forward is not None:
+            with contextlib.suppress(Exception):
+                await s.forward  # the failed forward: its outcome is why we are here
+        s.next_hops, s.broken, s.broken_hop, s.forward = hops, None, None, None
+        if request.step is not None and self.shard.store.get(sid).position > request.step + 1:
+            await self.rewind(s, request.step + 1)
+        position = self.shard.store.get(sid).position
+        me = self._entry(s)
+        if request.replay == 0:
+            return HopAnswer(AnswerKind.REROUTED, (me,), position=position, session=sid, next_hops=hops)
+        sizes = s.ledger.sizes()
+        if s.log is None or not s.log_dtype or s.ledger.position != position or sizes[-1:] != [1]:
+            raise Conflict(
+                f"session {sid} cannot be replayed from this node (no complete seam log, or its newest "
+                "position is not a decode step); it needs a fresh prefill",
+                code="no_seam_log",
+            )
+        with_ids = self.info.seam.carries_token_ids or s.carry_ids
+        if with_ids and len(s.ids_log) != 4 * position:
+            raise Conflict(f"session {sid} has no complete token-id log on this node; it needs a fresh prefill",
+                           code="no_seam_log")  # fmt: skip
+
+        def payload(a: int, b: int) -> Payload:
+            ids = bytes(s.ids_log[4 * a : 4 * b]) if with_ids else None
+            return Payload(self.logs.replay_frame(s, a, b, self.info.seam.shape, position), ids)
+
+        def replayed(verb: Verb, a: int, b: int, *, chunks: tuple[int, ...] | None = None) -> HopRequest:
+            first = a == 0  # the new hops learn the route from the first position on
+            return HopRequest(
+                verb, sid, a, b - a, payload(a, b), model=self.info.model_id, route_id=s.route_id,
+                next_hops=hops[1:] if first else None, sampling=request.sampling if first else None,
+                chunks=chunks, replay=request.replay if verb is Verb.PREFILL else 0, rewind=verb is Verb.DECODE,
+            )  # fmt: skip
+
+        for begin, chunks in pack_chunks(sizes[:-1], self.config.replay_chunk):
+            end = begin + sum(chunks)
+            await self._forward(
+                s, replayed(Verb.PREFILL, begin, end, chunks=tuple(chunks) if len(chunks) > 1 else None)
+            )
+        answer = await self._forward(s, replayed(Verb.DECODE, position - 1, position))
+        return answer.after(me)
+
+    async def delete(self, sid: SessionId) -> None:
+        """Free a session here, then on the next hop (the delete travels down the chain)."""
+        s = self.sessions.pop(sid, None)
+        if s is None:
+            self.shard.store.get(sid)  # raises 404/410 with the reason
+            raise SessionNotFound(f"no session {sid} on this node")
+        if s.forward is not None:
+            with contextlib.suppress(Exception):
+                await s.forward  # its outcome was already recorded; only the order matters
+        try:
+            self.shard.close_session(sid)
+        except SessionBusy:
+            self.sessions[sid] = s  # still computing: keep it, and say so instead of leaking its KV
+            raise
+        except (SessionGone, SessionNotFound):
+            pass  # already expired on this node; the delete still travels down the chain
+        self.logs.drop(s)
+        if s.next_hops:
+            await self.transport.delete(s.next_hops[0], sid)
+
+    def session_state(self, sid: SessionId) -> dict[str, Any]:
+        """``GET /v1/sessions/{id}``: what this node holds of a session (a gateway asks it to find
+        where a decode-channel step stopped)."""
+        s = self._existing(sid)
+        return {
+            "session": sid,
+            "node": self.config.node_id,
+            "position": self.shard.store.get(sid).position,
+            "seq": s.seq,
+            "broken": s.broken,
+            **s.ledger.describe(),
+        }
+
+    def sweep(self) -> None:
+        """Expire idle sessions (frees their KV) and forget what this node kept beside it."""
+        self.shard.store.expire_idle()
+        alive = set(self.shard.store.ids())
+        for sid in [sid for sid in self.sessions if sid not in alive]:
+            self.logs.drop(self.sessions.pop(sid))
+
+    # -- validation ------------------------------------------------------------------------------
+    def _existing(self, sid: SessionId) -> NodeSession:
+        s = self.sessions.get(sid)
+        if s is None:
+            self.shard.store.get(sid)  # 404/410 with the reason
+            raise SessionNotFound(f"no session {sid} on this node")
+        return s
+
+    def _session(self, request: HopRequest) -> NodeSession:
+        sid = request.session
+        s = self.sessions.get(sid)
+        if s is None:
+            if request.start != 0:
+                # A session that is past position 0 existed once: this node lost it.
+                raise SessionGone(
+                    f"session {sid} is unknown at position {request.start}: this node restarted or the session "
+                    "expired; start a fresh prefill"
+                )
+            if not request.route_id:
+                raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
+            tail = self.info.layers.is_tail
+            params = sampling_params(request.sampling)
+            hops = check_next_hops(self.info, self.config.node_id, request.next_hops or ())
+            sampler = Sampler(params, self.shard.grammar(params.grammar) if params.grammar else None) if tail else None
+            s = NodeSession(sid, request.route_id, hops, sampler, ChunkLedger(not tail), carry_ids=params.needs_history)
+            if tail or self.config.seam_log_bytes <= 0:
+                s.log = None
+            self.shard.open_session(sid)
+            self.sessions[sid] = s
+            return s
+        if request.route_id is not None and request.route_id != s.route_id:
+            raise Conflict(f"session {sid} is pinned to route {s.route_id}, not {request.route_id}")
+        s.check_open()
+        return s
+
+    def _carried_ids(self, s: NodeSession, tokens: np.ndarray | None, start: int) -> np.ndarray | None:
+        """Check that a session whose ids travel got them; the ids the shard itself computes from."""
+        info = self.info
+        if s.carry_ids and tokens is None and not info.layers.is_head:
+            raise SeamMismatch(
+                "this session's token ids travel to the tail (penalties, grammar): send the chunk's ids first in "
+                f"the body, with {H.TOKEN_IDS}"
+            )
+        if s.carry_ids and info.layers.is_tail and tokens is not None:
+            del s.ids_seen[start:]
+            s.ids_seen.extend(int(t) for t in tokens)
+        return tokens if info.layers.is_head or info.seam.carries_token_ids else None
+
+    def _ids_onward(self, s: NodeSession, tokens: np.ndarray | None) -> bytes | None:
+        """The chunk's token ids for the next hop, when this model's every hop reads them or the
+        session's tail counts them (``carry_ids``)."""
+        if not (self.info.seam.carries_token_ids or s.carry_ids):
+            return None
+        assert tokens is not None  # _inputs required them
+        return np.ascontiguousarray(tokens, dtype="<i4").reshape(-1).tobytes()
+
+    # -- compute ---------------------------------------------------------------------------------
+    async def _run(
+        self, sid: SessionId, *, start: int, tokens: np.ndarray | None, hidden: np.ndarray | None,
+        sizes: tuple[int, ...], verify: bool,
+    ) -> tuple[np.ndarray | None, np.ndarray | None, float]:  # fmt: skip
+        began = time.perf_counter()
+        if self.batcher is not None and sizes == (1,) and not verify:
+            token = None if tokens is None else int(tokens[0])
+            out = await self.batcher.step(DecodeStep(sid, start, token=token, hidden=hidden))
+        else:
+            loop = asyncio.get_running_loop()
+            out = await loop.run_in_executor(
+                None, lambda: self._compute(sid, start=start, tokens=tokens, hidden=hidden, sizes=sizes, verify=verify)
+            )
+        return out.hidden, out.logits, 1000 * (time.perf_counter() - began)
+
+    def _compute(
+        self, sid: SessionId, *, start: int, tokens: np.ndarray | None, hidden: np.ndarray | None,
+        sizes: tuple[int, ...], verify: bool,
+    ) -> ShardOutput:  # fmt: skip
+        """One compute call per chunk of ``sizes`` (``shard.compute_chunks``); a verify chunk (``sizes``
+        all ones) computes every position to a one-position step's bits, and the tail returns the
+        logits of every position (``shard.verify_chunk``)."""
+        if verify:
+            return verify_chunk(self.shard, sid, start, tokens=tokens, hidden=hidden)
+        return compute_chunks(self.shard, sid, start, sizes, tokens=tokens, hidden=hidden)
+
+    def _record(
+        self, s: NodeSession, sizes: tuple[int, ...], tokens: np.ndarray | None, hidden: np.ndarray | None,
+        frame: TensorFrame | None,
+    ) -> None:  # fmt: skip
+        """Add the computed chunks to the session's ledger: what each was computed from and what went onward."""
+        # past the head the ledger covers the activations, whatever token ids came beside them
+        inputs = np.ascontiguousarray(hidden) if hidden is not None else np.ascontiguousarray(tokens, dtype="<i4")
+        sent = None if frame is None else frame_values(frame).reshape(inputs.shape[0], -1)
+        at = 0
+        for size in sizes:
+            out = b"" if sent is None else sent[at : at + size].tobytes()
+            s.ledger.record(size, inputs[at : at + size].tobytes(), out)
+            at += size
+
+    def _entry(self, s: NodeSession, compute_ms: float = 0.0, positions: int | None = None) -> HopEntry:
+        """This hop's entry in an answer: who computed what, and its ledger (protocol.ledger)."""
+        ledger = s.ledger.describe()
+        out = ledger.get("output_digest")
+        return HopEntry(
+            node=self.config.node_id,
+            layers=str(self.info.layers),
+            compute_ms=round(compute_ms, 3),
+            held=int(ledger["held"]),  # type: ignore[call-overload]
+            input_digest=str(ledger["input_digest"]),
+            output_digest=None if out is None else str(out),
+            positions=positions,
+        )
+
+
+def _entries(raw: tuple[dict[str, Any], ...]) -> tuple[HopEntry, ...]:
+    try:
+        return tuple(HopEntry.from_json(h) for h in raw)
+    except ValueError as exc:
+        raise InvalidRequest(f'a STEP frame\'s "hops" must be hop entries: {exc}') from None
+
+
+def _consume(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # the failure is recorded as the session's break reason

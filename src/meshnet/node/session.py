@@ -1,0 +1,106 @@
+"""What a node keeps per session beside the shard's KV, and the seam logs route repair replays.
+
+``NodeSession``: the route binding (route id, next hops), the tail's sampler, the ledger of the
+chunks computed here (protocol.ledger), whether the session is busy or broken, the forwards in
+flight, and the *seam log* — every activation this node sent onward, wire-encoded, positions 0..
+in order, so that a repair can rebuild a replacement next hop without recomputing anything
+upstream (docs/protocol.md, "Route repair"). ``SeamLogs`` holds all sessions' logs within one
+node-wide byte budget: a log that would not fit, or that stops being a gapless record, is dropped
+(its session can then only be repaired by a fresh prefill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshnet.errors import MeshnetError, SessionBroken
+from meshnet.ids import SessionId
+from meshnet.protocol.ledger import ChunkLedger
+from meshnet.protocol.wire import TensorFrame
+from meshnet.sampling import Sampler
+
+__all__ = ["NodeSession", "SeamLogs"]
+
+
+@dataclass
+class NodeSession:
+    session: SessionId
+    route_id: str
+    next_hops: tuple[str, ...]
+    sampler: Sampler | None
+    ledger: ChunkLedger
+    busy: bool = False
+    broken: str | None = None
+    broken_hop: str | None = None
+    forward: asyncio.Task[Any] | None = None
+    # The seam log (``SeamLogs``); ``None`` once dropped (budget) or on the tail.
+    log: bytearray | None = field(default_factory=bytearray)
+    log_dtype: str = ""
+    # beside it, for a model whose every hop reads the token ids: the ids of positions 0.., int32
+    ids_log: bytearray = field(default_factory=bytearray)
+    # Token ids travel beside the activations to the tail (``carry_ids``) when its choices depend
+    # on the tokens generated so far (presence/frequency penalties, a grammar); the tail keeps them by position.
+    carry_ids: bool = False
+    ids_seen: list[int] = field(default_factory=list)
+    seq: int | None = None  # the newest decode-channel step this node computed for the session
+
+    def check_open(self) -> None:
+        if self.broken:
+            raise SessionBroken(f"session {self.session} is broken on this node: {self.broken}",
+                                failed_hop=self.broken_hop)  # fmt: skip
+
+    def break_with(self, error: MeshnetError) -> None:
+        """Every later request on the session gets this reason (the first one stays)."""
+        if not self.broken:
+            self.broken, self.broken_hop = error.message, error.failed_hop
+
+
+class SeamLogs:
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.used = 0
+
+    def append(self, s: NodeSession, start: int, frame: TensorFrame, ids: bytes | None = None) -> None:
+        """Append the activations of positions ``start..`` (and their token ids, for a session
+        whose ids travel) to the session's log, within budget."""
+        log = s.log
+        if log is None:
+            return
+        row = len(frame.body) // frame.shape[1]
+        gapless = len(log) == start * row and (ids is None or len(s.ids_log) == start * 4)
+        if (s.log_dtype and s.log_dtype != frame.dtype) or not gapless:
+            self.drop(s)  # not a gapless record of this session any more: useless for a replay
+            return
+        size = len(frame.body) + len(ids or b"")
+        if self.used + size > self.budget_bytes:
+            self.drop(s)
+            return
+        s.log_dtype = frame.dtype
+        log += frame.body
+        if ids is not None:
+            s.ids_log += ids
+        self.used += size
+
+    def drop(self, s: NodeSession) -> None:
+        if s.log is not None:
+            self.used -= len(s.log) + len(s.ids_log)
+            s.log = None
+            s.ids_log = bytearray()
+
+    def trim(self, s: NodeSession, position: int, before: int) -> None:
+        """Keep positions ``0..position - 1`` of a log that held ``before`` positions."""
+        if s.log:
+            keep = position * (len(s.log) // before)
+            self.used -= len(s.log) - keep
+            del s.log[keep:]
+        if s.ids_log:
+            self.used -= len(s.ids_log) - 4 * position
+            del s.ids_log[4 * position :]
+
+    def replay_frame(self, s: NodeSession, begin: int, end: int, seam: tuple[int, ...], held: int) -> TensorFrame:
+        """The logged activations of positions ``begin..end - 1`` of a log of ``held`` positions."""
+        assert s.log is not None
+        row = len(s.log) // held
+        return TensorFrame((1, end - begin, *seam), s.log_dtype, bytes(s.log[begin * row : end * row]))

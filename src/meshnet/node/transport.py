@@ -1,0 +1,92 @@
+"""How a node reaches its next hop: the ``HopTransport`` interface and its two bindings.
+
+- ``HttpTransport``: the HTTP binding of docs/protocol.md over one kept-alive ``httpx`` client;
+- ``LocalTransport``: hop services in this process, called directly (no sockets, no threads
+  beyond the shards' own). It exists so that pipelining, repair, rewind and every failure path of
+  ``node.service`` can be exercised in milliseconds with fake shards; its errors go through the
+  same error map (``messages.remote_error``) as an HTTP error answer does.
+
+A transport raises ``HopFailed`` naming the hop when it cannot reach it, and the mapped error when
+the hop answers one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Protocol
+
+import httpx
+
+from meshnet.errors import HopFailed, MeshnetError
+from meshnet.ids import SessionId
+from meshnet.protocol import http_binding
+from meshnet.protocol.messages import HopAnswer, HopRequest, remote_error
+
+if TYPE_CHECKING:
+    from meshnet.node.service import NodeService
+
+__all__ = ["HopTransport", "HttpTransport", "LocalTransport"]
+
+
+class HopTransport(Protocol):
+    async def send(self, hop: str, request: HopRequest, *, timeout_s: float) -> HopAnswer: ...
+
+    async def delete(self, hop: str, session: SessionId) -> None:
+        """Free the session on ``hop`` (and down the chain from it); failures are ignored."""
+
+    async def aclose(self) -> None: ...
+
+
+class HttpTransport:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def send(self, hop: str, request: HopRequest, *, timeout_s: float) -> HopAnswer:
+        path, headers, body = http_binding.encode_request(request)
+        timeout = httpx.Timeout(timeout_s, connect=5.0)
+        try:
+            response = await self.client.post(f"{hop}{path}", content=body, headers=headers, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise HopFailed(f"next hop {hop} failed: {type(exc).__name__}: {exc}", failed_hop=hop) from None
+        return http_binding.answer_from_response(response, hop)
+
+    async def delete(self, hop: str, session: SessionId) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self.client.delete(f"{hop}/v1/sessions/{session}")
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class LocalTransport:
+    """Hop services of this process by URL; a URL with no service is a hop that is down."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, NodeService] = {}
+
+    def add(self, url: str, service: NodeService) -> None:
+        self.services[url] = service
+
+    def remove(self, url: str) -> None:
+        """The hop at ``url`` is gone, as after ``kill -9``: every later request to it fails."""
+        self.services.pop(url, None)
+
+    async def send(self, hop: str, request: HopRequest, *, timeout_s: float) -> HopAnswer:
+        service = self.services.get(hop)
+        if service is None:
+            raise HopFailed(f"next hop {hop} failed: ConnectError: nothing listens there", failed_hop=hop)
+        try:
+            answer = await service.handle(request)
+        except MeshnetError as exc:
+            raise remote_error(exc, sender=hop, sender_is_head=False) from None
+        assert answer is not None  # only a decode-channel step answers nothing
+        return answer
+
+    async def delete(self, hop: str, session: SessionId) -> None:
+        service = self.services.get(hop)
+        if service is not None:
+            with contextlib.suppress(MeshnetError):
+                await service.delete(session)
+
+    async def aclose(self) -> None:
+        self.services.clear()

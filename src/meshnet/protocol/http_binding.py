@@ -1,0 +1,196 @@
+"""The HTTP binding of the hop protocol (docs/protocol.md): records to requests and back.
+
+``encode_request`` / ``decode_request`` map a ``HopRequest`` to ``POST /v1/sessions/{id}/{verb}``
+headers and a raw body and back; ``encode_reroute`` / ``decode_reroute`` do the same for
+``.../reroute``; answers travel as JSON (``HopAnswer.to_json`` / ``answer_from_response``), and an
+error answer becomes the ``MeshnetError`` it means to the sender (``error_from_response``). The
+decode channel (``node.channel``) carries the same headers and body inside its frames, so this is
+the only place that reads or writes an ``X-Meshnet-*`` hop header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import httpx
+
+from meshnet.errors import HopFailed, InvalidRequest, MeshnetError, SeamMismatch, hop_error
+from meshnet.httputil import error_field, error_message
+from meshnet.ids import SessionId
+from meshnet.protocol import headers as H
+from meshnet.protocol.ledger import format_chunks, parse_chunks
+from meshnet.protocol.messages import HopAnswer, HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.wire import format_shape, parse_range, read_frame, split_token_ids
+
+__all__ = [
+    "answer_from_response",
+    "decode_request",
+    "decode_reroute",
+    "encode_request",
+    "encode_reroute",
+    "error_from_response",
+    "request_path",
+]
+
+OCTETS = "application/octet-stream"
+
+
+def request_path(session: SessionId, verb: Verb | str) -> str:
+    return f"/v1/sessions/{session}/{verb}"
+
+
+def encode_request(request: HopRequest) -> tuple[str, dict[str, str], bytes]:
+    """``(path, headers, body)`` of a hop request."""
+    frame = request.payload.frame
+    headers: dict[str, str] = {}
+    if request.model is not None:
+        headers[H.MODEL] = request.model
+    if request.route_id is not None:
+        headers[H.ROUTE_ID] = request.route_id
+    if request.verb is Verb.PREFILL:
+        headers[H.TOKEN_RANGE] = f"{request.start}-{request.start + request.n - 1}"
+    else:
+        headers[H.POSITION] = str(request.start)
+    if request.next_hops is not None:
+        headers[H.NEXT_HOPS] = ",".join(request.next_hops)
+    if request.sampling:
+        headers[H.SAMPLING] = request.sampling
+    if request.chunks is not None and len(request.chunks) > 1:
+        headers[H.CHUNKS] = format_chunks(list(request.chunks))
+    if request.sample:
+        headers[H.SAMPLE] = "1"
+    if request.drafts:
+        headers[H.DRAFT] = ",".join(map(str, request.drafts))
+    if request.replay:
+        headers[H.REPLAY] = str(request.replay)
+    if request.rewind:
+        headers[H.REWIND] = "1"
+    headers[H.SHAPE] = format_shape(frame.shape)
+    headers[H.DTYPE] = frame.dtype
+    body = frame.body
+    if request.payload.token_ids is not None:
+        headers[H.TOKEN_IDS] = str(len(request.payload.token_ids) // 4)
+        body = request.payload.token_ids + body
+    headers["Content-Type"] = OCTETS
+    return request_path(request.session, request.verb), headers, body
+
+
+def decode_request(
+    verb: Verb, session: SessionId, headers: Mapping[str, str], body: bytes, *, max_body_bytes: int
+) -> HopRequest:
+    """The request a ``POST .../{verb}`` (or a decode-channel ``STEP``) stands for; every malformed
+    header or body is a 4xx here, before anything on the node changes."""
+    if verb is Verb.PREFILL:
+        start, stop = parse_range(headers.get(H.TOKEN_RANGE))
+        n = stop - start
+        drafts: tuple[int, ...] = ()
+    else:
+        start = _position(headers)
+        drafts = _drafts(headers) if verb is Verb.VERIFY else ()
+        n = 1 + len(drafts)
+    token_ids = None
+    if headers.get(H.TOKEN_IDS) is not None:
+        ids, body = split_token_ids(body, headers[H.TOKEN_IDS], n)
+        token_ids = ids.astype("<i4").tobytes()
+    frame = read_frame(body, headers.get(H.SHAPE), headers.get(H.DTYPE), max_bytes=max_body_bytes)
+    raw_hops = headers.get(H.NEXT_HOPS)
+    return HopRequest(
+        verb=verb,
+        session=session,
+        start=start,
+        n=n,
+        payload=Payload(frame, token_ids),
+        model=headers.get(H.MODEL),
+        route_id=headers.get(H.ROUTE_ID),
+        next_hops=None if raw_hops is None else _hops(raw_hops),
+        sampling=headers.get(H.SAMPLING) or None,
+        chunks=_chunks(headers, n) if verb is Verb.PREFILL else None,
+        sample=verb is Verb.PREFILL and headers.get(H.SAMPLE) == "1",
+        drafts=drafts,
+        replay=_replay(headers, verb),
+        rewind=headers.get(H.REWIND) == "1",
+    )
+
+
+def encode_reroute(request: RerouteRequest) -> tuple[str, dict[str, str]]:
+    headers = {H.NEXT_HOPS: ",".join(request.next_hops), H.REPLAY: str(request.replay)}
+    if request.model is not None:
+        headers[H.MODEL] = request.model
+    if request.route_id is not None:
+        headers[H.ROUTE_ID] = request.route_id
+    if request.sampling:
+        headers[H.SAMPLING] = request.sampling
+    if request.step is not None:
+        headers[H.POSITION] = str(request.step)
+    return request_path(request.session, "reroute"), headers
+
+
+def decode_reroute(session: SessionId, headers: Mapping[str, str]) -> RerouteRequest:
+    hops = _hops(headers.get(H.NEXT_HOPS, ""))
+    raw = headers.get(H.REPLAY, "0")
+    if not (raw.isascii() and raw.isdigit()):
+        raise InvalidRequest(f"header {H.REPLAY} must be 0..{len(hops)} (hops to rebuild), got {raw!r}")
+    return RerouteRequest(
+        session=session,
+        next_hops=hops,
+        route_id=headers.get(H.ROUTE_ID),
+        model=headers.get(H.MODEL),
+        replay=int(raw),
+        sampling=headers.get(H.SAMPLING) or None,
+        step=_position(headers) if headers.get(H.POSITION) is not None else None,
+    )
+
+
+def answer_from_response(response: httpx.Response, sender: str) -> HopAnswer:
+    """The answer of the hop at ``sender``, or the error it means (``HopFailed`` names the hop)."""
+    if response.status_code >= 400:
+        raise error_from_response(response, sender, sender_is_head=False)
+    try:
+        return HopAnswer.from_json(response.status_code, response.json())
+    except ValueError as exc:
+        raise HopFailed(
+            f"next hop {sender} sent an answer that is not a hop answer: {exc}", failed_hop=sender
+        ) from None
+
+
+def error_from_response(response: httpx.Response, sender: str, *, sender_is_head: bool) -> MeshnetError:
+    message = f"next hop {sender} answered {response.status_code}: {error_message(response)}"
+    deeper = error_field(response, "failed_hop")
+    return hop_error(
+        message, status=response.status_code, failed_hop=deeper, sender=sender, sender_is_head=sender_is_head
+    )
+
+
+def _chunks(headers: Mapping[str, str], n: int) -> tuple[int, ...] | None:
+    chunks = tuple(parse_chunks(headers.get(H.CHUNKS), n))
+    return chunks if len(chunks) > 1 else None
+
+
+def _hops(raw: str) -> tuple[str, ...]:
+    return tuple(h.strip().rstrip("/") for h in raw.split(",") if h.strip())
+
+
+def _position(headers: Mapping[str, str]) -> int:
+    raw = headers.get(H.POSITION)
+    if raw is None or not (raw.isascii() and raw.isdigit()):
+        raise SeamMismatch(f"header {H.POSITION} must be the step's absolute position, got {raw!r}")
+    return int(raw)
+
+
+def _drafts(headers: Mapping[str, str]) -> tuple[int, ...]:
+    raw = headers.get(H.DRAFT, "")
+    parts = [p.strip() for p in raw.split(",")] if raw.strip() else []
+    if not parts or not all(p.isascii() and p.isdigit() for p in parts):
+        raise InvalidRequest(f"header {H.DRAFT} must list the drafted token ids, comma-separated, got {raw!r}")
+    return tuple(int(p) for p in parts)
+
+
+def _replay(headers: Mapping[str, str], verb: Verb) -> int:
+    raw = headers.get(H.REPLAY)
+    if raw is None:
+        return 0
+    if verb is Verb.VERIFY:
+        raise InvalidRequest(f"a verify chunk is never replayed: drop {H.REPLAY}")
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+        raise InvalidRequest(f"header {H.REPLAY} must be the number of hops to rebuild (>= 1), got {raw!r}")
+    return int(raw)

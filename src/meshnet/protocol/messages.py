@@ -1,0 +1,342 @@
+"""The hop protocol's messages as typed records, independent of any transport.
+
+A gateway or an upstream node sends a *hop request* to the next hop of a session's route:
+
+- ``HopRequest`` with ``verb`` ``prefill`` (a chunk of positions), ``decode-step`` (one
+  position) or ``verify`` (a step and the drafted tokens after it). Its flags ``replay`` (route
+  repair: rebuild KV on this many hops, answer no token) and ``rewind`` (a repair's resent step:
+  a hop already past it drops it first) cover the repair traffic;
+- ``RerouteRequest``: point a session at new next hops, optionally replaying its seam log into them;
+- a delete names only the session.
+
+Every answer is a ``HopAnswer``: the positions taken (a pipelined chunk, a replay), the next token
+(or a verify chunk's kept tokens), or a reroute's outcome — with one ``HopEntry`` per hop that
+computed it, nearest first. A failure is a ``MeshnetError`` (``meshnet.errors``): what it means to
+the sender is ``remote_error``, the one error map every transport uses.
+
+Transports: ``protocol.http_binding`` (the HTTP binding of docs/protocol.md, byte for byte) and the
+in-process transport of ``node.transport``. Records check their own invariants when built, so a
+malformed request is refused the same way whichever transport brought it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from meshnet.errors import InvalidRequest, MeshnetError, hop_error
+from meshnet.ids import SessionId
+from meshnet.protocol import headers as H
+from meshnet.protocol.wire import TensorFrame
+from meshnet.sampling import Alternatives
+
+__all__ = [
+    "AnswerKind",
+    "HopAnswer",
+    "HopEntry",
+    "HopRequest",
+    "Payload",
+    "RerouteRequest",
+    "Verb",
+    "remote_error",
+]
+
+
+class Verb(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode-step"
+    VERIFY = "verify"
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """What crosses a seam: token ids at the head, activations past it (``frame``, not yet read:
+    the receiving shard knows what shape they must have), and beside activations, when the
+    model or the session needs them, the chunk's token ids (int32 little-endian, one per position)."""
+
+    frame: TensorFrame
+    token_ids: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HopRequest:
+    """One prefill chunk, decode step or verify chunk for the positions ``start..start + n - 1``."""
+
+    verb: Verb
+    session: SessionId
+    start: int
+    n: int
+    payload: Payload
+    model: str | None = None
+    route_id: str | None = None
+    # a session's first request: the hops after the receiver (in order) and the tail's sampling (JSON)
+    next_hops: tuple[str, ...] | None = None
+    sampling: str | None = None
+    chunks: tuple[int, ...] | None = None  # prefill: sizes of its compute calls (None: one call)
+    sample: bool = False  # prefill: the last chunk of the prompt, the tail answers a token
+    drafts: tuple[int, ...] = ()  # verify: the drafted token ids after the step's own
+    replay: int = 0  # route repair: hops (from the receiver on) that rebuild KV and answer no token
+    rewind: bool = False  # a repair's resent step: a hop already holding it drops it first
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.n < 1:
+            raise InvalidRequest(f"a hop request covers positions from 0 on, at least one; got {self.start}+{self.n}")
+        if self.verb is Verb.VERIFY:
+            if not self.drafts:
+                raise InvalidRequest(f"a verify chunk needs drafted token ids ({H.DRAFT})")
+            if self.replay:
+                raise InvalidRequest(f"a verify chunk is never replayed: drop {H.REPLAY}")
+        elif self.drafts:
+            raise InvalidRequest(f"only a verify chunk carries drafted tokens: drop {H.DRAFT}")
+        if self.verb is not Verb.PREFILL and self.n != 1 + len(self.drafts):
+            raise InvalidRequest(f"a {self.verb} covers its position and its drafts, not {self.n} positions")
+        if self.replay < 0:
+            raise InvalidRequest(f"header {H.REPLAY} must be the number of hops to rebuild (>= 1)")
+        if self.replay and self.sample:
+            raise InvalidRequest(f"a replayed chunk answers no token: drop {H.SAMPLE}")
+        if self.chunks is not None and (self.verb is not Verb.PREFILL or sum(self.chunks) != self.n):
+            raise InvalidRequest(f"{H.CHUNKS} must split a prefill chunk's {self.n} positions")
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The compute calls that cover the request: a step's positions one by one."""
+        if self.verb is not Verb.PREFILL:
+            return (1,) * self.n
+        return self.chunks or (self.n,)
+
+    @property
+    def decode(self) -> bool:
+        return self.verb is not Verb.PREFILL
+
+    @property
+    def final(self) -> bool:
+        """Whether the tail answers a token: every step, and a prompt's last prefill chunk."""
+        return self.decode or self.sample
+
+    def onward(self, payload: Payload, next_hops: tuple[str, ...], *, model: str, route_id: str) -> HopRequest:
+        """What a hop passes on to the next one: the same request with its own output, one hop
+        fewer to replay, and the hops after the next one (on a session's first request)."""
+        return dataclasses.replace(
+            self,
+            payload=payload,
+            model=model,
+            route_id=route_id,
+            next_hops=next_hops[1:] if self.next_hops is not None or self.verb is Verb.PREFILL else None,
+            replay=max(self.replay - 1, 0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RerouteRequest:
+    """Point a session at new next hops; ``replay`` > 0 rebuilds them from the seam log and resends
+    the interrupted step at ``step`` (route repair, docs/protocol.md)."""
+
+    session: SessionId
+    next_hops: tuple[str, ...]
+    route_id: str | None
+    model: str | None = None
+    replay: int = 0
+    sampling: str | None = None
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.replay <= len(self.next_hops):
+            raise InvalidRequest(
+                f"header {H.REPLAY} must be 0..{len(self.next_hops)} (hops to rebuild), got {self.replay!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class HopEntry:
+    """One hop's part of an answer: who computed what, how long it took, and its ledger (the
+    positions it holds and the digests of what it computed from and sent on, protocol.ledger)."""
+
+    node: str
+    layers: str
+    compute_ms: float
+    held: int
+    input_digest: str
+    output_digest: str | None = None
+    positions: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"node": self.node, "layers": self.layers}
+        if self.positions is not None:
+            entry["positions"] = self.positions
+        entry["compute_ms"] = self.compute_ms
+        entry["held"] = self.held
+        entry["input_digest"] = self.input_digest
+        if self.output_digest is not None:
+            entry["output_digest"] = self.output_digest
+        return entry
+
+    @classmethod
+    def from_json(cls, raw: object) -> HopEntry:
+        """Raises ``ValueError`` on anything but an entry ``to_json`` could have written."""
+        if not isinstance(raw, Mapping):
+            raise ValueError("a hop entry is an object")
+        node, layers, held = raw.get("node"), raw.get("layers"), raw.get("held")
+        digest, out, positions = raw.get("input_digest"), raw.get("output_digest"), raw.get("positions")
+        compute = raw.get("compute_ms", 0.0)
+        if not (isinstance(node, str) and isinstance(layers, str) and isinstance(digest, str)):
+            raise ValueError('a hop entry names its "node", "layers" and "input_digest" as strings')
+        if not _count(held) or not (positions is None or _count(positions)):
+            raise ValueError('a hop entry\'s "held" and "positions" are counts')
+        if not (out is None or isinstance(out, str)):
+            raise ValueError('a hop entry\'s "output_digest" is a string')
+        if not (isinstance(compute, int | float) and not isinstance(compute, bool) and math.isfinite(compute)):
+            raise ValueError('a hop entry\'s "compute_ms" is a finite number')
+        return cls(node, layers, float(compute), held, digest, out, positions)  # type: ignore[arg-type]
+
+
+class AnswerKind(StrEnum):
+    ACCEPTED = "accepted"  # a pipelined prefill chunk was computed here and is on its way (202)
+    REPLAYED = "replayed"  # a replayed chunk rebuilt KV; no token
+    TOKEN = "token"  # the next token
+    TOKENS = "tokens"  # a verify chunk: the drafts kept and one token of the tail's own
+    REROUTED = "rerouted"  # a reroute without replay
+
+
+@dataclass(frozen=True, slots=True)
+class HopAnswer:
+    kind: AnswerKind
+    hops: tuple[HopEntry, ...]
+    count: int = 0  # ACCEPTED, REPLAYED: positions
+    position: int | None = None  # TOKEN, TOKENS, REROUTED: the position after the answer
+    token: int | None = None
+    logprob: float | None = None
+    top: Alternatives | None = None
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    tops: tuple[Alternatives, ...] | None = None
+    drafted: int = 0
+    accepted: int = 0  # TOKENS: the drafts kept
+    session: SessionId | None = None  # REROUTED
+    next_hops: tuple[str, ...] = ()  # REROUTED
+
+    @property
+    def status(self) -> int:
+        return 202 if self.kind is AnswerKind.ACCEPTED else 200
+
+    def after(self, *entries: HopEntry) -> HopAnswer:
+        """The answer with ``entries`` (hops nearer the sender) before its own."""
+        return dataclasses.replace(self, hops=(*entries, *self.hops))
+
+    def to_json(self) -> dict[str, Any]:
+        hops = [h.to_json() for h in self.hops]
+        kind = self.kind
+        if kind in (AnswerKind.ACCEPTED, AnswerKind.REPLAYED):
+            return {kind.value: self.count, "hops": hops}
+        if kind is AnswerKind.REROUTED:
+            return {
+                "rerouted": self.session,
+                "position": self.position,
+                "next_hops": list(self.next_hops),
+                "hops": hops,
+            }
+        if kind is AnswerKind.TOKEN:
+            top = {"top": _pairs(self.top)} if self.top is not None else {}
+            return {"token": self.token, "logprob": self.logprob, **top, "position": self.position, "hops": hops}
+        tops = {"tops": [_pairs(t) for t in self.tops]} if self.tops is not None else {}
+        return {
+            "tokens": list(self.tokens),
+            "logprobs": list(self.logprobs),
+            **tops,
+            "position": self.position,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "hops": hops,
+        }
+
+    @classmethod
+    def from_json(cls, status: int, raw: object) -> HopAnswer:
+        """Raises ``ValueError`` on anything but an answer ``to_json`` could have written. Token ids
+        and logprobs are checked for their types here; their range is the gateway's to check."""
+        if not isinstance(raw, Mapping):
+            raise ValueError("a hop answer is a JSON object")
+        hops = raw.get("hops")
+        if not isinstance(hops, list):
+            raise ValueError('a hop answer lists its "hops"')
+        entries = tuple(HopEntry.from_json(h) for h in hops)
+        if status == 202:
+            return cls(AnswerKind.ACCEPTED, entries, count=_need_count(raw, "accepted"))
+        if "replayed" in raw:
+            return cls(AnswerKind.REPLAYED, entries, count=_need_count(raw, "replayed"))
+        position = _need_count(raw, "position")
+        if "rerouted" in raw:
+            nxt = raw.get("next_hops")
+            if (
+                not isinstance(raw["rerouted"], str)
+                or not isinstance(nxt, list)
+                or not all(isinstance(h, str) for h in nxt)
+            ):
+                raise ValueError('a reroute answer names the session and its "next_hops"')
+            return cls(AnswerKind.REROUTED, entries, position=position, session=SessionId(raw["rerouted"]),
+                       next_hops=tuple(nxt))  # fmt: skip
+        if "tokens" in raw:
+            tokens, logprobs = raw.get("tokens"), raw.get("logprobs")
+            if not isinstance(tokens, list) or not all(_integer(t) for t in tokens) or not tokens:
+                raise ValueError('a verify answer lists its "tokens"')
+            if not isinstance(logprobs, list) or len(logprobs) != len(tokens) or not all(map(_number, logprobs)):
+                raise ValueError('a verify answer has one logprob per token ("logprobs")')
+            tops = raw.get("tops")
+            if tops is not None and (not isinstance(tops, list) or len(tops) != len(tokens)):
+                raise ValueError('a verify answer\'s "tops" has one list per token')
+            return cls(
+                AnswerKind.TOKENS, entries, position=position, tokens=tuple(tokens),
+                logprobs=tuple(map(float, logprobs)),
+                tops=None if tops is None else tuple(_alternatives(t) for t in tops),
+                drafted=_need_count(raw, "drafted"), accepted=_need_count(raw, "accepted"),
+            )  # fmt: skip
+        token, logprob = raw.get("token"), raw.get("logprob")
+        if not _integer(token) or not _number(logprob):
+            raise ValueError('a hop answer carries "token" (an integer) and "logprob" (a number)')
+        top = raw.get("top")
+        return cls(AnswerKind.TOKEN, entries, position=position, token=int(token), logprob=float(logprob),  # type: ignore[arg-type]
+                   top=None if top is None else _alternatives(top))  # fmt: skip
+
+
+def remote_error(error: MeshnetError, *, sender: str, sender_is_head: bool) -> MeshnetError:
+    """What an error answer from the hop at ``sender`` means to whoever sent it the request: the
+    one error map of every transport (``errors.hop_error``)."""
+    message = f"next hop {sender} answered {error.status}: {error.message}"
+    return hop_error(message, status=error.status, failed_hop=error.failed_hop, sender=sender,
+                     sender_is_head=sender_is_head)  # fmt: skip
+
+
+def _count(value: object) -> bool:
+    return _integer(value) and int(value) >= 0  # type: ignore[call-overload]
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _need_count(raw: Mapping[str, Any], key: str) -> int:
+    value = raw.get(key)
+    if not _count(value):
+        raise ValueError(f'a hop answer\'s "{key}" is a count')
+    return int(value)  # type: ignore[arg-type]
+
+
+def _alternatives(raw: object) -> Alternatives:
+    if not isinstance(raw, list):
+        raise ValueError("alternatives are a list of [token, logprob] pairs")
+    pairs = []
+    for pair in raw:
+        if not (isinstance(pair, Sequence) and len(pair) == 2 and _integer(pair[0]) and _number(pair[1])):
+            raise ValueError("alternatives are a list of [token, logprob] pairs")
+        pairs.append((int(pair[0]), float(pair[1])))
+    return tuple(pairs)
+
+
+def _pairs(alternatives: Alternatives) -> list[list[int | float]]:
+    return [[token, logprob] for token, logprob in alternatives]

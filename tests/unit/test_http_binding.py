@@ -1,0 +1,206 @@
+"""The HTTP binding of the hop records (protocol.http_binding, protocol.messages): golden headers
+and bodies as docs/protocol.md writes them, round trips, and every malformed field refused."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from meshnet.errors import BadGateway, HopFailed, InvalidRequest, SeamMismatch, SessionBroken
+from meshnet.ids import SessionId
+from meshnet.protocol import headers as H
+from meshnet.protocol.http_binding import (
+    answer_from_response,
+    decode_request,
+    decode_reroute,
+    encode_request,
+    encode_reroute,
+    error_from_response,
+)
+from meshnet.protocol.messages import (
+    AnswerKind,
+    HopAnswer,
+    HopEntry,
+    HopRequest,
+    Payload,
+    RerouteRequest,
+    Verb,
+    remote_error,
+)
+from meshnet.protocol.wire import encode_tensor
+
+SID = SessionId("abc")
+BIG = 1 << 20
+
+
+def activations(n: int, ids: list[int] | None = None) -> Payload:
+    frame = encode_tensor(np.arange(n * 2, dtype=np.float32).reshape(1, n, 2), "float32")
+    return Payload(frame, None if ids is None else np.array(ids, dtype="<i4").tobytes())
+
+
+def test_a_first_prefill_chunk_encodes_to_the_documented_headers_and_body() -> None:
+    ids = Payload(encode_tensor(np.array([[1, 258]], dtype=np.int32), "int32"))
+    request = HopRequest(
+        Verb.PREFILL, SID, 0, 2, ids, model="m", route_id="r", next_hops=("http://b:1", "http://c:2"),
+        sampling='{"temperature":0.0}', chunks=(1, 1), sample=True,
+    )  # fmt: skip
+    path, headers, body = encode_request(request)
+    assert path == "/v1/sessions/abc/prefill"
+    assert headers == {
+        H.MODEL: "m",
+        H.ROUTE_ID: "r",
+        H.TOKEN_RANGE: "0-1",
+        H.NEXT_HOPS: "http://b:1,http://c:2",
+        H.SAMPLING: '{"temperature":0.0}',
+        H.CHUNKS: "1x2",
+        H.SAMPLE: "1",
+        H.SHAPE: "1,2",
+        H.DTYPE: "int32",
+        "Content-Type": "application/octet-stream",
+    }
+    assert body.hex() == "0100000002010000"
+
+
+def test_a_verify_chunk_with_token_ids_puts_the_ids_first_in_the_body() -> None:
+    request = HopRequest(Verb.VERIFY, SID, 7, 3, activations(3, [5, 6, 7]), route_id="r", drafts=(6, 7), rewind=True)
+    path, headers, body = encode_request(request)
+    assert path == "/v1/sessions/abc/verify"
+    assert headers[H.POSITION] == "7" and headers[H.DRAFT] == "6,7" and headers[H.REWIND] == "1"
+    assert headers[H.TOKEN_IDS] == "3" and headers[H.SHAPE] == "1,3,2" and headers[H.DTYPE] == "float32"
+    assert body[:12] == np.array([5, 6, 7], dtype="<i4").tobytes()
+    assert len(body) == 12 + 3 * 2 * 4
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        HopRequest(Verb.PREFILL, SID, 4, 3, activations(3), model="m", route_id="r", chunks=(2, 1), replay=2),
+        HopRequest(Verb.PREFILL, SID, 0, 3, activations(3, [1, 2, 3]), next_hops=(), sampling="{}", sample=True),
+        HopRequest(Verb.DECODE, SID, 9, 1, activations(1), route_id="r", rewind=True, replay=1),
+        HopRequest(Verb.VERIFY, SID, 9, 4, activations(4), drafts=(1, 2, 3)),
+    ],
+)
+def test_every_request_survives_the_round_trip(request_: HopRequest) -> None:
+    path, headers, body = encode_request(request_)
+    verb = Verb(path.rsplit("/", 1)[1])
+    assert decode_request(verb, SID, headers, body, max_body_bytes=BIG) == request_
+
+
+@pytest.mark.parametrize(
+    ("verb", "change", "error", "message"),
+    [
+        (Verb.DECODE, {H.POSITION: "-1"}, SeamMismatch, "absolute position"),
+        (Verb.PREFILL, {H.TOKEN_RANGE: "5-2"}, SeamMismatch, "FIRST <= LAST"),
+        (Verb.VERIFY, {H.DRAFT: "1,x"}, InvalidRequest, "drafted token ids"),
+        (Verb.VERIFY, {H.REPLAY: "1"}, InvalidRequest, "never replayed"),
+        (Verb.DECODE, {H.REPLAY: "0"}, InvalidRequest, ">= 1"),
+        (Verb.PREFILL, {H.REPLAY: "1", H.SAMPLE: "1"}, InvalidRequest, "answers no token"),
+        (Verb.PREFILL, {H.CHUNKS: "5"}, InvalidRequest, "X-Meshnet-Chunks"),
+        (Verb.DECODE, {H.SHAPE: "1,1,3"}, SeamMismatch, "needs 12 bytes"),
+        (Verb.DECODE, {H.DTYPE: "int8"}, SeamMismatch, "not supported"),
+        (Verb.DECODE, {H.TOKEN_IDS: "2"}, SeamMismatch, "position count 1"),
+    ],
+)
+def test_a_malformed_request_is_refused_with_what_to_fix(
+    verb: Verb, change: dict[str, str], error: type[Exception], message: str
+) -> None:
+    n = 3 if verb is Verb.PREFILL else 1
+    base = {H.TOKEN_RANGE: "0-2", H.POSITION: "0", H.DRAFT: "4", H.SHAPE: f"1,{n + int(verb is Verb.VERIFY)},2"}
+    base[H.DTYPE] = "float32"
+    if verb is Verb.VERIFY:
+        n = 2
+    headers = {**base, **change}
+    body = np.zeros((1, n, 2), dtype=np.float32).tobytes()
+    with pytest.raises(error, match=message):
+        decode_request(verb, SID, headers, body, max_body_bytes=BIG)
+
+
+def test_a_reroute_round_trips_and_bounds_its_replay() -> None:
+    request = RerouteRequest(SID, ("http://b:1", "http://c:2"), "r", model="m", replay=2, sampling="{}", step=12)
+    path, headers = encode_reroute(request)
+    assert path == "/v1/sessions/abc/reroute"
+    assert decode_reroute(SID, headers) == request
+    with pytest.raises(InvalidRequest, match=r"0\.\.2"):
+        decode_reroute(SID, {**headers, H.REPLAY: "3"})
+    with pytest.raises(InvalidRequest, match=r"0\.\.2"):
+        decode_reroute(SID, {**headers, H.REPLAY: "x"})
+
+
+ENTRY = HopEntry("n1", "0:10/30", 1.5, 12, "aa" * 16, "bb" * 16, positions=1)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        HopAnswer(AnswerKind.ACCEPTED, (ENTRY,), count=4),
+        HopAnswer(AnswerKind.REPLAYED, (ENTRY,), count=4),
+        HopAnswer(AnswerKind.TOKEN, (ENTRY, ENTRY), position=13, token=5, logprob=-0.25, top=((5, -0.25), (7, -2.0))),
+        HopAnswer(
+            AnswerKind.TOKENS,
+            (ENTRY,),
+            position=15,
+            tokens=(1, 2, 3),
+            logprobs=(0.0, -1.0, -2.0),
+            drafted=3,
+            accepted=2,
+            tops=(((1, 0.0),), ((2, -1.0),), ((3, -2.0),)),
+        ),
+        HopAnswer(AnswerKind.REROUTED, (ENTRY,), position=12, session=SID, next_hops=("http://b:1",)),
+    ],
+)
+def test_every_answer_survives_json_and_an_http_response(answer: HopAnswer) -> None:
+    assert HopAnswer.from_json(answer.status, answer.to_json()) == answer
+    response = httpx.Response(answer.status, json=answer.to_json())
+    assert answer_from_response(response, "http://b:1") == answer
+
+
+def test_a_token_answer_has_the_documented_fields() -> None:
+    answer = HopAnswer(AnswerKind.TOKEN, (ENTRY,), position=13, token=5, logprob=-0.25)
+    assert answer.to_json() == {
+        "token": 5,
+        "logprob": -0.25,
+        "position": 13,
+        "hops": [
+            {
+                "node": "n1",
+                "layers": "0:10/30",
+                "positions": 1,
+                "compute_ms": 1.5,
+                "held": 12,
+                "input_digest": "aa" * 16,
+                "output_digest": "bb" * 16,
+            }
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [],
+        {"token": 5, "logprob": -1.0, "position": 3},
+        {"token": "5", "logprob": -1.0, "position": 3, "hops": []},
+        {"token": True, "logprob": -1.0, "position": 3, "hops": []},
+        {"token": 5, "logprob": -1.0, "position": -3, "hops": []},
+        {"token": 5, "logprob": -1.0, "position": 3, "hops": [{"node": "n"}]},
+        {"tokens": [1], "logprobs": [], "position": 3, "drafted": 1, "accepted": 0, "hops": []},
+        {"token": 5, "logprob": -1.0, "position": 3, "top": [[1]], "hops": []},
+    ],
+)
+def test_an_answer_that_is_not_one_is_a_failure_of_the_hop_that_sent_it(raw: object) -> None:
+    with pytest.raises(HopFailed, match="not a hop answer") as failed:
+        answer_from_response(httpx.Response(200, json=raw), "http://b:1")
+    assert failed.value.failed_hop == "http://b:1"
+
+
+def test_one_error_map_for_http_answers_and_in_process_errors() -> None:
+    deeper = httpx.Response(409, json={"error": {"message": "broken", "failed_hop": "http://c:2"}})
+    assert error_from_response(deeper, "http://b:1", sender_is_head=False).failed_hop == "http://c:2"
+    own = httpx.Response(400, json={"error": {"message": "bad shape"}})
+    assert error_from_response(own, "http://b:1", sender_is_head=False).failed_hop == "http://b:1"
+    assert type(error_from_response(own, "http://a:0", sender_is_head=True)) is BadGateway
+    # the same error raised in process maps the same way
+    local = remote_error(SessionBroken("broken", failed_hop="http://c:2"), sender="http://b:1", sender_is_head=False)
+    assert isinstance(local, HopFailed) and local.failed_hop == "http://c:2"
+    assert type(remote_error(SeamMismatch("bad shape"), sender="http://a:0", sender_is_head=True)) is BadGateway

@@ -1,0 +1,391 @@
+"""The node service (node.service) over the in-process transport with fake shards: pipelining,
+decode, verify, route repair, rewind and the failure paths, in milliseconds.
+
+The fake shard's output at a position depends on every position its session holds before it, so
+a hop that misses, repeats or keeps a stale position changes the tokens: these tests compare whole
+token sequences, as the real-process tests do with llama.cpp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from meshnet.backends.shard import F32, I32, KVFormat, SeamSpec, ShardBase, ShardInfo, ShardOutput
+from meshnet.errors import (
+    Conflict,
+    HopFailed,
+    InvalidRequest,
+    MeshnetError,
+    SeamMismatch,
+    SessionBroken,
+    SessionBusy,
+    SessionGone,
+    SessionNotFound,
+)
+from meshnet.ids import SessionId
+from meshnet.layers import LayerRange
+from meshnet.node.service import NodeConfig, NodeService
+from meshnet.node.transport import LocalTransport
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.wire import encode_tensor
+from meshnet.session.store import StoreLimits
+
+VOCAB = 50
+TOTAL = 12
+SID = SessionId("s1")
+
+
+class MixShard(ShardBase[list[float]]):
+    """Each position's value mixes its input with everything the session holds before it."""
+
+    def __init__(self, layers: str, *, max_verify: int = 4, gate: threading.Event | None = None) -> None:
+        super().__init__()
+        self.gate = gate
+        self.salt = float(LayerRange.parse(layers, TOTAL).start + 1)
+        self.info = ShardInfo(
+            model_id="mix",
+            architecture="mix",
+            backend="fake",
+            layers=LayerRange.parse(layers, TOTAL),
+            seam=SeamSpec((2,)),
+            n_vocab=VOCAB,
+            max_positions=512,
+            weight_bytes=1,
+            kv=KVFormat("kv", "f32", 8, 0, (8,), "test"),
+            max_verify=max_verify,
+        )
+        self._init_store(StoreLimits(8, budget_bytes=8 * 512 * 4, max_sessions=4, max_positions=512))
+
+    def _forward(
+        self, state: list[float], start: int, tokens: I32 | None, hidden: F32 | None, all_logits: bool = False
+    ) -> ShardOutput:
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        inputs = [float(t) for t in tokens] if tokens is not None else [float(h[0]) for h in hidden]  # type: ignore[union-attr]
+        rows = []
+        for x in inputs:
+            value = (x * 31 + sum(state) * 7 + self.salt) % 1009
+            state.append(value)
+            rows.append(value)
+        if self.info.layers.is_tail:
+            logits = np.zeros((len(rows), VOCAB), dtype=np.float32)
+            for i, value in enumerate(rows):
+                logits[i, int(value) % VOCAB] = 10.0
+            return ShardOutput(logits=logits if all_logits else logits[-1])
+        return ShardOutput(hidden=np.array([[v, -v] for v in rows], dtype=np.float32))
+
+    def _new_state(self, sid: SessionId) -> list[float]:
+        return []
+
+    def _free_state(self, state: list[float]) -> None:
+        state.clear()
+
+    def _truncate_state(self, state: list[float], position: int) -> None:
+        del state[position:]
+
+    def _dump_state(self, state: list[float], position: int) -> bytes:
+        return np.array(state[:position], dtype=np.float64).tobytes()
+
+    def _load_state(self, sid: SessionId, body: bytes, position: int) -> list[float]:
+        return list(np.frombuffer(body, dtype=np.float64))
+
+
+class Swarm:
+    """Hop services by URL over one ``LocalTransport``; the test plays the gateway."""
+
+    def __init__(self) -> None:
+        self.transport = LocalTransport()
+
+    def node(self, url: str, layers: str, **kwargs: object) -> NodeService:
+        service = NodeService(MixShard(layers, **kwargs), NodeConfig(node_id=url, url=url), self.transport)  # type: ignore[arg-type]
+        self.transport.add(url, service)
+        return service
+
+    async def send(self, hop: str, request: HopRequest) -> HopAnswer:
+        return await self.transport.send(hop, request, timeout_s=5)
+
+
+def ids_payload(tokens: Sequence[int]) -> Payload:
+    return Payload(encode_tensor(np.array([list(tokens)], dtype=np.int32), "int32"))
+
+
+def prefill(
+    tokens: Sequence[int], start: int, *, route: Sequence[str], final: bool, first: bool, route_id: str = "r1"
+) -> HopRequest:
+    return HopRequest(
+        Verb.PREFILL, SID, start, len(tokens), ids_payload(tokens), model="mix", route_id=route_id,
+        next_hops=tuple(route[1:]) if first else None, sample=final,
+    )  # fmt: skip
+
+
+def step(token: int, position: int, *, drafts: Sequence[int] = (), rewind: bool = False) -> HopRequest:
+    verb = Verb.VERIFY if drafts else Verb.DECODE
+    payload = ids_payload([token, *drafts])
+    return HopRequest(verb, SID, position, 1 + len(drafts), payload, route_id="r1", drafts=tuple(drafts), rewind=rewind)
+
+
+PROMPT = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
+
+
+async def generate(swarm: Swarm, route: Sequence[str], n: int, *, chunk: int = 4) -> list[int]:
+    """Prefill ``PROMPT`` in chunks, then ``n`` greedy steps; the tokens."""
+    head = route[0]
+    answer = None
+    for start in range(0, len(PROMPT), chunk):
+        final = start + chunk >= len(PROMPT)
+        req = prefill(PROMPT[start : start + chunk], start, route=route, final=final, first=start == 0)
+        answer = await swarm.send(head, req)
+        assert answer.kind is (AnswerKind.TOKEN if final else AnswerKind.ACCEPTED)
+    assert answer is not None and answer.token is not None
+    out = [answer.token]
+    while len(out) < n:
+        answer = await swarm.send(head, step(out[-1], len(PROMPT) + len(out) - 1))
+        assert answer.token is not None
+        out.append(answer.token)
+    return out
+
+
+def chain(swarm: Swarm, **kwargs: object) -> list[str]:
+    urls = ["http://head", "http://middle", "http://tail"]
+    for url, layers in zip(urls, ["0:4", "4:8", "8:12"], strict=True):
+        swarm.node(url, layers, **kwargs)
+    return urls
+
+
+def reference(n: int) -> list[int]:
+    swarm = Swarm()
+    return asyncio.run(generate(swarm, chain(swarm), n))
+
+
+def test_a_pipelined_prefill_and_decode_through_three_hops_answer_with_every_hops_entry() -> None:
+    swarm = Swarm()
+    route = chain(swarm)
+
+    async def main() -> HopAnswer:
+        first = await swarm.send(route[0], prefill(PROMPT[:4], 0, route=route, final=False, first=True))
+        assert first.kind is AnswerKind.ACCEPTED and first.status == 202
+        assert [h.node for h in first.hops] == ["http://head"]  # answered before the others computed it
+        await swarm.send(route[0], prefill(PROMPT[4:], 4, route=route, final=True, first=False))
+        return await swarm.send(route[0], step(7, len(PROMPT)))
+
+    answer = asyncio.run(main())
+    assert answer.kind is AnswerKind.TOKEN and answer.position == len(PROMPT) + 1
+    assert [h.node for h in answer.hops] == route
+    assert [h.held for h in answer.hops] == [len(PROMPT) + 1] * 3
+    # every hop computed from exactly what the one before it sent
+    assert answer.hops[1].input_digest == answer.hops[0].output_digest
+    assert answer.hops[2].input_digest == answer.hops[1].output_digest
+    tokens = reference(12)
+    assert len(set(tokens)) > 3  # the fake model's tokens do vary
+
+
+def test_the_token_sequence_does_not_depend_on_the_prefill_chunking() -> None:
+    swarm = Swarm()
+    assert asyncio.run(generate(swarm, chain(swarm), 10, chunk=3)) == reference(10)
+
+
+def test_a_dead_next_hop_breaks_the_session_on_every_hop_before_it_and_names_the_hop() -> None:
+    swarm = Swarm()
+    route = chain(swarm)
+
+    async def main() -> None:
+        tokens = await generate(swarm, route, 3)
+        swarm.transport.remove(route[2])
+        with pytest.raises(HopFailed) as failed:
+            await swarm.send(route[0], step(tokens[-1], len(PROMPT) + 2))
+        assert failed.value.failed_hop == route[2]
+        # later requests get the reason instead of diverging, naming the same hop
+        with pytest.raises(HopFailed, match="broken") as again:
+            await swarm.send(route[0], step(tokens[-1], len(PROMPT) + 3))
+        assert again.value.failed_hop == route[2]
+        middle = swarm.transport.services[route[1]]
+        activations = Payload(encode_tensor(np.zeros((1, 1, 2), dtype=np.float32), "float32"))
+        with pytest.raises(SessionBroken):
+            await middle.handle(HopRequest(Verb.DECODE, SID, len(PROMPT) + 3, 1, activations))
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("dead", [1, 2])
+def test_a_reroute_replays_the_seam_log_into_a_replacement_and_the_text_goes_on_identically(dead: int) -> None:
+    want = reference(10)
+    swarm = Swarm()
+    route = chain(swarm)
+
+    async def main() -> list[int]:
+        tokens = await generate(swarm, route, 4)
+        position = len(PROMPT) + len(tokens) - 1
+        swarm.transport.remove(route[dead])
+        with pytest.raises(HopFailed) as failed:
+            await swarm.send(route[0], step(tokens[-1], position))
+        assert failed.value.failed_hop == route[dead]
+        new = f"http://spare{dead}"
+        swarm.node(new, ["0:4", "4:8", "8:12"][dead])
+        fixed = [*route[:dead], new, *route[dead + 1 :]]
+        # the hop before the dead one rebuilds its replacement (and, for a dead tail, nothing after it)
+        reroute = RerouteRequest(SID, tuple(fixed[dead:]), "r1", model="mix", replay=1, step=position)
+        answer = await swarm.transport.services[fixed[dead - 1]].reroute(reroute)
+        assert answer.kind is AnswerKind.TOKEN and answer.position == position + 1
+        assert [h.held for h in answer.hops] == [position + 1] * (len(route) - dead + 1)
+        for i in range(dead - 2, -1, -1):  # the hops above it broke the session too: the gateway clears them
+            cleared = RerouteRequest(SID, tuple(fixed[i + 1 :]), "r1", step=position)
+            assert (await swarm.transport.services[fixed[i]].reroute(cleared)).kind is AnswerKind.REROUTED
+        assert answer.token is not None
+        tokens.append(answer.token)
+        while len(tokens) < 10:
+            answer = await swarm.send(route[0], step(tokens[-1], len(PROMPT) + len(tokens) - 1))
+            assert answer.token is not None
+            tokens.append(answer.token)
+        return tokens
+
+    assert asyncio.run(main()) == want
+
+
+def test_a_reroute_without_a_seam_log_says_the_session_needs_a_fresh_prefill() -> None:
+    swarm = Swarm()
+    route = ["http://head", "http://tail"]
+    swarm.transport.add(
+        route[0], NodeService(MixShard("0:6"), NodeConfig("head", route[0], seam_log_bytes=0), swarm.transport)
+    )
+    swarm.node(route[1], "6:12")
+
+    async def main() -> None:
+        await generate(swarm, route, 2)
+        reroute = RerouteRequest(SID, ("http://tail",), "r1", replay=1, step=len(PROMPT))
+        with pytest.raises(Conflict, match="fresh prefill") as refused:
+            await swarm.transport.services[route[0]].reroute(reroute)
+        assert refused.value.code == "no_seam_log"
+        with pytest.raises(Conflict, match="pinned to route r1"):
+            await swarm.transport.services[route[0]].reroute(RerouteRequest(SID, ("http://tail",), "other"))
+        with pytest.raises(InvalidRequest, match=r"0\.\.1"):
+            RerouteRequest(SID, ("http://tail",), "r1", replay=2)
+
+    asyncio.run(main())
+
+
+def test_a_resent_step_with_rewind_replaces_the_position_every_hop_already_holds() -> None:
+    want = reference(6)
+    swarm = Swarm()
+    route = chain(swarm)
+
+    async def main() -> list[int]:
+        tokens = await generate(swarm, route, 5)
+        position = len(PROMPT) + 3  # the step that produced tokens[4]: every hop holds it already
+        again = await swarm.send(route[0], step(tokens[3], position, rewind=True))
+        assert again.token == tokens[4] and [h.held for h in again.hops] == [position + 1] * 3
+        answer = await swarm.send(route[0], step(tokens[4], position + 1))
+        assert answer.token is not None
+        return [*tokens, answer.token]
+
+    assert asyncio.run(main()) == want
+
+
+def test_a_verify_chunk_keeps_the_agreeing_drafts_and_every_hop_drops_the_rest() -> None:
+    want = reference(10)
+    swarm = Swarm()
+    route = chain(swarm)
+
+    async def main() -> list[int]:
+        tokens = await generate(swarm, route, 3)
+        position = len(PROMPT) + 2
+        drafts = [want[3], want[4], (want[5] + 1) % VOCAB]  # the third draft is wrong
+        answer = await swarm.send(route[0], step(tokens[-1], position, drafts=drafts))
+        assert answer.kind is AnswerKind.TOKENS
+        assert (answer.drafted, answer.accepted) == (3, 2)
+        assert list(answer.tokens) == want[3:6] and answer.position == position + 3
+        assert [h.held for h in answer.hops] == [position + 3] * 3  # the rejected draft is gone everywhere
+        tokens += answer.tokens
+        while len(tokens) < 10:
+            answer = await swarm.send(route[0], step(tokens[-1], len(PROMPT) + len(tokens) - 1))
+            assert answer.token is not None
+            tokens.append(answer.token)
+        return tokens
+
+    assert asyncio.run(main()) == want
+
+
+def test_drafts_past_a_hops_limit_or_outside_the_vocabulary_are_refused_and_change_nothing() -> None:
+    swarm = Swarm()
+    route = chain(swarm, max_verify=2)
+
+    async def main() -> None:
+        tokens = await generate(swarm, route, 2)
+        position = len(PROMPT) + 1
+        head = swarm.transport.services[route[0]]
+        with pytest.raises(InvalidRequest, match="at most 2"):
+            await head.handle(step(tokens[-1], position, drafts=[1, 2, 3]))
+        with pytest.raises(InvalidRequest, match=r"within \[0, 50\)"):
+            await head.handle(step(tokens[-1], position, drafts=[VOCAB]))
+        answer = await swarm.send(route[0], step(tokens[-1], position, drafts=[1, 2]))
+        assert answer.position is not None and [h.held for h in answer.hops] == [answer.position] * 3
+
+    asyncio.run(main())
+
+
+def test_failure_paths_are_clear_errors_that_leave_the_session_usable() -> None:
+    swarm = Swarm()
+    head = swarm.node("http://head", "0:12")
+    solo = ["http://head"]
+
+    async def main() -> None:
+        tokens = await generate(swarm, solo, 2)
+        position = len(PROMPT) + 1
+        bad: list[tuple[HopRequest, type[MeshnetError], str]] = [
+            (step(tokens[-1], position + 5), MeshnetError, "position"),
+            (HopRequest(Verb.DECODE, SID, position, 1, ids_payload([1]), model="other"), Conflict, "serves model"),
+            (HopRequest(Verb.DECODE, SID, position, 1, ids_payload([1]), route_id="r2"), Conflict, "pinned"),
+            (HopRequest(Verb.DECODE, SessionId("new"), 3, 1, ids_payload([1]), route_id="r1"), SessionGone, "unknown"),
+            (HopRequest(Verb.DECODE, SessionId("new"), 0, 1, ids_payload([1])), InvalidRequest, "Route-Id"),
+            (HopRequest(Verb.DECODE, SID, position, 1, ids_payload([1, 2])), SeamMismatch, "shape 1,1"),
+        ]
+        for request, error, message in bad:
+            with pytest.raises(error, match=message):
+                await head.handle(request)
+        with pytest.raises(InvalidRequest, match="no next hop"):
+            other = SessionId("other")
+            await head.handle(
+                HopRequest(Verb.PREFILL, other, 0, 2, ids_payload([1, 2]), route_id="r3", next_hops=("x",))
+            )
+        answer = await head.handle(step(tokens[-1], position))  # nothing above changed the session
+        assert answer is not None and answer.position == position + 1
+
+    asyncio.run(main())
+
+
+def test_a_second_request_on_a_busy_session_is_refused_while_the_first_computes() -> None:
+    gate = threading.Event()
+    swarm = Swarm()
+    head = swarm.node("http://head", "0:12", gate=gate)
+
+    async def main() -> None:
+        first = asyncio.ensure_future(head.handle(prefill(PROMPT, 0, route=["h"], final=True, first=True)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(SessionBusy):
+            await head.handle(step(1, len(PROMPT)))
+        gate.set()
+        answer = await first
+        assert answer is not None and answer.kind is AnswerKind.TOKEN
+
+    asyncio.run(main())
+
+
+def test_a_delete_travels_down_the_chain_and_frees_every_hop() -> None:
+    swarm = Swarm()
+    route = chain(swarm)
+
+    async def main() -> None:
+        await generate(swarm, route, 2)
+        services = [swarm.transport.services[u] for u in route]
+        assert [s.session_state(SID)["position"] for s in services] == [len(PROMPT) + 1] * 3
+        await services[0].delete(SID)
+        for service in services:
+            assert SID not in service.sessions and len(service.shard.store) == 0
+            with pytest.raises((SessionNotFound, SessionGone)):
+                service.session_state(SID)
+
+    asyncio.run(main())
