@@ -42,6 +42,7 @@ class RoutePlan:
     session_id: SessionId
     route_id: RouteId
     hops: tuple[Hop, ...]
+    ticket: str | None = None  # a private swarm's tracker-signed route (or repair) ticket for the hops
 
     @property
     def layers(self) -> int:

@@ -11,8 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
+from meshnet.ids import SessionId
+from meshnet.protocol.http_binding import encode_request, encode_reroute
+from meshnet.protocol.messages import HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.wire import encode_tensor
 from meshnet.security.identity import SwarmCA
 from meshnet.security.invites import mint_invite
 from meshnet.security.join import join_swarm
@@ -110,6 +115,49 @@ def test_outsiders_are_refused_by_tracker_and_nodes(
         spy = join_swarm(token, tmp_path / "spy")
     with httpx.Client(verify=spy.client_context(), timeout=10) as client, pytest.raises(httpx.TransportError):
         client.get(f"{nodes['head']}/v1/health")
+
+
+def test_a_member_without_the_trackers_ticket_cannot_open_or_steer_a_session(
+    private_swarm: tuple[Path, Proc, dict[str, str], Proc],
+) -> None:
+    """Route tickets: a member (here, the gateway's own credentials) that knows a node's address
+    can neither open a session on it without a tracker-signed ticket, nor point a session at hops
+    of its choosing, nor reroute one; the tracker's ticket opens it, and only along its hops."""
+    swarm, tracker, nodes, _ = private_swarm
+    ids = encode_tensor(np.array([[1, 2, 3]], dtype=np.int32), "int32")
+
+    def prefill(client: httpx.Client, sid: str, route_id: str, ticket: str | None, hops: str) -> httpx.Response:
+        request = HopRequest(Verb.PREFILL, SessionId(sid), 0, 3, Payload(ids), route_id=route_id,
+                             next_hops=(hops,), sample=True, ticket=ticket)  # fmt: skip
+        path, headers, body = encode_request(request)
+        return client.post(f"{nodes['head']}{path}", content=body, headers=headers)
+
+    with _client(swarm.parent / "gw") as client:
+        plan = client.post(f"{tracker.url}/v1/sessions", json={"model": _model(client, tracker), "total_layers": 30})
+        assert plan.status_code == 201, plan.text
+        session = plan.json()
+        sid, route_id, ticket = session["session_id"], session["route_id"], session["ticket"]
+        refused = prefill(client, sid, route_id, None, nodes["tail"])
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "route_ticket_missing"
+        forged = ticket[:-4] + ("AAAA" if not ticket.endswith("AAAA") else "BBBB")
+        refused = prefill(client, sid, route_id, forged, nodes["tail"])
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "route_ticket_invalid"
+        refused = prefill(client, "another-session", route_id, ticket, nodes["tail"])
+        assert refused.json()["error"]["code"] == "route_ticket_mismatch"
+        refused = prefill(client, sid, route_id, ticket, "https://127.0.0.1:9")  # a hop the ticket does not name
+        assert refused.status_code == 401 and "along its ticket" in refused.json()["error"]["message"]
+        answer = prefill(client, sid, route_id, ticket, nodes["tail"])
+        assert answer.status_code == 200 and isinstance(answer.json()["token"], int), answer.text
+        # a reroute needs the tracker's repair ticket, not the route ticket
+        path, headers = encode_reroute(RerouteRequest(SessionId(sid), (nodes["tail"],), route_id, ticket=ticket))
+        refused = client.post(f"{nodes['head']}{path}", headers=headers)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "route_ticket_mismatch"
+        client.delete(f"{nodes['head']}/v1/sessions/{sid}")
+        client.delete(f"{tracker.url}/v1/sessions/{sid}")
+
+
+def _model(client: httpx.Client, tracker: Proc) -> str:
+    return str(client.get(f"{tracker.url}/v1/nodes").json()["nodes"][0]["model"])
 
 
 def test_a_node_runs_only_as_its_certificate_says(

@@ -9,6 +9,7 @@ token sequences, as the real-process tests do with llama.cpp.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Sequence
 
@@ -26,12 +27,14 @@ from meshnet.errors import (
     SessionBusy,
     SessionGone,
     SessionNotFound,
+    Unauthorized,
 )
-from meshnet.ids import SessionId
+from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
 from meshnet.node.service import NodeConfig, NodeService
 from meshnet.node.transport import LocalTransport
 from meshnet.protocol.messages import AnswerKind, HopAnswer, HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.tickets import TicketHop, TicketSigner, TicketVerifier, repair_ticket, route_ticket
 from meshnet.protocol.wire import encode_tensor
 from meshnet.session.store import StoreLimits
 
@@ -389,3 +392,69 @@ def test_a_delete_travels_down_the_chain_and_frees_every_hop() -> None:
                 service.session_state(SID)
 
     asyncio.run(main())
+
+
+# -- route tickets (a private swarm) -------------------------------------------------------------
+
+
+def ticketed_swarm(signer: TicketSigner) -> tuple[Swarm, list[str]]:
+    swarm = Swarm()
+    urls = ["http://head:1", "http://middle:2", "http://tail:3", "http://spare:4"]
+    for url, layers in zip(urls, ["0:4", "4:8", "8:12", "8:12"], strict=True):
+        config = NodeConfig(
+            node_id=url.split("//")[1].split(":")[0], url=url, tickets=TicketVerifier(signer.public_pem())
+        )
+        swarm.transport.add(url, NodeService(MixShard(layers), config, swarm.transport))
+    return swarm, urls
+
+
+def ticket_hops(urls: Sequence[str]) -> list[TicketHop]:
+    layers = ["0:4", "4:8", "8:12"]
+    return [TicketHop(u.split("//")[1].split(":")[0], u, layers[i]) for i, u in enumerate(urls)]
+
+
+def test_with_tickets_a_session_opens_only_along_the_trackers_route_and_repairs_with_a_repair_ticket() -> None:
+    signer = TicketSigner.generate()
+    want = reference(8)
+    swarm, urls = ticketed_swarm(signer)
+    route = urls[:3]
+    ticket = route_ticket(SID, RouteId("r1"), "mix", ticket_hops(route), ttl_s=60)
+    token = signer.sign(ticket)
+
+    async def main() -> list[int]:
+        head = swarm.transport.services[route[0]]
+        first = prefill(PROMPT, 0, route=route, final=True, first=True)
+        with pytest.raises(Unauthorized, match="no route ticket"):
+            await head.handle(first)
+        with pytest.raises(Unauthorized, match="along its ticket"):  # a next hop the ticket does not name
+            await head.handle(dataclasses.replace(first, next_hops=(urls[3], route[2]), ticket=token))
+        forged = TicketSigner.generate().sign(ticket)
+        with pytest.raises(Unauthorized, match="does not trust"):
+            await head.handle(dataclasses.replace(first, ticket=forged))
+        answer = await swarm.send(route[0], dataclasses.replace(first, ticket=token))
+        assert answer.token is not None
+        tokens = [answer.token]
+        for _ in range(3):
+            answer = await swarm.send(route[0], step(tokens[-1], len(PROMPT) + len(tokens) - 1))
+            assert answer.token is not None
+            tokens.append(answer.token)
+        position = len(PROMPT) + len(tokens) - 1
+        swarm.transport.remove(route[2])
+        with pytest.raises(HopFailed):
+            await swarm.send(route[0], step(tokens[-1], position))
+        fixed = [*route[:2], urls[3]]
+        middle = swarm.transport.services[route[1]]
+        with pytest.raises(Unauthorized, match="repair ticket"):  # the route ticket does not steer a session
+            await middle.reroute(RerouteRequest(SID, (urls[3],), "r1", replay=1, step=position, ticket=token))
+        repair = signer.sign(repair_ticket(ticket, ticket_hops(fixed), repair_from=2, ttl_s=60))
+        answer = await middle.reroute(RerouteRequest(SID, (urls[3],), "r1", replay=1, step=position, ticket=repair))
+        await head.reroute(RerouteRequest(SID, tuple(fixed[1:]), "r1", step=position, ticket=repair))
+        assert answer.token is not None
+        tokens.append(answer.token)
+        while len(tokens) < 8:
+            answer = await swarm.send(route[0], step(tokens[-1], len(PROMPT) + len(tokens) - 1))
+            assert answer.token is not None
+            tokens.append(answer.token)
+        return tokens
+
+    assert asyncio.run(main()) == want

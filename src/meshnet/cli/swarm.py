@@ -261,6 +261,16 @@ def _check_advertisable(host: str, public_url: str | None) -> None:
         )
 
 
+def _ticket_verifier(tls: Any) -> Any:
+    """A swarm member's node takes sessions only with the tracker's route tickets."""
+    if tls is None:
+        return None
+    try:
+        return tls.ticket_verifier()
+    except MeshnetError as exc:
+        usage_error(f"meshnet node: {exc.message}")
+
+
 def _serve_node(
     args: argparse.Namespace, sock: socket.socket, shard: Any, advert: dict[str, Any], *, started: float, seeder: Any
 ) -> int:
@@ -288,6 +298,7 @@ def _serve_node(
         tracker_url=args.tracker.rstrip("/") if args.tracker else None,
         advert=tuple(advert.items()),
         client_tls=tls.client_context() if tls else None,
+        tickets=_ticket_verifier(tls),
     )
     print(
         f"meshnet: node {node_id} holds layers {info.layers} of {info.model_id} ({info.backend}, "

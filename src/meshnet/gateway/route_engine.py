@@ -213,7 +213,9 @@ class RouteEngine:
         if response.status_code >= 400:
             raise EngineError(f"the tracker refused a route: {error_message(response)}")
         data = response.json()
-        return RoutePlan(SessionId(data["session_id"]), RouteId(data["route_id"]), self._hops(data["hops"]))
+        ticket = data.get("ticket")
+        return RoutePlan(SessionId(data["session_id"]), RouteId(data["route_id"]), self._hops(data["hops"]),
+                         ticket=ticket if isinstance(ticket, str) else None)  # fmt: skip
 
     def _hops(self, hops: Sequence[dict[str, Any]]) -> tuple[Hop, ...]:
         total = self.info.n_layers
@@ -408,7 +410,10 @@ class RouteEngine:
             raise BadGateway(f"{error.message}; no route repair: {error_message(response)}")
         data = response.json()
         old = run.plan
-        run.plan = dataclasses.replace(old, hops=self._hops(data["hops"]))
+        ticket = data.get("ticket")  # a private swarm's repair ticket: the reroutes need it
+        run.plan = dataclasses.replace(
+            old, hops=self._hops(data["hops"]), ticket=ticket if isinstance(ticket, str) else None
+        )
         first, count = int(data["replaced"]["first"]), int(data["replaced"]["count"])
         new_hops = run.plan.hops
         sid = run.plan.session_id
@@ -442,7 +447,7 @@ class RouteEngine:
         plan = run.plan
         hops = tuple(h.url for h in plan.hops[index + 1 :])
         return RerouteRequest(plan.session_id, hops, plan.route_id, model=self.info.model_id, replay=replay,
-                              sampling=run.sampling, step=step)  # fmt: skip
+                              sampling=run.sampling, step=step, ticket=plan.ticket)  # fmt: skip
 
     def _replay_tokens(self, run: _Run, tokens: list[int], count: int) -> dict[str, Any]:
         """Rebuild a new head (and ``count - 1`` hops after it) from the token ids, then resend the step."""
@@ -526,7 +531,7 @@ class RouteEngine:
                 Verb.PREFILL, plan.session_id, begin, end - begin, _ids_payload(tokens[begin:end]),
                 model=self.info.model_id, route_id=plan.route_id, chunks=tuple(chunks) if len(chunks) > 1 else None,
                 next_hops=tuple(h.url for h in plan.hops[1:]) if first else None,
-                sampling=run.sampling if first else None,
+                sampling=run.sampling if first else None, ticket=plan.ticket if first else None,
             )  # fmt: skip
 
     def _send(self, hop_url: str, request: HopRequest, *, below: int) -> dict[str, Any]:

@@ -61,6 +61,7 @@ from meshnet.errors import (
     SessionBusy,
     SessionGone,
     SessionNotFound,
+    Unauthorized,
 )
 from meshnet.ids import SessionId
 from meshnet.node.advert import Traffic
@@ -73,6 +74,7 @@ from meshnet.node.transport import HopTransport
 from meshnet.protocol import headers as H
 from meshnet.protocol.ledger import ChunkLedger, pack_chunks
 from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, TicketKind, TicketVerifier
 from meshnet.protocol.wire import TensorFrame, encode_tensor, frame_values
 from meshnet.routes import hop_timeout_s
 from meshnet.sampling import Sampler
@@ -99,6 +101,9 @@ class NodeConfig:
     # Extra fields for the tracker registration (e.g. the artifact manifest digest and held files).
     advert: tuple[tuple[str, Any], ...] = ()
     client_tls: ssl.SSLContext | None = None  # a private swarm's member TLS, for every outgoing connection
+    # A private swarm's tracker keys: a session opens only with a route ticket naming this node, its
+    # next hops are the ticket's, and a reroute needs a repair ticket (protocol.tickets).
+    tickets: TicketVerifier | None = None
 
 
 class NodeService:
@@ -301,7 +306,8 @@ class NodeService:
         s = self._existing(sid)
         if request.route_id != s.route_id:
             raise Conflict(f"session {sid} is pinned to route {s.route_id}, not {request.route_id}")
-        hops = check_next_hops(self.info, self.config.node_id, request.next_hops)
+        hops = self._ticketed_hops(request.ticket, sid, s.route_id, request.next_hops, kind=REPAIR)
+        hops = check_next_hops(self.info, self.config.node_id, hops)
         if s.busy:
             raise SessionBusy(f"session {sid} has a request in flight on this node; reroute it after that")
         s.busy = True
@@ -344,6 +350,7 @@ class NodeService:
                 verb, sid, a, b - a, payload(a, b), model=self.info.model_id, route_id=s.route_id,
                 next_hops=hops[1:] if first else None, sampling=request.sampling if first else None,
                 chunks=chunks, replay=request.replay if verb is Verb.PREFILL else 0, rewind=verb is Verb.DECODE,
+                ticket=request.ticket if first else None,
             )  # fmt: skip
 
         for begin, chunks in pack_chunks(sizes[:-1], self.config.replay_chunk):
@@ -395,6 +402,32 @@ class NodeService:
             self.logs.drop(self.sessions.pop(sid))
 
     # -- validation ------------------------------------------------------------------------------
+    def _ticketed_hops(
+        self,
+        ticket: str | None,
+        sid: SessionId,
+        route_id: str | None,
+        hops: tuple[str, ...],
+        *,
+        kind: TicketKind | None,
+    ) -> tuple[str, ...]:
+        """The next hops a session may use: in a private swarm, those of its tracker-signed ticket
+        (which must name this node; a request naming other hops is refused), else the request's."""
+        verifier = self.config.tickets
+        if verifier is None:
+            return hops
+        node = self.config.node_id
+        signed = verifier.verify(ticket, session_id=sid, route_id=route_id, node_id=node, kind=kind)
+        onward = signed.onward_urls(node)
+        if hops and hops != onward:
+            raise Unauthorized(
+                f"{H.NEXT_HOPS} names {', '.join(hops)}, but the session's ticket routes it to "
+                f"{', '.join(onward) or 'nothing (this node is its tail)'}; a node forwards only along its ticket",
+                param=H.NEXT_HOPS,
+                code=CODE_MISMATCH,
+            )
+        return onward
+
     def _existing(self, sid: SessionId) -> NodeSession:
         s = self.sessions.get(sid)
         if s is None:
@@ -416,7 +449,8 @@ class NodeService:
                 raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
             tail = self.info.layers.is_tail
             params = sampling_params(request.sampling)
-            hops = check_next_hops(self.info, self.config.node_id, request.next_hops or ())
+            hops = self._ticketed_hops(request.ticket, sid, request.route_id, request.next_hops or (), kind=None)
+            hops = check_next_hops(self.info, self.config.node_id, hops)
             sampler = Sampler(params, self.shard.grammar(params.grammar) if params.grammar else None) if tail else None
             s = NodeSession(sid, request.route_id, hops, sampler, ChunkLedger(not tail), carry_ids=params.needs_history)
             if tail or self.config.seam_log_bytes <= 0:

@@ -20,6 +20,7 @@ __all__ = [
     "SAMPLE",
     "SAMPLING",
     "SHAPE",
+    "TICKET",
     "TOKEN_IDS",
     "TOKEN_RANGE",
 ]
@@ -43,4 +44,6 @@ REWIND = "X-Meshnet-Rewind"  # "1" on a repair's resent step: a hop already past
 TOKEN_IDS = "X-Meshnet-Token-Ids"
 # speculative decoding (POST .../verify): the drafted token ids after the step's own token, comma-separated
 DRAFT = "X-Meshnet-Draft"
+# the tracker-signed route ticket (a repair ticket on reroute/replay), verbatim (protocol.tickets)
+TICKET = "X-Meshnet-Ticket"
 CHUNKS = "X-Meshnet-Chunks"  # prefill: how to split the body into compute calls ("128x2,37,1x3"); default one

@@ -65,6 +65,8 @@ def encode_request(request: HopRequest) -> tuple[str, dict[str, str], bytes]:
         headers[H.REPLAY] = str(request.replay)
     if request.rewind:
         headers[H.REWIND] = "1"
+    if request.ticket is not None:
+        headers[H.TICKET] = request.ticket
     headers[H.SHAPE] = format_shape(frame.shape)
     headers[H.DTYPE] = frame.dtype
     body = frame.body
@@ -109,6 +111,7 @@ def decode_request(
         drafts=drafts,
         replay=_replay(headers, verb),
         rewind=headers.get(H.REWIND) == "1",
+        ticket=headers.get(H.TICKET),
     )
 
 
@@ -122,6 +125,8 @@ def encode_reroute(request: RerouteRequest) -> tuple[str, dict[str, str]]:
         headers[H.SAMPLING] = request.sampling
     if request.step is not None:
         headers[H.POSITION] = str(request.step)
+    if request.ticket is not None:
+        headers[H.TICKET] = request.ticket
     return request_path(request.session, "reroute"), headers
 
 
@@ -138,6 +143,7 @@ def decode_reroute(session: SessionId, headers: Mapping[str, str]) -> RerouteReq
         replay=int(raw),
         sampling=headers.get(H.SAMPLING) or None,
         step=_position(headers) if headers.get(H.POSITION) is not None else None,
+        ticket=headers.get(H.TICKET),
     )
 
 

@@ -81,6 +81,8 @@ class HopRequest:
     drafts: tuple[int, ...] = ()  # verify: the drafted token ids after the step's own
     replay: int = 0  # route repair: hops (from the receiver on) that rebuild KV and answer no token
     rewind: bool = False  # a repair's resent step: a hop already holding it drops it first
+    # in a private swarm, a session's first request: the tracker-signed ticket of its route (protocol.tickets)
+    ticket: str | None = None
 
     def __post_init__(self) -> None:
         if self.start < 0 or self.n < 1:
@@ -142,6 +144,7 @@ class RerouteRequest:
     replay: int = 0
     sampling: str | None = None
     step: int | None = None
+    ticket: str | None = None  # in a private swarm: the tracker's repair ticket
 
     def __post_init__(self) -> None:
         if not 0 <= self.replay <= len(self.next_hops):

@@ -26,6 +26,7 @@ from cryptography import x509
 
 from meshnet.errors import InvalidRequest, MeshnetError, Unauthorized
 from meshnet.httputil import error_message
+from meshnet.protocol.tickets import TicketVerifier
 from meshnet.security.identity import (
     check_member_id,
     fingerprint,
@@ -36,7 +37,7 @@ from meshnet.security.identity import (
 )
 from meshnet.security.invites import peek_invite, read_invite
 from meshnet.security.membership import CA_PATH, JOIN_PATH
-from meshnet.security.tls import Credentials, client_context, save_member, server_context
+from meshnet.security.tls import TICKET_KEY_FILE, Credentials, client_context, save_member, server_context
 
 __all__ = ["JoinError", "MemberTLS", "default_sans", "join_swarm"]
 
@@ -110,9 +111,10 @@ def join_swarm(
         raise JoinError(f"the tracker refused the join (HTTP {answer.status_code}): {error_message(answer)}")
     try:
         cert_pem = answer.json()["certificate"].encode("ascii")
+        ticket_key = answer.json()["ticket_key"].encode("ascii")
     except (ValueError, KeyError, AttributeError, TypeError) as exc:
-        raise JoinError(f"the tracker's answer holds no certificate: {exc}") from None
-    return save_member(directory, cert_pem, key, ca_pem=ca_pem)
+        raise JoinError(f"the tracker's answer holds no certificate and ticket key: {exc}") from None
+    return save_member(directory, cert_pem, key, ca_pem=ca_pem, ticket_key_pem=ticket_key)
 
 
 def _fetch_ca(tracker: str, want: str, timeout_s: float) -> bytes:
@@ -149,6 +151,7 @@ class MemberTLS:
     member_id: str
     role: str
     ca_cert: x509.Certificate
+    ticket_key: bytes | None = None  # the tracker's route-ticket public key, beside the certificate
 
     @classmethod
     def load(cls, cert: Path, key: Path, ca: Path) -> MemberTLS:
@@ -156,7 +159,20 @@ class MemberTLS:
         ca_cert = load_certificate(Path(ca))
         member = member_of(load_certificate(Path(cert)), ca_cert)
         client_context(cert, key, ca)  # the key fits the certificate, the CA is PEM: fail now, not per request
-        return cls(Path(cert), Path(key), Path(ca), member.member_id, member.role, ca_cert)
+        ticket_key = Credentials.at(Path(cert).parent).ticket_key()
+        return cls(Path(cert), Path(key), Path(ca), member.member_id, member.role, ca_cert, ticket_key)
+
+    def ticket_verifier(self) -> TicketVerifier:
+        """What a node checks route tickets with; ``InvalidRequest`` for credentials without the key."""
+        if self.ticket_key is None:
+            raise InvalidRequest(
+                f"no {TICKET_KEY_FILE} (the tracker's route-ticket key) beside {self.cert_path}: join the swarm "
+                "again (meshnet swarm join) to get it"
+            )
+        try:
+            return TicketVerifier(self.ticket_key)
+        except ValueError as exc:
+            raise InvalidRequest(f"{TICKET_KEY_FILE} beside {self.cert_path}: {exc}") from None
 
     @classmethod
     def from_directory(cls, directory: Path) -> MemberTLS:

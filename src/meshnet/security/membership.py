@@ -30,7 +30,9 @@ from cryptography.hazmat.primitives import serialization
 
 from meshnet.errors import Conflict, Forbidden, InvalidRequest, MeshnetError, Unauthorized
 from meshnet.httputil import error_response
+from meshnet.protocol.tickets import TicketSigner
 from meshnet.security.identity import (
+    PRIVATE_MODE,
     ROLES,
     Member,
     MemberRequest,
@@ -66,6 +68,7 @@ JOIN_PATH = "/v1/swarm/join"
 CA_PATH = "/v1/swarm/ca"
 LEDGER_FILE = "invites.json"
 MEMBERS_FILE = "members.json"
+TICKET_SIGNING_KEY_FILE = "ticket.key"  # the tracker's route-ticket signing key (protocol.tickets)
 TRACKER_DIR = "tracker"
 ADMIN_DIR = "admin"
 MAX_JOIN_BODY_BYTES = 64 * 1024
@@ -184,6 +187,7 @@ class SwarmAuthority:
         ledger_path = self.directory / LEDGER_FILE
         self.ledger = InviteLedger.from_json(ledger_path.read_bytes()) if ledger_path.exists() else InviteLedger()
         self.members: dict[str, dict[str, Any]] = _read_registry(self.directory / MEMBERS_FILE)
+        self.signer = _ticket_signer(self.directory / TICKET_SIGNING_KEY_FILE)
 
     @classmethod
     def load(cls, directory: Path) -> SwarmAuthority:
@@ -195,7 +199,9 @@ class SwarmAuthority:
         key = new_member_key()
         csr = make_csr(key, member_id)
         cert_pem = self.ca.issue(MemberRequest(csr, role=role, trusted=True, sans=tuple(sans)))
-        credentials = save_member(directory, cert_pem, key, ca_pem=self.ca.cert_pem)
+        credentials = save_member(
+            directory, cert_pem, key, ca_pem=self.ca.cert_pem, ticket_key_pem=self.signer.public_pem()
+        )
         with self._lock:
             self._record(as_certificate(cert_pem), role)
         return credentials
@@ -218,6 +224,7 @@ class SwarmAuthority:
             "role": member["role"],
             "trusted": member["trusted"],
             "expires": member["expires"],
+            "ticket_key": self.signer.public_pem().decode("ascii"),
         }
 
     def _check_takeover(self, member_id: str, csr_pem: bytes, now: float | None) -> None:
@@ -247,6 +254,15 @@ class SwarmAuthority:
         body = {"v": _REGISTRY_VERSION, "members": dict(sorted(self.members.items()))}
         write_atomic(self.directory / MEMBERS_FILE, json.dumps(body, indent=1).encode())
         return entry
+
+
+def _ticket_signer(path: Path) -> TicketSigner:
+    """The tracker's route-ticket key (Ed25519), made on first use and kept beside the CA (0600)."""
+    if path.is_file():
+        return TicketSigner.from_pem(path.read_bytes())
+    signer = TicketSigner.generate()
+    write_atomic(path, signer.private_pem(), mode=PRIVATE_MODE)
+    return signer
 
 
 def _key_digest(public_key: Any) -> str:

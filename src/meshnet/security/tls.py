@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from meshnet.errors import InvalidRequest, NotFound, Unauthorized
+from meshnet.protocol.tickets import TicketVerifier
 from meshnet.security.identity import (
     CA_CERT_FILE,
     DIRECTORY_MODE,
@@ -55,6 +56,7 @@ __all__ = [
 
 MEMBER_CERT_FILE = "member.pem"
 MEMBER_KEY_FILE = "member.key"
+TICKET_KEY_FILE = "ticket-key.pem"  # the tracker's route-ticket public key
 MIN_TLS_VERSION = ssl.TLSVersion.TLSv1_2
 
 PathLike = str | os.PathLike[str]
@@ -117,8 +119,16 @@ class Credentials:
     def key_path(self) -> Path:
         return self.directory / MEMBER_KEY_FILE
 
+    @property
+    def ticket_key_path(self) -> Path:
+        """The tracker's route-ticket public key (protocol.tickets): what a node verifies tickets with."""
+        return self.directory / TICKET_KEY_FILE
+
     def exists(self) -> bool:
         return all(path.is_file() for path in (self.ca_path, self.cert_path, self.key_path))
+
+    def ticket_key(self) -> bytes | None:
+        return self.ticket_key_path.read_bytes() if self.ticket_key_path.is_file() else None
 
     def ca_cert(self) -> x509.Certificate:
         return load_certificate(self.ca_path)
@@ -135,7 +145,12 @@ class Credentials:
 
 
 def save_member(
-    directory: PathLike, cert_pem: bytes, key: ec.EllipticCurvePrivateKey | bytes, *, ca_pem: bytes | None = None
+    directory: PathLike,
+    cert_pem: bytes,
+    key: ec.EllipticCurvePrivateKey | bytes,
+    *,
+    ca_pem: bytes | None = None,
+    ticket_key_pem: bytes | None = None,
 ) -> Credentials:
     """Write a member's credentials into ``directory`` (created 0700): the key (0600), then the
     certificate, then ``ca_pem`` if given, each atomically. ``InvalidRequest`` if the certificate is
@@ -162,6 +177,12 @@ def save_member(
     write_atomic(credentials.cert_path, cert.public_bytes(serialization.Encoding.PEM), mode=PUBLIC_MODE)
     if ca_pem is not None:
         write_atomic(credentials.ca_path, as_certificate(ca_pem).public_bytes(serialization.Encoding.PEM))
+    if ticket_key_pem is not None:
+        try:
+            TicketVerifier(ticket_key_pem)
+        except ValueError as exc:
+            raise InvalidRequest(f"not saving the tracker's ticket key: {exc}") from None
+        write_atomic(credentials.ticket_key_path, ticket_key_pem)
     return credentials
 
 

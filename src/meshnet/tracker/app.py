@@ -324,7 +324,7 @@ def create_tracker_app(
             Route("/v1/nodes", list_nodes, methods=["GET"]),
             Route("/v1/artifacts/{digest}/peers", artifact_peers, methods=["GET"]),
             Route("/v1/health", health, methods=["GET"]),
-            *SessionsApi(tracker, db).routes(),
+            *SessionsApi(tracker, db, signer=None if swarm is None else swarm.signer).routes(),
             *(membership if swarm is not None else []),
         ],
         exception_handlers=EXCEPTION_HANDLERS,

@@ -26,8 +26,9 @@ from starlette.routing import Route
 
 from meshnet.errors import Conflict, InvalidRequest, NotFound, Overloaded
 from meshnet.httputil import read_body
-from meshnet.ids import new_route_id, new_session_id
+from meshnet.ids import RouteId, SessionId, new_route_id, new_session_id
 from meshnet.layers import LayerRange
+from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, repair_ticket, route_ticket
 from meshnet.tracker.billing import FORMULA
 from meshnet.tracker.db import BillingRow, TrackerDB, member
 from meshnet.tracker.repair import PinnedHop, equivalent_nodes, plan_repair
@@ -135,12 +136,18 @@ def _total_layers(session: dict[str, Any]) -> int:
     return int(session["hops"][-1]["layers"].partition(":")[2])
 
 
+# How long a route or repair ticket opens sessions for: a node checks it when the session opens
+# (and on a reroute), never per token, so a short life costs nothing.
+TICKET_TTL_S = 300.0
+
+
 class SessionsApi:
     """The handlers; ``routes()`` mounts them."""
 
-    def __init__(self, registry: NodeRegistry, db: TrackerDB) -> None:
+    def __init__(self, registry: NodeRegistry, db: TrackerDB, *, signer: TicketSigner | None = None) -> None:
         self.registry = registry
         self.db = db
+        self.signer = signer  # a private swarm's tracker signs every route it pins (protocol.tickets)
         self._reported: dict[tuple[str, str], None] = {}  # insertion-ordered: the oldest go first
 
     def load(self, session_id: str) -> dict[str, Any]:
@@ -180,7 +187,16 @@ class SessionsApi:
         self.db.save_session(session)
         # Not persisted: the alternatives are a snapshot for the caller to fall back on right away.
         extra = {"alternatives": [hops_json(c.nodes) for c in choices[1:]], "estimated_s": choices[0].estimated_s}
+        if self.signer is not None:
+            extra["ticket"] = self.signer.sign(self._ticket(session))
         return JSONResponse({**session, **extra}, status_code=201)
+
+    def _ticket(self, session: dict[str, Any], *, hops: list[dict[str, Any]] | None = None) -> RouteTicket:
+        """The route ticket of ``session`` (on ``hops``, else its pinned ones)."""
+        return route_ticket(
+            SessionId(session["session_id"]), RouteId(session["route_id"]), session["model"],
+            [TicketHop(h["node_id"], h["url"], h["layers"]) for h in (hops or session["hops"])], ttl_s=TICKET_TTL_S,
+        )  # fmt: skip
 
     async def list_sessions(self, _: Request) -> Response:
         self.db.expire_sessions(SESSION_IDLE_S)
@@ -217,7 +233,12 @@ class SessionsApi:
         hops = [*session["hops"][: fix.first], *hops_json(fix.nodes), *session["hops"][fix.first + fix.removed :]]
         self.db.repin_session(sid, hops)
         replaced = {"first": fix.first, "count": len(fix.nodes), "removed": fix.removed}
-        return JSONResponse({"session_id": sid, "route_id": session["route_id"], "hops": hops, "replaced": replaced})
+        answer = {"session_id": sid, "route_id": session["route_id"], "hops": hops, "replaced": replaced}
+        if self.signer is not None:  # the nodes before the replaced ones accept the reroute with it
+            new = self._ticket(session, hops=hops)
+            fixed = repair_ticket(self._ticket(session), new.hops, repair_from=fix.first, ttl_s=TICKET_TTL_S)
+            answer["ticket"] = self.signer.sign(fixed)
+        return JSONResponse(answer)
 
     async def report_failure(self, request: Request) -> Response:
         """A hop failed outside a repair. Only a node on the named open session's route can be reported,
