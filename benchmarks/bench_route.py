@@ -59,16 +59,18 @@ def run() -> Section:
     threads_per_node = max(1, CORES // 3)
     section = Section(
         "Networked route: `meshnet up` (3 llama.cpp nodes) vs `meshnet serve`, both over HTTP",
-        f"python benchmarks/run.py --only route  (serve: {CORES} threads; route: {threads_per_node} thread(s) per "
-        f"node, float32 seams on loopback; ctx {CTX}, {DECODE_TOKENS} greedy tokens, median of {ROUNDS})",
+        f"python benchmarks/run.py --only route  (serve: {CORES} threads; route: {CORES} threads per node sharing "
+        f"the cores through the core lease, and for comparison --no-core-lease: {threads_per_node} thread(s) per "
+        f"node; float32 seams on loopback; ctx {CTX}, {DECODE_TOKENS} greedy tokens, median of {ROUNDS})",
     )
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as tmp_split:
         serve_args = ["serve", "--port", "0", "--threads", str(CORES), "--ctx", str(CTX)]
         # plain decoding (drafts would change the bytes and the work per step); the decode channel is the default
-        up_args = ["up", "--port", "0", "--nodes", "3", "--ctx", str(CTX), "--workdir", tmp, "--speculative", "off"]
+        up_args = ["up", "--port", "0", "--nodes", "3", "--ctx", str(CTX), "--speculative", "off"]
         with (
             meshnet_process(serve_args) as serve,
-            meshnet_process(up_args, ready_timeout_s=300) as swarm,
+            meshnet_process([*up_args, "--workdir", tmp], ready_timeout_s=300) as swarm,
+            meshnet_process([*up_args, "--workdir", tmp_split, "--no-core-lease"], ready_timeout_s=300) as split,
             meshnet_process(
                 [
                     "gateway",
@@ -86,16 +88,16 @@ def run() -> Section:
             model = httpx.get(f"{serve.url}/v1/models", timeout=10).json()["data"][0]["id"]
             view = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]
             nodes = [n["url"] for n in sorted(view, key=lambda n: int(n["layers"].split(":")[0]))]
-            for url in (serve.url, swarm.url, http_gateway.url):
+            for url in (serve.url, swarm.url, http_gateway.url, split.url):
                 _stream(url, model, "warm up", 8)
             overhead: dict[str, list[tuple[float, float]]] = {"channel": [], "http": []}
             for _ in range(ROUNDS):
                 overhead["channel"].append(_overhead_ms(swarm.url, model, 3))
                 overhead["http"].append(_overhead_ms(http_gateway.url, model, 3))
-            decode: dict[str, list[float]] = {"serve": [], "route": []}
-            prefill: dict[str, list[float]] = {"serve": [], "route": []}
+            decode: dict[str, list[float]] = {"serve": [], "route": [], "split": []}
+            prefill: dict[str, list[float]] = {"serve": [], "route": [], "split": []}
             for _ in range(ROUNDS):
-                for name, url in (("serve", serve.url), ("route", swarm.url)):
+                for name, url in (("serve", serve.url), ("route", swarm.url), ("split", split.url)):
                     times, _ = _stream(url, model, DECODE_PROMPT, DECODE_TOKENS)
                     decode[name].append(_rate(times))
                     _, final = _stream(url, model, LONG_PROMPT, 1)
@@ -108,6 +110,10 @@ def run() -> Section:
     section.add("serve decode", f"{median(decode['serve']):.1f} tok/s")
     section.add("route decode", f"{median(decode['route']):.1f} tok/s")
     section.add("route ÷ serve decode", f"{d_ratio:.3f}", "≥ 0.85", d_ratio >= 0.85)
+    section.add("route decode, cores split (--no-core-lease)", f"{median(decode['split']):.1f} tok/s")
+    lease_gain = median(decode["route"]) / median(decode["split"])
+    section.add("core lease ÷ cores split, decode", f"{lease_gain:.3f}", "> 1", lease_gain > 1)
+    section.add("route prefill, cores split (--no-core-lease)", f"{median(prefill['split']):.1f} tok/s")
     step = {k: median([s for s, _ in v]) for k, v in overhead.items()}
     per_hop = {k: median([h for _, h in v]) for k, v in overhead.items()}
     section.add("route step, HTTP per hop (--decode-channel off)", f"{step['http']:.2f} ms")

@@ -195,6 +195,9 @@ class ShardBase(abc.ABC, Generic[S]):
 
     def __init__(self) -> None:
         self._compute = threading.Lock()  # one forward (or state mutation) at a time per shard
+        # Held around every forward (not around state bookkeeping): a machine-wide core lease
+        # (meshnet.cores) when co-located shards share the cores, else nothing.
+        self.core_lease: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
 
     def _init_store(self, limits: StoreLimits) -> None:
         def free(state: S) -> None:
@@ -232,7 +235,7 @@ class ShardBase(abc.ABC, Generic[S]):
         all_logits: bool = False,
     ) -> ShardOutput:
         tokens, hidden, n = self._check_inputs(tokens, hidden)
-        with self._store.use(sid, start, n) as session, self._compute:
+        with self._store.use(sid, start, n) as session, self._compute, self.core_lease:
             return self._forward(session.state, start, tokens, hidden, all_logits)
 
     def decode_step(
@@ -292,7 +295,7 @@ class ShardBase(abc.ABC, Generic[S]):
                     rows.append((session.state, step.position, tokens, hidden))
                 if not rows:
                     return
-                with self._compute:
+                with self._compute, self.core_lease:
                     outs = self._forward_many(rows) if len(rows) > 1 else [self._forward(*rows[0])]
                 for i, out in zip(ready, outs, strict=True):
                     results[i] = out

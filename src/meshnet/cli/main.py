@@ -96,7 +96,14 @@ def _add_up_parser(sub: Any) -> None:
         help="of those, spares holding every layer but the head's: route repair replaces a failed node with one",
     )
     up.add_argument("--backend", choices=("llama", "torch"), default="llama")
-    up.add_argument("--threads", type=int, help="threads per node (default: cores / nodes, at least 1)")
+    up.add_argument(
+        "--threads", type=int, help="threads per node (default: all cores; with --no-core-lease cores / nodes)"
+    )
+    up.add_argument(
+        "--no-core-lease",
+        action="store_true",
+        help="split the cores between the nodes instead of letting each compute with all of them in turn",
+    )
     up.add_argument("--ctx", type=int, default=2048, help="context per session (default 2048)")
     up.add_argument(
         "--max-sessions",

@@ -63,6 +63,13 @@ def add_swarm_commands(sub: Any) -> None:
     node.add_argument("--tracker", help="tracker URL to register with, e.g. http://127.0.0.1:8001")
     node.add_argument("--backend", choices=("llama", "torch"), default="llama")
     node.add_argument("--threads", type=int, help="compute threads (default: all cores)")
+    node.add_argument(
+        "--core-lease",
+        type=Path,
+        metavar="FILE",
+        help="share this machine's cores with the other nodes given the same FILE: they compute one at a time, "
+        "each with all its threads, and never spin against each other (meshnet up does this)",
+    )
     node.add_argument("--ctx", type=int, default=2048, help="context per session in tokens (default 2048)")
     node.add_argument("--max-sessions", type=at_least_one, default=4, help="sessions held at once (default 4)")
     add_decode_batch(node)
@@ -275,6 +282,13 @@ def _serve_node(
     args: argparse.Namespace, sock: socket.socket, shard: Any, advert: dict[str, Any], *, started: float, seeder: Any
 ) -> int:
     host, port = sock.getsockname()[:2]
+    if args.core_lease is not None:
+        from meshnet.cores import CoreLease
+
+        try:
+            shard.core_lease = CoreLease(args.core_lease)
+        except ValueError as exc:
+            usage_error(f"meshnet node: --core-lease: {exc}")
     tls = args.member_tls
     url = f"{'https' if tls else 'http'}://{host}:{port}"
     public = _public_url(args.public_url) or url

@@ -1,10 +1,13 @@
 """``meshnet up``: a whole local swarm — tracker, N shard nodes, gateway — as child processes.
 
-The bundled model's layers are split evenly between the nodes, the machine's cores between
-their compute threads (llama.cpp threads spin; oversubscribed cores slow decode by orders of
-magnitude). ``--spares K`` makes K of the nodes spares that hold every layer but the head's, so
-route repair can replace any other node that dies. Ctrl-C (or the tracker or gateway dying)
-stops every process; nothing is left behind. A node dying does not: the route repairs around it.
+The bundled model's layers are split evenly between the nodes. The nodes share the machine's
+cores through a core lease (``meshnet.cores``): each runs as many threads as there are cores and
+computes only while it holds the lease, so a node computing alone uses the whole machine and two
+never spin against each other (llama.cpp threads spin; oversubscribed cores slow decode by orders
+of magnitude). ``--no-core-lease`` splits the cores between the nodes instead. ``--spares K``
+makes K of the nodes spares that hold every layer but the head's, so route repair can replace
+any other node that dies. Ctrl-C (or the tracker or gateway dying) stops every process; nothing
+is left behind. A node dying does not: the route repairs around it.
 """
 
 from __future__ import annotations
@@ -153,6 +156,17 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange]] | None:
     return None
 
 
+def _threads(args: argparse.Namespace, cores: int) -> tuple[bool, int]:
+    """Whether the nodes share the cores through a lease, and each node's threads."""
+    lease = not args.no_core_lease
+    return lease, args.threads or (cores if lease else max(1, cores // args.nodes))
+
+
+def _sharing(lease: bool, threads: int) -> str:
+    how = "sharing the cores, one compute at a time" if lease else "the cores split between them"
+    return f"{threads} threads each, {how}"
+
+
 def run_up(args: argparse.Namespace) -> int:
     api_keys_for(args, "up")  # the gateway's rule, checked before any process starts
     layout = _layout(args)
@@ -160,7 +174,7 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     gguf, ranges = layout
     cores = os.cpu_count() or 1
-    threads = args.threads or max(1, cores // args.nodes)
+    lease, threads = _threads(args, cores)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meshnet-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     children: list[_Child] = []
@@ -187,12 +201,15 @@ def run_up(args: argparse.Namespace) -> int:
                 "--backend", args.backend, "--threads", str(threads), "--wire-dtype", args.wire_dtype,
                 "--node-id", f"node-{i}", "--ctx", str(args.ctx),
                 "--max-sessions", str(args.max_sessions), "--decode-batch", str(args.decode_batch),
+                *(["--core-lease", str(workdir / "cores.lock")] if lease else []),
                 *(["--allow-uncertified"] if args.allow_uncertified else []),
                 *(swarm.member_args("node", f"node-{i}", tracker_url) if swarm else []),
             ]  # fmt: skip
             role = " spare" if i >= args.nodes - args.spares else ""
             children.append(_Child(f"node-{i} ({layers}{role})", node_args, workdir / f"node-{i}.log"))
-        print(f"meshnet: tracker {tracker_url}; loading {args.nodes} nodes ({threads} threads each) ...", flush=True)
+        print(
+            f"meshnet: tracker {tracker_url}; loading {args.nodes} nodes ({_sharing(lease, threads)}) ...", flush=True
+        )
         nodes = _wait_nodes(tracker_url, args.nodes, children[1:], deadline, swarm.admin_tls() if swarm else None)
         gateway_args = [
             "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),

@@ -23,6 +23,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from meshnet.backends.shard import ShardBackend
+from meshnet.cores import CoreLease
 from meshnet.httputil import EXCEPTION_HANDLERS, check_declared_length, error_message, read_body
 from meshnet.ids import SessionId
 from meshnet.node import channel
@@ -175,8 +176,15 @@ def _health(node: NodeService) -> dict[str, Any]:
         "verify_batched_below": info.verify_batched_below,
         "decode_batch": info.decode_batch,
         "decode_batch_below": info.decode_batch_below,
+        "core_lease": _lease_path(node.shard),
         "started": node.started,
     }
+
+
+def _lease_path(shard: ShardBackend) -> str | None:
+    """The core lease this node shares the machine's cores by (meshnet.cores), if any."""
+    lease = getattr(shard, "core_lease", None)
+    return str(lease.path) if isinstance(lease, CoreLease) else None
 
 
 async def _heartbeat(node: NodeService, client: httpx.AsyncClient, tracker_url: str) -> None:
