@@ -22,6 +22,7 @@ from meshnet.ids import SessionId
 from meshnet.node import channel
 from meshnet.node.channel import Direct
 from meshnet.protocol.channel import CHANNEL_PATH, Kind, decode_frame, encode_frame, ws_url
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
 from tests.asgi import serve_in_thread
 
 HELLO_GOLDEN = bytes.fromhex("4d4e010128000000") + b'{"channel":"c1","node":"n1","version":1}'
@@ -60,6 +61,9 @@ def test_channel_urls() -> None:
         ws_url("ftp://x")
 
 
+TAIL_ENTRY = {"node": "tail", "layers": "10:30", "compute_ms": 1.0, "held": 3, "input_digest": "ab" * 16}
+
+
 class ScriptedHop:
     """A node whose step handler is a script: session "ok-*" answers a token, "broken" fails naming
     a deeper hop, "bad" is the node's own 400, "slow" answers after ``release`` is set."""
@@ -80,7 +84,7 @@ class ScriptedHop:
         if sid == "slow":
             while not self.release.is_set():
                 await asyncio.sleep(0.01)
-        return {"token": 7, "logprob": -0.5, "position": 3, "hops": [*direct.hops, {"node": "tail"}]}
+        return {"token": 7, "logprob": -0.5, "position": 3, "hops": [*direct.hops, TAIL_ENTRY]}
 
     def app(self) -> Starlette:
         async def endpoint(websocket: WebSocket) -> None:
@@ -97,7 +101,7 @@ def hop() -> Iterator[tuple[ScriptedHop, str]]:
     scripted.release.set()
 
 
-def _step(channels: Channels, url: str, session: str, **kw: Any) -> dict[str, Any]:
+def _step(channels: Channels, url: str, session: str, **kw: Any) -> HopAnswer:
     args: dict[str, Any] = {"verb": "decode-step", "headers": {"X-Meshnet-Position": "2"}, "body": b"\x01\x00\x00\x00"}
     args.update(kw)
     args.setdefault("timeout_s", 10.0)
@@ -110,11 +114,13 @@ def test_a_step_comes_back_as_the_tails_answer_with_every_hops_entry(hop: tuple[
     channels = Channels()
     try:
         answer = _step(channels, url, "ok-1", verb="verify")
-        assert answer == {"token": 7, "logprob": -0.5, "position": 3, "hops": [{"node": "tail"}]}
+        assert answer == HopAnswer(
+            AnswerKind.TOKEN, (HopEntry.from_json(TAIL_ENTRY),), position=3, token=7, logprob=-0.5
+        )
         sid, headers, body, verify, direct = scripted.steps[-1]
         assert (sid, headers["x-meshnet-position"], body, verify) == ("ok-1", "2", b"\x01\x00\x00\x00", True)
         assert direct.returns == tuple(scripted.peers)  # the gateway's own channel is the return address
-        assert _step(channels, url, "ok-2")["token"] == 7  # the same kept-open channel serves the next one
+        assert _step(channels, url, "ok-2").token == 7  # the same kept-open channel serves the next one
         assert len(scripted.peers) == 1
     finally:
         channels.close()

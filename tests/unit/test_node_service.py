@@ -387,7 +387,7 @@ def test_a_delete_travels_down_the_chain_and_frees_every_hop() -> None:
         assert [s.session_state(SID)["position"] for s in services] == [len(PROMPT) + 1] * 3
         await services[0].delete(SID)
         for service in services:
-            assert SID not in service.sessions and len(service.shard.store) == 0
+            assert len(service.shard.store) == 0
             with pytest.raises((SessionNotFound, SessionGone)):
                 service.session_state(SID)
 
@@ -458,3 +458,15 @@ def test_with_tickets_a_session_opens_only_along_the_trackers_route_and_repairs_
         return tokens
 
     assert asyncio.run(main()) == want
+
+
+def test_a_session_is_one_record_that_gives_back_its_seam_log_when_the_store_ends_it() -> None:
+    swarm = Swarm()
+    route = chain(swarm)
+    asyncio.run(generate(swarm, route, 3))
+    head = swarm.transport.services[route[0]]
+    assert head.logs.used == (len(PROMPT) + 2) * 2 * 4  # float32 activations of every position sent on
+    head.shard.store.close(SID, "expired after 600s idle")  # as the store's idle expiry does
+    assert head.logs.used == 0
+    with pytest.raises(SessionGone, match="expired"):
+        head.session_state(SID)

@@ -33,6 +33,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from meshnet.errors import BadGateway, HopFailed, InvalidRequest, hop_error
 from meshnet.protocol.channel import MAX_HEADER_BYTES, ChannelFrame, Kind, decode_frame, encode_frame, ws_url
+from meshnet.protocol.messages import HopAnswer
 
 __all__ = ["ChannelUnavailable", "Channels", "Probe"]
 
@@ -179,7 +180,7 @@ class Channels:
         body: bytes,
         timeout_s: float,
         probe: Probe,
-    ) -> dict[str, Any]:
+    ) -> HopAnswer:
         """Send a step to the route of nodes at ``urls`` (head first); the tail's answer.
 
         Raises ``ChannelUnavailable`` (before anything was sent) when a node takes no channel,
@@ -251,17 +252,18 @@ class Channels:
             channel.close()
 
 
-def _answer(item: _Report | _Closed, *, head: str) -> dict[str, Any]:
+def _answer(item: _Report | _Closed, *, head: str) -> HopAnswer:
     """The tail's answer, or the failure as the HTTP binding reports it: an error past the head
     names the hop that sent it (or the one it names), the head's own is the gateway's 502."""
     if isinstance(item, _Closed):
         raise HopFailed(f"node {item.url} failed: its decode channel closed ({item.reason})", failed_hop=item.url)
     frame = item.frame
     if frame.kind is Kind.TOKEN:
-        answer = frame.header.get("answer")
-        if not isinstance(answer, dict):
-            raise HopFailed(f"the tail {item.url} sent a TOKEN frame without an answer", failed_hop=item.url)
-        return answer
+        try:
+            return HopAnswer.from_json(200, frame.header.get("answer"))
+        except ValueError as exc:
+            raise HopFailed(f"the tail {item.url} sent a TOKEN frame without an answer: {exc}",
+                            failed_hop=item.url) from None  # fmt: skip
     if frame.kind is not Kind.ERROR:
         raise BadGateway(f"node {item.url} sent a {frame.kind.name} frame for a step")
     raw = frame.header.get("error")

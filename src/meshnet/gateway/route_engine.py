@@ -75,7 +75,7 @@ from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
 from meshnet.protocol import http_binding
 from meshnet.protocol.ledger import ChunkLedger, pack_chunks, verify_hops
-from meshnet.protocol.messages import HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, HopRequest, Payload, RerouteRequest, Verb
 from meshnet.protocol.wire import encode_tensor
 from meshnet.routes import Hop, RoutePlan, hop_timeout_s
 from meshnet.sampling import Alternatives, Sampler
@@ -248,7 +248,7 @@ class RouteEngine:
             answer = yield from self._prefill_with_retries(run, tokens, cancel)
             while answer is not None and not cancel.is_set():
                 steps = _tokens_of(answer)
-                drafted, accepted = int(answer.get("drafted", 0)), int(answer.get("accepted", 0))
+                drafted, accepted = answer.drafted, answer.accepted
                 if drafter is not None and drafted:
                     drafter.record(drafted, accepted)
                 run.streamed = True
@@ -277,7 +277,7 @@ class RouteEngine:
 
     def _prefill_with_retries(
         self, run: _Run, tokens: list[int], cancel: threading.Event
-    ) -> Generator[EngineStep, None, dict[str, Any] | None]:
+    ) -> Generator[EngineStep, None, HopAnswer | None]:
         """Prefill ``tokens``; a failed hop means a fresh route without it, from scratch."""
         while True:
             try:
@@ -290,7 +290,7 @@ class RouteEngine:
                 yield RouteChange("reroute", exc.message, failed.node, run.plan, run.retries, 0, _since(began))
                 continue
             if answer is not None:
-                verify_hops(run.ledger, run.plan.hops, answer["hops"])
+                verify_hops(run.ledger, run.plan.hops, answer.hops)
                 run.usage.add(run.plan.hops, prefill=len(tokens))
             return answer
 
@@ -314,7 +314,7 @@ class RouteEngine:
 
     def _decode_with_repair(
         self, run: _Run, tokens: list[int], drafts: Sequence[int], cancel: threading.Event
-    ) -> Generator[EngineStep, None, dict[str, Any] | None]:
+    ) -> Generator[EngineStep, None, HopAnswer | None]:
         """One decode step for ``tokens[-1]`` at position ``len(tokens) - 1`` (a verify chunk with
         ``drafts`` after it), repairing the route if a hop fails."""
         position = len(tokens) - 1
@@ -331,7 +331,7 @@ class RouteEngine:
             answer = self._channel_step(run, request) if self.channels is not None else None
             direct = answer is not None
             if answer is None:
-                answer = self._send(run.plan.hops[0].url, request, below=len(run.plan.hops))
+                answer = self._send(run.plan, request)
             self._check_tokens(answer, run.plan)
         except HopFailed as exc:
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
@@ -339,16 +339,16 @@ class RouteEngine:
         self._walk_costs(run.plan).observe(len(chunk), _since(began))
         kept = _kept(answer, position, len(chunk))
         if direct:  # every entry describes the whole chunk: the hops drop drafts lazily
-            verify_hops(run.ledger, run.plan.hops, answer["hops"])
+            verify_hops(run.ledger, run.plan.hops, answer.hops)
             run.ledger.rewind(kept)
             run.surplus = kept < position + len(chunk)
         else:
             run.ledger.rewind(kept)
-            verify_hops(run.ledger, run.plan.hops, answer["hops"])
+            verify_hops(run.ledger, run.plan.hops, answer.hops)
         run.usage.add(run.plan.hops, decode=kept - position)
         return answer
 
-    def _channel_step(self, run: _Run, request: HopRequest) -> dict[str, Any] | None:
+    def _channel_step(self, run: _Run, request: HopRequest) -> HopAnswer | None:
         """One step over the decode channel: the head gets it, the tail's answer comes straight back;
         ``None`` when a node of the route takes no channel (nothing was sent: HTTP then)."""
         assert self.channels is not None
@@ -381,7 +381,7 @@ class RouteEngine:
 
     def _recover(
         self, run: _Run, tokens: list[int], error: HopFailed, cancel: threading.Event
-    ) -> Generator[EngineStep, None, dict[str, Any] | None]:
+    ) -> Generator[EngineStep, None, HopAnswer | None]:
         """Repair the route after ``error`` (retrying while repairs fail), else re-prefill on a fresh route."""
         while True:
             began = time.monotonic()
@@ -401,7 +401,7 @@ class RouteEngine:
             yield RouteChange("repair", error.message, failed.node, run.plan, run.retries, replayed, _since(began))
             return answer
 
-    def _repair(self, run: _Run, failed: Hop, error: HopFailed, tokens: list[int]) -> tuple[dict[str, Any], int]:
+    def _repair(self, run: _Run, failed: Hop, error: HopFailed, tokens: list[int]) -> tuple[HopAnswer, int]:
         """Ask the tracker for replacement hops, rebuild them from the upstream's seam log, resend the step."""
         position = len(tokens) - 1
         body = {"failed_node": failed.node, "reason": error.message, "position": position}
@@ -424,15 +424,15 @@ class RouteEngine:
             below = len(new_hops) - first + 1
             chunks = 1 + position // 256  # the upstream replays its log in requests of up to 256 positions
             reroute = self._reroute(run, first - 1, count, position)
-            answer = self._post_reroute(upstream.url, reroute, below=below, scale=chunks)
-            above: list[dict[str, Any]] = []
+            answer = self._post_reroute(run.plan, upstream.url, reroute, below=below, scale=chunks)
+            above: list[HopEntry] = []
             for i in range(first - 2, -1, -1):  # the hops above it broke the session too: clear them
                 reroute = self._reroute(run, i, 0, position)
-                cleared = self._post_reroute(new_hops[i].url, reroute, below=len(new_hops) - i)
-                above.insert(0, (cleared.get("hops") or [{}])[0])
-            answer["hops"] = [*above, *answer.get("hops", [])]
+                cleared = self._post_reroute(run.plan, new_hops[i].url, reroute, below=len(new_hops) - i)
+                above[:0] = cleared.hops[:1]
+            answer = answer.after(*above)
         self._check_tokens(answer, run.plan)
-        verify_hops(run.ledger, run.plan.hops, answer["hops"])  # the repaired route holds what the old one did
+        verify_hops(run.ledger, run.plan.hops, answer.hops)  # the repaired route holds what the old one did
         run.usage.add(new_hops[first : first + count], prefill=position)
         run.usage.add(new_hops, decode=1)
         kept = {h.url for h in new_hops}
@@ -449,14 +449,14 @@ class RouteEngine:
         return RerouteRequest(plan.session_id, hops, plan.route_id, model=self.info.model_id, replay=replay,
                               sampling=run.sampling, step=step, ticket=plan.ticket)  # fmt: skip
 
-    def _replay_tokens(self, run: _Run, tokens: list[int], count: int) -> dict[str, Any]:
+    def _replay_tokens(self, run: _Run, tokens: list[int], count: int) -> HopAnswer:
         """Rebuild a new head (and ``count - 1`` hops after it) from the token ids, then resend the step."""
         plan, position = run.plan, len(tokens) - 1
         for _, request in self._chunk_requests(run, tokens[:position]):
-            self._send(plan.hops[0].url, dataclasses.replace(request, replay=count), below=len(plan.hops))
+            self._send(plan, dataclasses.replace(request, replay=count))
         step = HopRequest(Verb.DECODE, plan.session_id, position, 1, _ids_payload(tokens[position:]),
                           model=self.info.model_id, route_id=plan.route_id, rewind=True)  # fmt: skip
-        return self._send(plan.hops[0].url, step, below=len(plan.hops))
+        return self._send(plan, step)
 
     def _fresh_route(self, run: _Run, tokens: list[int]) -> None:
         """Abandon the current route (work on it is not billed) for a new one without the failed nodes."""
@@ -476,16 +476,14 @@ class RouteEngine:
         run.failed_nodes.add(hop.node)
         return hop
 
-    def _check_tokens(self, answer: dict[str, Any], plan: RoutePlan) -> None:
+    def _check_tokens(self, answer: HopAnswer, plan: RoutePlan) -> None:
         """The tokens an answer brings must be ids of this vocabulary with finite logprobs: anything else
         (a faulty or malicious tail, or a hop that altered the answer on its way back) is a failed tail,
         repaired like one — never a token id handed to the detokenizer, which aborts on one it lacks."""
         tail, n_vocab = plan.hops[-1], self.info.n_vocab
-        try:
-            rows = _tokens_of(answer)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HopFailed(f"the tail {tail.node} answered a malformed step ({exc!r})", failed_hop=tail.url) from None
-        for token, logprob, top in rows:
+        if answer.kind not in (AnswerKind.TOKEN, AnswerKind.TOKENS):
+            raise HopFailed(f"the tail {tail.node} answered a step with {answer.kind}", failed_hop=tail.url)
+        for token, logprob, top in _tokens_of(answer):
             for t, lp in ((token, logprob), *top):
                 if not 0 <= t < n_vocab or not math.isfinite(lp) or lp > _LOGPROB_SLACK:
                     raise HopFailed(
@@ -502,15 +500,15 @@ class RouteEngine:
     # -- the wire ----------------------------------------------------------------------------
     def _prefill(
         self, run: _Run, tokens: Sequence[int], cancel: threading.Event
-    ) -> Generator[EngineStep, None, dict[str, Any] | None]:
+    ) -> Generator[EngineStep, None, HopAnswer | None]:
         """Prefill ``tokens`` on ``run.plan`` in the chunks of ``run.ledger``; the last chunk's answer samples."""
-        answer: dict[str, Any] | None = None
+        answer: HopAnswer | None = None
         total = len(tokens)
         for end, chunk in self._chunk_requests(run, tokens):
             if cancel.is_set():
                 return None
             request = dataclasses.replace(chunk, sample=True) if end == total else chunk
-            answer = self._send(run.plan.hops[0].url, request, below=len(run.plan.hops))
+            answer = self._send(run.plan, request)
             yield PrefillProgress(done=end, total=total)
         if answer is not None:
             self._check_tokens(answer, run.plan)
@@ -534,17 +532,21 @@ class RouteEngine:
                 sampling=run.sampling if first else None, ticket=plan.ticket if first else None,
             )  # fmt: skip
 
-    def _send(self, hop_url: str, request: HopRequest, *, below: int) -> dict[str, Any]:
+    def _send(self, plan: RoutePlan, request: HopRequest) -> HopAnswer:
+        """Send ``request`` to the head of ``plan``'s route; its answer."""
         path, headers, body = http_binding.encode_request(request)
-        return self._post(hop_url, path, body, headers, below=below)
+        return self._post(plan, plan.hops[0].url, path, body, headers, below=len(plan.hops))
 
-    def _post_reroute(self, hop_url: str, request: RerouteRequest, *, below: int, scale: int = 1) -> dict[str, Any]:
+    def _post_reroute(
+        self, plan: RoutePlan, hop_url: str, request: RerouteRequest, *, below: int, scale: int = 1
+    ) -> HopAnswer:
         path, headers = http_binding.encode_reroute(request)
-        return self._post(hop_url, path, b"", headers, below=below, scale=scale)
+        return self._post(plan, hop_url, path, b"", headers, below=below, scale=scale)
 
     def _post(
-        self, hop_url: str, path: str, body: bytes, headers: dict[str, str], *, below: int, scale: int = 1
-    ) -> dict[str, Any]:
+        self, plan: RoutePlan, hop_url: str, path: str, body: bytes, headers: dict[str, str], *, below: int,
+        scale: int = 1,
+    ) -> HopAnswer:  # fmt: skip
         """POST to a hop with ``below`` hops from it to the tail (itself included); a failure that names
         a hop (or is this hop's own) raises ``HopFailed``. The wait nests one margin above the hop's own
         wait for its next hop (``hop_timeout_s``): a stopped head is named after 14 s on a 2-hop route
@@ -560,7 +562,11 @@ class RouteEngine:
             raise hop_error(
                 message, status=response.status_code, failed_hop=failed, sender=hop_url, sender_is_head=True
             )
-        return dict(response.json())
+        try:
+            return HopAnswer.from_json(response.status_code, response.json())
+        except ValueError as exc:  # a bad answer is a failed tail, repaired like a dead one
+            tail = plan.hops[-1]
+            raise HopFailed(f"the tail {tail.node} answered a malformed step ({exc})", failed_hop=tail.url) from None
 
     def _close(self, plan: RoutePlan) -> None:
         """Free the session's KV on every hop (the head forwards the delete) and on the tracker."""
@@ -581,30 +587,26 @@ def _ids_payload(tokens: Sequence[int]) -> Payload:
     return Payload(encode_tensor(np.asarray([list(tokens)], dtype=np.int32), "int32"))
 
 
-def _tokens_of(answer: dict[str, Any]) -> list[tuple[int, float, Alternatives]]:
+def _tokens_of(answer: HopAnswer) -> list[tuple[int, float, Alternatives]]:
     """The tokens an answer brings, in order, with their logprobs and (when asked) the most likely
     tokens at each position: one token, or a verify chunk's."""
-    if "tokens" in answer:
-        tops = answer.get("tops") or [()] * len(answer["tokens"])
-        rows = zip(answer["tokens"], answer["logprobs"], tops, strict=True)
-        return [(int(t), float(lp), _alternatives(top)) for t, lp, top in rows]
-    return [(int(answer["token"]), float(answer["logprob"]), _alternatives(answer.get("top") or ()))]
+    if answer.kind is AnswerKind.TOKENS:
+        tops = answer.tops or ((),) * len(answer.tokens)
+        return list(zip(answer.tokens, answer.logprobs, tops, strict=True))
+    assert answer.token is not None and answer.logprob is not None  # HopAnswer.from_json checked them
+    return [(answer.token, answer.logprob, answer.top or ())]
 
 
-def _alternatives(raw: Sequence[Sequence[Any]]) -> Alternatives:
-    return tuple((int(t), float(lp)) for t, lp in raw)
-
-
-def _kept(answer: dict[str, Any], position: int, n: int) -> int:
+def _kept(answer: HopAnswer, position: int, n: int) -> int:
     """How many positions the route holds after a step at ``position`` of ``n`` positions."""
-    kept = answer.get("position", position + 1)
-    if not isinstance(kept, int) or not position < kept <= position + n or len(_tokens_of(answer)) != kept - position:
+    kept = answer.position
+    if kept is None or not position < kept <= position + n or len(_tokens_of(answer)) != kept - position:
         raise BadGateway(f"the route answered a {n}-position step at {position} with position {kept!r}")
     return kept
 
 
-def _hop_ms(answer: dict[str, Any]) -> tuple[float, ...]:
-    return tuple(float(h.get("compute_ms", 0.0)) for h in answer.get("hops", []))
+def _hop_ms(answer: HopAnswer) -> tuple[float, ...]:
+    return tuple(h.compute_ms for h in answer.hops)
 
 
 def _since(began: float) -> float:

@@ -78,6 +78,7 @@ from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, TicketKind, TicketVe
 from meshnet.protocol.wire import TensorFrame, encode_tensor, frame_values
 from meshnet.routes import hop_timeout_s
 from meshnet.sampling import Sampler
+from meshnet.session.store import Session
 
 __all__ = ["ChannelSend", "NodeConfig", "NodeService"]
 
@@ -121,13 +122,15 @@ class NodeService:
         self.info = shard.info
         self.transport = transport
         self.channel_send = channel_send
-        self.sessions: dict[SessionId, NodeSession] = {}
         self.metrics = metrics or NodeMetrics()
         # Decode steps of different sessions that arrive together compute as one batch, where
         # the shard measured that a batch keeps every session's bits (node.batcher).
         self.batcher = DecodeBatcher(shard, self.metrics.batch) if shard.info.decode_batch > 1 else None
         self.traffic = Traffic()  # queue depth and measured speed, for the tracker (node.advert)
         self.logs = SeamLogs(config.seam_log_bytes)
+        # One record per session: the store's, with this node's binding attached (``_bound``); a
+        # session that ends in the store (closed, expired) gives back its seam log with it.
+        shard.store.on_end = self._ended
         self.started = time.time()
 
     # -- requests ------------------------------------------------------------------------------
@@ -363,21 +366,14 @@ class NodeService:
 
     async def delete(self, sid: SessionId) -> None:
         """Free a session here, then on the next hop (the delete travels down the chain)."""
-        s = self.sessions.pop(sid, None)
-        if s is None:
-            self.shard.store.get(sid)  # raises 404/410 with the reason
-            raise SessionNotFound(f"no session {sid} on this node")
+        s = self._existing(sid)
         if s.forward is not None:
             with contextlib.suppress(Exception):
                 await s.forward  # its outcome was already recorded; only the order matters
-        try:
+        # still computing: SessionBusy, and it stays, KV and all; expired meanwhile: the delete still
+        # travels down the chain
+        with contextlib.suppress(SessionGone, SessionNotFound):
             self.shard.close_session(sid)
-        except SessionBusy:
-            self.sessions[sid] = s  # still computing: keep it, and say so instead of leaking its KV
-            raise
-        except (SessionGone, SessionNotFound):
-            pass  # already expired on this node; the delete still travels down the chain
-        self.logs.drop(s)
         if s.next_hops:
             await self.transport.delete(s.next_hops[0], sid)
 
@@ -395,11 +391,12 @@ class NodeService:
         }
 
     def sweep(self) -> None:
-        """Expire idle sessions (frees their KV) and forget what this node kept beside it."""
+        """Expire idle sessions: their KV, and with it what this node kept beside it (``_ended``)."""
         self.shard.store.expire_idle()
-        alive = set(self.shard.store.ids())
-        for sid in [sid for sid in self.sessions if sid not in alive]:
-            self.logs.drop(self.sessions.pop(sid))
+
+    def _ended(self, session: Session[Any]) -> None:
+        if isinstance(session.attached, NodeSession):
+            self.logs.drop(session.attached)
 
     # -- validation ------------------------------------------------------------------------------
     def _ticketed_hops(
@@ -428,8 +425,16 @@ class NodeService:
             )
         return onward
 
+    def _bound(self, sid: SessionId) -> NodeSession | None:
+        """This node's record of a session it serves on a route (None: it serves no such session)."""
+        try:
+            attached = self.shard.store.get(sid).attached
+        except (SessionNotFound, SessionGone):
+            return None
+        return attached if isinstance(attached, NodeSession) else None
+
     def _existing(self, sid: SessionId) -> NodeSession:
-        s = self.sessions.get(sid)
+        s = self._bound(sid)
         if s is None:
             self.shard.store.get(sid)  # 404/410 with the reason
             raise SessionNotFound(f"no session {sid} on this node")
@@ -437,7 +442,7 @@ class NodeService:
 
     def _session(self, request: HopRequest) -> NodeSession:
         sid = request.session
-        s = self.sessions.get(sid)
+        s = self._bound(sid)
         if s is None:
             if request.start != 0:
                 # A session that is past position 0 existed once: this node lost it.
@@ -456,7 +461,7 @@ class NodeService:
             if tail or self.config.seam_log_bytes <= 0:
                 s.log = None
             self.shard.open_session(sid)
-            self.sessions[sid] = s
+            self.shard.store.get(sid).attached = s
             return s
         if request.route_id is not None and request.route_id != s.route_id:
             raise Conflict(f"session {sid} is pinned to route {s.route_id}, not {request.route_id}")

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from meshnet.errors import RouteInconsistent, SeamMismatch
 from meshnet.routes import Hop
+
+if TYPE_CHECKING:
+    from meshnet.protocol.messages import HopEntry
 
 __all__ = [
     "DIGEST_BYTES",
@@ -163,21 +166,21 @@ class ChunkLedger:
         return fields
 
 
-def verify_hops(expected: ChunkLedger, route: Sequence[Hop], hops: Sequence[Mapping[str, Any]]) -> None:
+def verify_hops(expected: ChunkLedger, route: Sequence[Hop], hops: Sequence[HopEntry]) -> None:
     """Raise ``RouteInconsistent`` unless the ``hops`` entries of an answer show every hop of
     ``route`` holding the positions of ``expected`` (the gateway's own ledger of the token ids it
     sent), the head having computed them from those token ids in those chunks, and every other hop
     from exactly what the hop before it sent."""
     want = expected.describe()
-    if [h.get("node") for h in hops] != [h.node for h in route]:
+    if [h.node for h in hops] != [h.node for h in route]:
         raise RouteInconsistent(
-            f"the route answered for nodes {[h.get('node') for h in hops]}; the session is on {[h.node for h in route]}"
+            f"the route answered for nodes {[h.node for h in hops]}; the session is on {[h.node for h in route]}"
         )
     for i, (hop, seen) in enumerate(zip(route, hops, strict=True)):
         where = f"node {hop.node} (layers {hop.layers})"
-        if seen.get("held") != want["held"]:
-            raise RouteInconsistent(f"{where} holds {seen.get('held')} positions; the route should hold {want['held']}")
-        sent = want["input_digest"] if i == 0 else hops[i - 1].get("output_digest")
-        if seen.get("input_digest") != sent:
+        if seen.held != want["held"]:
+            raise RouteInconsistent(f"{where} holds {seen.held} positions; the route should hold {want['held']}")
+        sent = want["input_digest"] if i == 0 else hops[i - 1].output_digest
+        if seen.input_digest != sent:
             source = "the gateway's token ids in its chunks" if i == 0 else f"what node {route[i - 1].node} sent it"
             raise RouteInconsistent(f"{where} computed its {want['held']} positions from other inputs than {source}")

@@ -75,6 +75,9 @@ class Session(Generic[S]):
     last_used: float = 0.0
     busy: bool = False
     steps: int = field(default=0)
+    # What the shard's owner keeps beside the KV (a node: its route binding and seam log,
+    # ``node.session.NodeSession``), so a session is one record that ends as one.
+    attached: object = None
 
 
 class SessionStore(Generic[S]):
@@ -95,6 +98,9 @@ class SessionStore(Generic[S]):
         self._lock = threading.Lock()
         self._sessions: dict[SessionId, Session[S]] = {}
         self._ended: collections.OrderedDict[SessionId, str] = collections.OrderedDict()
+        # Called (under the store's lock) for every session that ends, however it ends: closed,
+        # expired, or the shard shutting down. It must not call back into the store.
+        self.on_end: Callable[[Session[S]], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def open(self, sid: SessionId, *, state: S | None = None, position: int = 0) -> Session[S]:
@@ -245,6 +251,8 @@ class SessionStore(Generic[S]):
     def _end_locked(self, session: Session[S], reason: str) -> None:
         del self._sessions[session.session_id]
         self._free_state(session.state)
+        if self.on_end is not None:
+            self.on_end(session)
         self._ended[session.session_id] = reason
         while len(self._ended) > _REMEMBER_ENDED:
             self._ended.popitem(last=False)
