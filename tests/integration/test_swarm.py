@@ -205,6 +205,28 @@ def test_speculative_decoding_gives_serves_text_with_drafts_accepted(swarm: Proc
     assert sampled[0] == sampled[1] and sampled[0]
 
 
+def test_a_draft_model_at_the_gateway_gives_serves_text_with_drafts_accepted(
+    swarm: Proc, server: Proc, model_id: str
+) -> None:
+    """``--speculative draft``: a draft model at the gateway (here the bundled model itself, which
+    shares its vocabulary) drafts on text that does not repeat; the route verifies several tokens
+    per walk, and the text is exactly serve's."""
+    from meshnet.artifacts.bundled import bundled_gguf
+
+    args = ["gateway", "--tracker", tracker_url(swarm), "--port", "0", "--speculative", "draft"]
+    with meshnet_process([*args, "--draft-gguf", str(bundled_gguf())]) as gateway:
+        gid = "gen-draft-model"
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=180)
+        out = client.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": PROMPTS[3]}], temperature=0, max_tokens=N_TOKENS,
+            extra_headers={"X-Meshnet-Generation-Id": gid},
+        )  # fmt: skip
+        assert out.choices[0].message.content == chat(server.url, model_id, PROMPTS[3])
+        speculation = httpx.get(f"{gateway.url}/v1/generations/{gid}", timeout=10).json()["speculation"]
+    drafted, accepted = speculation["drafted_tokens"], speculation["accepted_tokens"]
+    assert drafted >= 16 and accepted >= drafted // 2, speculation
+
+
 def test_logprobs_on_the_route_are_serves(swarm: Proc, server: Proc, model_id: str) -> None:
     """The tail reports each token's logprob and top alternatives: the same as the whole model's,
     through plain steps and through verify chunks (the copy-heavy prompt drafts)."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
-from meshnet.gateway.speculative import PromptLookup, WalkCosts
+from meshnet.gateway.speculative import ModelDraft, PromptLookup, WalkCosts
 
 
 def test_a_repeated_ngram_offers_what_followed_it_last_time():
@@ -85,3 +87,28 @@ def test_drafts_are_sent_only_where_the_route_s_walk_makes_them_pay():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="prompt lookup needs"):
         PromptLookup(**kwargs)
+
+
+class _Source:
+    """A draft source that writes the sequence 1, 2, 3, ... after whatever it is given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+        self.calls.append((len(tokens), k))
+        return [tokens[-1] + i for i in range(1, k + 1)]
+
+
+def test_a_model_draft_asks_its_model_for_the_continuation_of_the_whole_text() -> None:
+    source = _Source()
+    drafter = ModelDraft(source, k=4)
+    assert drafter.propose(10) == []  # no text yet: nothing to continue
+    drafter.extend([5, 6, 7])
+    assert drafter.propose(10) == [8, 9, 10, 11]  # the first draft is verified in full: it measures q
+    assert drafter.propose(2) == [8, 9]  # never more than the route's limit
+    assert source.calls == [(3, 4), (3, 2)]
+    drafter.record(4, 4)
+    drafter.extend([8, 9, 10, 11, 12])
+    assert drafter.propose(10)[:1] == [13]
+    assert (drafter.drafted, drafter.accepted) == (4, 4)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import Any
 
 from meshnet.cli.member_tls import member_tls_for, tracker_tls_for
 from meshnet.cli.serve import api_keys_for, bind_socket, read_chat_template, resolve_gguf, serve_app, setup_logging
@@ -73,6 +75,13 @@ def run_gateway(args: argparse.Namespace) -> int:
         print(f"meshnet gateway: {exc.message}", file=sys.stderr)
         return 2
     cap = min(args.ctx, vocab.info.n_ctx_train, 131072)
+    try:
+        draft = _draft_model(args, vocab, cap)
+    except ValueError as exc:
+        sock.close()
+        vocab.close()
+        print(f"meshnet gateway: {exc}", file=sys.stderr)
+        return 2
     engine = RouteEngine(
         vocab,
         args.tracker,
@@ -82,6 +91,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         timeout_s=args.hop_timeout,
         speculative=args.speculative,
         draft_tokens=args.draft_tokens,
+        draft_model=draft,
         decode_channel=args.decode_channel == "on",
         outbox=BillingOutbox(args.tracker, spool_dir=args.billing_spool, tls=client_tls),
         client_tls=client_tls,
@@ -106,4 +116,26 @@ def run_gateway(args: argparse.Namespace) -> int:
     finally:
         engine.close()
         vocab.close()
+        if draft is not None:
+            draft.close()
     return 0
+
+
+def _draft_model(args: argparse.Namespace, vocab: Any, n_ctx: int) -> Any:
+    """``--speculative draft``: the draft model (``ValueError`` saying what is wrong); else None."""
+    if args.speculative != "draft":
+        if args.draft_gguf is not None:
+            raise ValueError("--draft-gguf drafts only with --speculative draft")
+        return None
+    if args.draft_gguf is None:
+        raise ValueError("--speculative draft needs --draft-gguf PATH: a small GGUF sharing the model's vocabulary")
+    from meshnet.cores import CoreLease
+    from meshnet.backends.llama_draft import DraftModel
+
+    lease = CoreLease(args.core_lease) if args.core_lease is not None else None
+    threads = (os.cpu_count() or 1) if lease is not None else 1  # alone on the lease, else beside the nodes
+    print(f"meshnet: loading the draft model {args.draft_gguf} ...", flush=True)
+    return DraftModel(
+        args.draft_gguf, n_vocab=vocab.info.n_vocab, token_bytes=vocab.token_bytes, n_ctx=n_ctx, threads=threads,
+        lease=lease,
+    )  # fmt: skip

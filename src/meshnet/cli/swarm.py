@@ -136,6 +136,13 @@ def add_swarm_commands(sub: Any) -> None:
     add_speculative(gateway)
     add_chat_template(gateway)
     add_api_keys(gateway)
+    gateway.add_argument(
+        "--core-lease",
+        type=Path,
+        metavar="FILE",
+        help="with --speculative draft: the draft model computes only while it holds this machine's core lease "
+        "(the file co-located nodes share; meshnet up does this)",
+    )
     add_member_tls(gateway, insecure=False)  # for its clients; its own OpenAI port is the API keys' business
     gateway.add_argument(
         "--hop-timeout",
@@ -149,11 +156,16 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
     """Speculative decoding through the route (docs/protocol.md, "Speculative decoding")."""
     parser.add_argument(
         "--speculative",
-        choices=("off", "ngram"),
+        choices=("off", "ngram", "draft"),
         default="ngram",
-        help="draft tokens from the text so far (prompt lookup) and verify them in one walk through the route "
-        "(default ngram; greedy text is the same either way)",
+        help="draft tokens and verify them in one walk through the route: ngram (prompt lookup in the text so "
+        "far), draft (a small model of the same vocabulary, --draft-gguf) or off (default ngram; greedy text is "
+        "the same either way)",
     )
+    parser.add_argument(
+        "--draft-gguf", type=Path, help="with --speculative draft: the draft model, a small GGUF sharing the vocabulary"
+    )
+
     parser.add_argument(
         "--draft-tokens", type=int, default=12, help="most tokens drafted per step (default 12; nodes may allow fewer)"
     )

@@ -141,6 +141,9 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange]] | None:
     from meshnet.cli.serve import check_certified, resolve_gguf
     from meshnet.errors import MeshnetError
 
+    if (args.speculative == "draft") != (args.draft_gguf is not None):
+        print("meshnet up: --speculative draft and --draft-gguf PATH go together", file=sys.stderr)
+        return None
     gguf = resolve_gguf(args.gguf, "up")
     if not check_certified(gguf, "up", allow=args.allow_uncertified, backend=args.backend):
         return None
@@ -168,7 +171,7 @@ def _sharing(lease: bool, threads: int) -> str:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    api_keys_for(args, "up")  # the gateway's rule, checked before any process starts
+    api_keys_for(args, "up")  # the gateway's rules, checked before any process starts
     layout = _layout(args)
     if layout is None:
         return 2
@@ -215,6 +218,8 @@ def run_up(args: argparse.Namespace) -> int:
             "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),
             "--host", args.host, "--ctx", str(args.ctx), "--max-concurrency", str(args.max_sessions),
             "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens),
+            *(["--draft-gguf", str(args.draft_gguf)] if args.draft_gguf else []),
+            *(["--core-lease", str(workdir / "cores.lock")] if lease and args.draft_gguf else []),
             "--decode-channel", args.decode_channel,
             *(["--chat-template-file", str(args.chat_template_file)] if args.chat_template_file else []),
             *(["--api-keys", str(args.api_keys)] if args.api_keys else []),

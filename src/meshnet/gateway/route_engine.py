@@ -69,7 +69,7 @@ from meshnet.errors import (
 )
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
 from meshnet.gateway.channels import Channels, ChannelUnavailable
-from meshnet.gateway.speculative import SPECULATIVE_MODES, PromptLookup, WalkCosts
+from meshnet.gateway.speculative import SPECULATIVE_MODES, Drafter, DraftSource, ModelDraft, PromptLookup, WalkCosts
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
@@ -134,11 +134,15 @@ class RouteEngine:
         outbox: BillingOutbox | None = None,
         speculative: str = "ngram",
         draft_tokens: int = 12,
+        draft_model: DraftSource | None = None,
         decode_channel: bool = True,
         client_tls: ssl.SSLContext | None = None,
     ) -> None:
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
+        if (speculative == "draft") != (draft_model is not None):
+            raise ValueError("speculative='draft' drafts with a draft model, and only it does")
+        self.draft_model = draft_model
         if draft_tokens < 1:
             raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
         self.speculative = speculative
@@ -240,7 +244,7 @@ class RouteEngine:
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
         for begin in range(0, len(tokens), self.prefill_chunk):
             run.add(tokens[begin : begin + self.prefill_chunk])
-        drafter = PromptLookup(self.draft_tokens, self._walk_costs(plan)) if self.speculative == "ngram" else None
+        drafter = self._drafter(plan)
         if drafter is not None:
             drafter.extend(tokens)
         outcome = "failed"
@@ -294,6 +298,14 @@ class RouteEngine:
                 run.usage.add(run.plan.hops, prefill=len(tokens))
             return answer
 
+    def _drafter(self, plan: RoutePlan) -> Drafter | None:
+        """This generation's drafter (``--speculative``), sharing the route's measured walk costs."""
+        if self.speculative == "ngram":
+            return PromptLookup(self.draft_tokens, self._walk_costs(plan))
+        if self.draft_model is not None:
+            return ModelDraft(self.draft_model, self.draft_tokens, self._walk_costs(plan))
+        return None
+
     def _walk_costs(self, plan: RoutePlan) -> WalkCosts:
         """The measured walk times of ``plan``'s route (the most recently used routes are kept)."""
         key = tuple(h.node for h in plan.hops)
@@ -304,7 +316,7 @@ class RouteEngine:
                 del self._costs[next(iter(self._costs))]
             return costs
 
-    def _drafts(self, drafter: PromptLookup | None, plan: RoutePlan, length: int) -> list[int]:
+    def _drafts(self, drafter: Drafter | None, plan: RoutePlan, length: int) -> list[int]:
         """Tokens to verify after ``length`` tokens: within every hop's limit and the context."""
         if drafter is None:
             return []

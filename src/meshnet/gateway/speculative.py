@@ -6,11 +6,16 @@ the longest prefix the model agrees with plus one token of its own (``Sampler.ve
 through the route yields up to ``k + 1`` tokens. Every hop drops the rejected positions before
 the answer passes it, so its KV is what plain decoding would have left (docs/protocol.md).
 
-The drafter here is prompt lookup: find the longest recent n-gram (``max_ngram`` down to
-``min_ngram`` tokens) that ends the text so far and occurred before, and propose what followed its
-latest occurrence. It costs nothing per step (an index updated with each token) and pays off
-where the output repeats its input — rewriting, quoting, editing code, extracting fields — which
-is where a model spends most tokens in agent and coding use.
+Two drafters (``--speculative ngram|draft``):
+
+- prompt lookup (``PromptLookup``): find the longest recent n-gram (``max_ngram`` down to
+  ``min_ngram`` tokens) that ends the text so far and occurred before, and propose what followed
+  its latest occurrence. It costs nothing per step (an index updated with each token) and pays off
+  where the output repeats its input — rewriting, quoting, editing code, extracting fields — which
+  is where a model spends most tokens in agent and coding use;
+- a draft model (``ModelDraft`` over ``backends.llama_draft.DraftModel``): a small GGUF of the same
+  vocabulary, run at the gateway, continues the text greedily. It costs a small model's steps per
+  draft and pays off wherever the small model agrees with the large one, repeated text or not.
 
 How many to draft is decided by what a walk costs and what gets accepted, because a verify chunk
 is not free: every drafted position is computed on every hop (on a CPU, 2 positions in one call
@@ -28,10 +33,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
-__all__ = ["SPECULATIVE_MODES", "PromptLookup", "WalkCosts"]
+__all__ = ["SPECULATIVE_MODES", "DraftSource", "Drafter", "ModelDraft", "PromptLookup", "WalkCosts"]
 
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "draft")
 _EMA = 0.25  # weight of a new walk-time measurement
 # The acceptance estimate: kept drafts and rejections, fading by this factor per generated token
 # (text changes character: a run of rejections 50 tokens ago says little now), on top of an
@@ -84,18 +90,16 @@ class WalkCosts:
         return best
 
 
-class PromptLookup:
-    """Prompt-lookup drafting for one generation. Not thread-safe: one per generation."""
+class Drafter:
+    """What every drafter shares: the text so far, the acceptance estimate, and the choice of how
+    many of its candidates to send (``propose``). Not thread-safe: one per generation."""
 
-    def __init__(self, k: int, costs: WalkCosts | None = None, *, max_ngram: int = 4, min_ngram: int = 3) -> None:
-        if k < 1 or not 1 <= min_ngram <= max_ngram:
-            raise ValueError("prompt lookup needs k >= 1 and 1 <= min_ngram <= max_ngram")
+    def __init__(self, k: int, costs: WalkCosts | None = None) -> None:
+        if k < 1:
+            raise ValueError("a drafter needs k >= 1")
         self.k = k
         self.costs = costs if costs is not None else WalkCosts()
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._tokens: list[int] = []
-        # n-gram -> where its latest occurrence's continuation starts (an index into _tokens)
-        self._after: dict[tuple[int, ...], int] = {}
         self.drafted = 0  # drafts proposed, and accepted by the route, over the generation
         self.accepted = 0
         self._verifies = 0  # verify chunks of this generation
@@ -104,21 +108,57 @@ class PromptLookup:
 
     def extend(self, tokens: Sequence[int]) -> None:
         """The text grew by ``tokens`` (the prompt first, then every token the route returns)."""
-        seq = self._tokens
         for token in tokens:
             self._kept *= _FADE
             self._rejected *= _FADE
-            end = len(seq)
-            for n in range(self.min_ngram, self.max_ngram + 1):
-                if end >= n:
-                    self._after[tuple(seq[end - n : end])] = end  # that n-gram is followed by ``token``
-            seq.append(int(token))
+            self._tokens.append(int(token))
 
     @property
     def acceptance(self) -> float:
         """The estimated chance that a draft is kept: recent kept drafts against recent rejections."""
         kept, rejected = self._kept + _PRIOR_KEPT, self._rejected + _PRIOR_REJECTED
         return kept / (kept + rejected)
+
+    def candidates(self, limit: int) -> list[int]:
+        """Up to ``min(limit, k)`` tokens that may come next."""
+        raise NotImplementedError
+
+    def propose(self, limit: int) -> list[int]:
+        """The drafts worth sending now: the candidates, cut to the length that the route's walk
+        costs and the acceptance so far make the fastest (possibly none)."""
+        found = self.candidates(limit)
+        if not found or not self._verifies:  # this text's first draft is verified in full: it measures q
+            return found
+        return found[: self.costs.best_drafts(len(found), self.acceptance)]
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """The route kept ``accepted`` of ``drafted`` drafts."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self._verifies += 1
+        self._kept += accepted
+        self._rejected += accepted < drafted  # at most one rejection per chunk: it ends the chunk
+
+
+class PromptLookup(Drafter):
+    """Prompt-lookup drafting for one generation."""
+
+    def __init__(self, k: int, costs: WalkCosts | None = None, *, max_ngram: int = 4, min_ngram: int = 3) -> None:
+        if k < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError("prompt lookup needs k >= 1 and 1 <= min_ngram <= max_ngram")
+        super().__init__(k, costs)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        # n-gram -> where its latest occurrence's continuation starts (an index into _tokens)
+        self._after: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        seq = self._tokens
+        for token in tokens:
+            end = len(seq)
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if end >= n:
+                    self._after[tuple(seq[end - n : end])] = end  # that n-gram is followed by ``token``
+            super().extend([token])
 
     def candidates(self, limit: int) -> list[int]:
         """Up to ``min(limit, k)`` tokens that followed the latest earlier occurrence of the longest
@@ -135,18 +175,18 @@ class PromptLookup:
                 return seq[start : start + want]
         return []
 
-    def propose(self, limit: int) -> list[int]:
-        """The drafts worth sending now: the candidates, cut to the length that the route's walk
-        costs and the acceptance so far make the fastest (possibly none)."""
-        found = self.candidates(limit)
-        if not found or not self._verifies:  # this text's first match is verified in full: it measures q
-            return found
-        return found[: self.costs.best_drafts(len(found), self.acceptance)]
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """The route kept ``accepted`` of ``drafted`` drafts."""
-        self.drafted += drafted
-        self.accepted += accepted
-        self._verifies += 1
-        self._kept += accepted
-        self._rejected += accepted < drafted  # at most one rejection per chunk: it ends the chunk
+class DraftSource(Protocol):
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]: ...
+
+
+class ModelDraft(Drafter):
+    """Draft-model drafting for one generation: the model's greedy continuation of the text so far."""
+
+    def __init__(self, model: DraftSource, k: int, costs: WalkCosts | None = None) -> None:
+        super().__init__(k, costs)
+        self.model = model
+
+    def candidates(self, limit: int) -> list[int]:
+        want = min(limit, self.k)
+        return self.model.draft(self._tokens, want) if want >= 1 and self._tokens else []
