@@ -83,7 +83,8 @@ def _existing_sections(path: Path) -> dict[str, str]:
         if marker in text:
             body = text.split(marker, 1)[1]
             ends = [i for n in BENCHES if (i := body.find(_MARK.format(n))) >= 0]
-            found[name] = marker + body[: min(ends)] if ends else marker + body
+            kept = marker + body[: min(ends)] if ends else marker + body
+            found[name] = kept.rstrip() + "\n"  # one blank line between sections, however often rewritten
     return found
 
 
