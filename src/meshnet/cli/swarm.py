@@ -131,6 +131,12 @@ def add_swarm_commands(sub: Any) -> None:
     add_api_keys(gateway)
     add_member_tls(gateway, insecure=False)  # for its clients; its own OpenAI port is the API keys' business
     gateway.add_argument(
+        "--trusted-only",
+        action="store_true",
+        help="route every generation over trusted nodes only (those whose certificate grants the trusted tier: "
+        "meshnet swarm invite --trusted); needs --swarm-dir",
+    )
+    gateway.add_argument(
         "--hop-timeout",
         type=float,
         default=120.0,
