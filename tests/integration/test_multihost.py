@@ -150,6 +150,7 @@ def test_every_member_is_reached_at_its_own_namespace_address(hosts: Hosts) -> N
         listed = {n["node_id"]: n for n in admin.get(f"{hosts.tracker}/v1/nodes").json()["nodes"]}
     expected = {name: f"https://{hosts.net.addresses[name]}:{NODE_PORT}" for name in NODES}
     assert {name: node["url"] for name, node in listed.items()} == expected  # not 127.0.0.1, not 0.0.0.0
+    assert {name: node["trusted"] for name, node in listed.items()} == {name: name in TRUSTED for name in NODES}
     assert len(set(hosts.net.addresses.values())) == len(hosts.net.addresses)
     # the gateway, in its own namespace, reached every node's address over mutual TLS
     view = _gateway_get(hosts, "/v1/swarm").json()
@@ -171,6 +172,23 @@ def test_the_openai_client_streams_serves_text_across_hosts(hosts: Hosts, server
     route = _gateway_get(hosts, "/v1/generations/gen-multihost").json()["route"]
     assert [hop["layers"] for hop in route] == ["0:10", "10:20", "20:30"]
     assert all(hop["url"] == f"https://{hosts.net.addresses[hop['node']]}:{NODE_PORT}" for hop in route)
+
+
+def test_a_trusted_only_gateway_routes_over_trusted_nodes_only(hosts: Hosts) -> None:
+    """A second gateway with ``--trusted-only`` (same member credentials, another port): its route
+    leaves out mid-b, whose certificate is untrusted, and its text is the same."""
+    root = hosts.swarm.parent
+    args = ["gateway", "--swarm-dir", str(root / "gateway"), "--tracker", hosts.tracker, "--trusted-only"]
+    args += ["--host", hosts.net.addresses["gateway"], "--port", str(GATEWAY_PORT + 2), "--no-auth"]
+    args += ["--billing-spool", str(root / "spool-trusted")]
+    with meshnet_process(args, prefix=hosts.net.exec_prefix("gateway")) as gateway:
+        trusted = Hosts(hosts.net, hosts.swarm, hosts.tracker, gateway.url, hosts.nodes, hosts.model)
+        assert _stream(trusted, "gen-trusted") == _stream(hosts, "gen-any")
+        snapshot = _gateway_get(trusted, "/v1/generations/gen-trusted").json()
+        assert [hop["node"] for hop in snapshot["route"]] == ["head", "mid-a", "tail"]
+    with _admin(hosts.swarm) as admin:  # the tracker kept the flag with the session (its repairs honour it)
+        session = admin.get(f"{hosts.tracker}/v1/sessions/{snapshot['session_id']}").json()
+    assert session["trusted_only"] is True
 
 
 def test_kill_9_of_the_serving_middle_is_repaired_across_hosts_with_identical_text(hosts: Hosts) -> None:
