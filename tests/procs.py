@@ -63,11 +63,14 @@ def tracker_url(swarm: Proc) -> str:
 
 
 @contextlib.contextmanager
-def meshnet_process(args: Sequence[str], *, ready_timeout_s: float = 180.0) -> Iterator[Proc]:
-    """Run ``meshnet ARGS`` until it prints ``listening on URL``; always stop it afterwards."""
+def meshnet_process(
+    args: Sequence[str], *, ready_timeout_s: float = 180.0, prefix: Sequence[str] = ()
+) -> Iterator[Proc]:
+    """Run ``meshnet ARGS`` until it prints ``listening on URL``; always stop it afterwards.
+    ``prefix`` runs it under a command that execs it, e.g. ``ip netns exec NS``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     popen = subprocess.Popen(
-        [*MESHNET, *args],
+        [*prefix, *MESHNET, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -296,6 +296,7 @@ UNADVERTISED = {
     "architecture": None,
     "seam": None,
     "max_verify": 0,
+    "trusted": False,  # an open swarm's nodes have no certificate, so no trusted tier
 }
 
 
@@ -383,7 +384,10 @@ def test_open_session_returns_a_route_covering_every_layer(client: TestClient, c
     response = client.post("/v1/sessions", json={"model": MODEL})
     assert response.status_code == 201
     session = response.json()
-    assert set(session) == {"session_id", "route_id", "model", "hops", "created", "alternatives", "estimated_s"}
+    assert set(session) == {
+        "session_id", "route_id", "model", "hops", "created", "trusted_only", "alternatives", "estimated_s"
+    }  # fmt: skip
+    assert session["trusted_only"] is False
     assert session["alternatives"] == []  # only one chain exists
     assert session["estimated_s"] > 0
     assert session["session_id"].startswith("ses-")

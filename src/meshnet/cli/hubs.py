@@ -60,6 +60,13 @@ def run_gateway(args: argparse.Namespace) -> int:
     if member is not None and not args.tracker.startswith("https://"):
         print(f"meshnet gateway: a swarm member talks to its tracker over https, not {args.tracker}", file=sys.stderr)
         return 2
+    if args.trusted_only and member is None:
+        print(
+            "meshnet gateway: --trusted-only needs a private swarm (--swarm-dir): in an open swarm no node has a "
+            "trust tier, so no route would ever qualify",
+            file=sys.stderr,
+        )
+        return 2
     client_tls = member.client_context() if member else None
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -95,11 +102,14 @@ def run_gateway(args: argparse.Namespace) -> int:
         decode_channel=args.decode_channel == "on",
         outbox=BillingOutbox(args.tracker, spool_dir=args.billing_spool, tls=client_tls),
         client_tls=client_tls,
+        trusted_only=args.trusted_only,
     )
     if engine.outbox.recovered:
         print(f"meshnet: delivering {engine.outbox.recovered} billing record(s) an earlier gateway left", flush=True)
     url = f"http://{host}:{port}"
     print(f"meshnet: gateway for {vocab.info.model_id} over tracker {args.tracker}; context cap {cap}", flush=True)
+    if args.trusted_only:
+        print("meshnet: every route over trusted nodes only (--trusted-only)", flush=True)
     print(f"meshnet: OpenAI API on {url}/v1", flush=True)
     print(f"meshnet: listening on {url}", flush=True)
     try:

@@ -72,6 +72,13 @@ def add_swarm_commands(sub: Any) -> None:
     )
     node.add_argument("--ctx", type=int, default=2048, help="context per session in tokens (default 2048)")
     node.add_argument("--max-sessions", type=at_least_one, default=4, help="sessions held at once (default 4)")
+    node.add_argument(
+        "--max-sessions-per-client",
+        type=at_least_one,
+        default=None,
+        help="in a private swarm: sessions one member (a gateway) may hold on this node at once; one more is "
+        "a 429 (default: --max-sessions, i.e. no limit per client; with several gateways, e.g. half of it)",
+    )
     add_decode_batch(node)
     node.add_argument(
         "--wire-dtype",
@@ -145,6 +152,12 @@ def add_swarm_commands(sub: Any) -> None:
     )
     add_member_tls(gateway, insecure=False)  # for its clients; its own OpenAI port is the API keys' business
     gateway.add_argument(
+        "--trusted-only",
+        action="store_true",
+        help="route every generation over trusted nodes only (those whose certificate grants the trusted tier: "
+        "meshnet swarm invite --trusted); needs --swarm-dir",
+    )
+    gateway.add_argument(
         "--hop-timeout",
         type=float,
         default=120.0,
@@ -204,6 +217,7 @@ def add_decode_batch(parser: argparse.ArgumentParser) -> None:
 def run_node(args: argparse.Namespace) -> int:
     setup_logging()
     _check_advertisable(args.host, _public_url(args.public_url))  # a bad one fails now, not after loading the model
+    _per_client(args)  # likewise
     args.member_tls = member_tls_for(args, "node", "node")
     if args.member_tls is None:
         check_plain_bind(args.host, args.insecure, "node", "join a private swarm and give --swarm-dir DIR")
@@ -290,6 +304,20 @@ def _ticket_verifier(tls: Any) -> Any:
         usage_error(f"meshnet node: {exc.message}")
 
 
+def _per_client(args: argparse.Namespace) -> int | None:
+    """``--max-sessions-per-client`` (at most ``--max-sessions``); ``None``: no limit per client. Not
+    half by default: one gateway, the usual client of a swarm (and the only one of ``meshnet up``),
+    would get half of every node."""
+    if args.max_sessions_per_client is None:
+        return None
+    if args.max_sessions_per_client > args.max_sessions:
+        usage_error(
+            f"meshnet node: --max-sessions-per-client {args.max_sessions_per_client} is more than --max-sessions "
+            f"{args.max_sessions}; give at most {args.max_sessions}"
+        )
+    return int(args.max_sessions_per_client)
+
+
 def _serve_node(
     args: argparse.Namespace, sock: socket.socket, shard: Any, advert: dict[str, Any], *, started: float, seeder: Any
 ) -> int:
@@ -325,6 +353,7 @@ def _serve_node(
         advert=tuple(advert.items()),
         client_tls=tls.client_context() if tls else None,
         tickets=_ticket_verifier(tls),
+        max_sessions_per_client=_per_client(args),
     )
     print(
         f"meshnet: node {node_id} holds layers {info.layers} of {info.model_id} ({info.backend}, "

@@ -137,6 +137,7 @@ class RouteEngine:
         draft_model: DraftSource | None = None,
         decode_channel: bool = True,
         client_tls: ssl.SSLContext | None = None,
+        trusted_only: bool = False,
     ) -> None:
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
@@ -160,6 +161,7 @@ class RouteEngine:
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
         self._local = threading.local()
         self.client_tls = client_tls  # a private swarm's member TLS, for every outgoing connection
+        self.trusted_only = trusted_only  # every route (and the tracker's repairs of it) on trusted nodes only
         self.outbox = outbox if outbox is not None else BillingOutbox(self.tracker_url, tls=client_tls)
         self.channels = Channels(client_tls) if decode_channel else None
 
@@ -207,6 +209,8 @@ class RouteEngine:
             body["exclude"] = list(exclude)
         if like_session is not None:
             body["like_session"] = like_session
+        if self.trusted_only:
+            body["trusted_only"] = True
         if prompt_tokens:
             body["prefill_tokens"] = prompt_tokens
         if max_tokens:

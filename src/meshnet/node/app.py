@@ -34,6 +34,7 @@ from meshnet.node.transport import HttpTransport
 from meshnet.protocol import http_binding
 from meshnet.protocol.channel import CHANNEL_PATH, Kind, encode_frame
 from meshnet.protocol.messages import HopRequest, Verb
+from meshnet.security.membership import scope_member
 
 __all__ = ["NodeConfig", "create_node_app"]
 
@@ -78,7 +79,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
             body = await read_body(request, config.max_body_bytes, "this node")
             sid = SessionId(request.path_params["session_id"])
             hop = http_binding.decode_request(verb, sid, request.headers, body, max_body_bytes=config.max_body_bytes)
-            answer = await node.handle(hop)
+            answer = await node.handle(hop, client=_quota_client(request.scope))
             assert answer is not None
             return JSONResponse(answer.to_json(), status_code=answer.status)
 
@@ -247,3 +248,11 @@ async def _sweep(node: NodeService) -> None:
 def _consume(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()  # logged by the prober itself
+
+
+def _quota_client(scope: Any) -> str | None:
+    """Whose quota a session opened by this request counts to: the calling member (from its TLS
+    certificate), except a node: a node forwards a route a gateway asked the tracker for (its
+    ticket says so), so it is no client of its own. ``None`` in an open swarm (no certificates)."""
+    member = scope_member(scope)
+    return None if member is None or member.role == "node" else member.member_id

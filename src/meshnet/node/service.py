@@ -57,6 +57,7 @@ from meshnet.errors import (
     HopFailed,
     InvalidRequest,
     MeshnetError,
+    RateLimited,
     SeamMismatch,
     SessionBusy,
     SessionGone,
@@ -105,6 +106,9 @@ class NodeConfig:
     # A private swarm's tracker keys: a session opens only with a route ticket naming this node, its
     # next hops are the ticket's, and a reroute needs a repair ticket (protocol.tickets).
     tickets: TicketVerifier | None = None
+    # Sessions one client (a swarm member, by its certificate's id) may hold open here at once;
+    # None: no per-client limit (an open swarm knows no clients).
+    max_sessions_per_client: int | None = None
 
 
 class NodeService:
@@ -134,17 +138,20 @@ class NodeService:
         self.started = time.time()
 
     # -- requests ------------------------------------------------------------------------------
-    async def handle(self, request: HopRequest, direct: Direct | None = None) -> HopAnswer | None:
+    async def handle(
+        self, request: HopRequest, direct: Direct | None = None, *, client: str | None = None
+    ) -> HopAnswer | None:
         """Compute a request's positions and pass them on; the answer. A ``direct`` step goes on
         over the decode channel and answers nothing here (``None``) but on the tail, whose answer
-        goes straight to the gateway with every hop's entry."""
+        goes straight to the gateway with every hop's entry. ``client``: who sent it, when the
+        transport knows (a private swarm's member id): a session it opens counts to its quota."""
         check_model(self.info, request.model)
         if request.drafts:
             check_drafts(self.info, self.config.node_id, request.drafts)
         if direct is not None and request.replay:
             raise InvalidRequest(f"a decode-channel step is never replayed: drop {H.REPLAY}")
         tokens, hidden = shard_inputs(self.info, request)
-        s = self._session(request)
+        s = self._session(request, client)
         if s.busy:
             raise SessionBusy(
                 f"session {request.session} already has a request in flight on this node; send one at a time"
@@ -440,10 +447,11 @@ class NodeService:
             raise SessionNotFound(f"no session {sid} on this node")
         return s
 
-    def _session(self, request: HopRequest) -> NodeSession:
+    def _session(self, request: HopRequest, client: str | None = None) -> NodeSession:
         sid = request.session
         s = self._bound(sid)
         if s is None:
+            self._check_quota(client)
             if request.start != 0:
                 # A session that is past position 0 existed once: this node lost it.
                 raise SessionGone(
@@ -458,6 +466,7 @@ class NodeService:
             hops = check_next_hops(self.info, self.config.node_id, hops)
             sampler = Sampler(params, self.shard.grammar(params.grammar) if params.grammar else None) if tail else None
             s = NodeSession(sid, request.route_id, hops, sampler, ChunkLedger(not tail), carry_ids=params.needs_history)
+            s.client = client
             if tail or self.config.seam_log_bytes <= 0:
                 s.log = None
             self.shard.open_session(sid)
@@ -467,6 +476,19 @@ class NodeService:
             raise Conflict(f"session {sid} is pinned to route {s.route_id}, not {request.route_id}")
         s.check_open()
         return s
+
+    def _check_quota(self, client: str | None) -> None:
+        """A client may hold ``max_sessions_per_client`` sessions here: one more is a 429."""
+        limit = self.config.max_sessions_per_client
+        if client is None or limit is None:
+            return
+        held = sum(1 for s in self.sessions.values() if s.client == client)
+        if held >= limit:
+            raise RateLimited(
+                f"member {client!r} holds {held} sessions on node {self.config.node_id}, its limit "
+                f"(--max-sessions-per-client {limit}); close one (DELETE) or retry when one ends",
+                retry_after_s=5,
+            )
 
     def _carried_ids(self, s: NodeSession, tokens: np.ndarray | None, start: int) -> np.ndarray | None:
         """Check that a session whose ids travel got them; the ids the shard itself computes from."""

@@ -45,6 +45,7 @@ class NodeSession:
     carry_ids: bool = False
     ids_seen: list[int] = field(default_factory=list)
     seq: int | None = None  # the newest decode-channel step this node computed for the session
+    client: str | None = None  # the swarm member that opened it here (per-client quotas), if known
 
     def check_open(self) -> None:
         if self.broken:

@@ -31,6 +31,7 @@ from meshnet.security.membership import (
     RequireMember,
     SwarmAuthority,
     require_node,
+    scope_member,
     tracker_policy,
 )
 from meshnet.tracker.db import TrackerDB
@@ -196,6 +197,7 @@ def _node_json(node: NodeRecord) -> dict[str, Any]:
         "architecture": node.architecture,
         "seam": list(node.seam) if node.seam is not None else None,
         "max_verify": node.max_verify,
+        "trusted": node.trusted,
     }
 
 
@@ -234,8 +236,10 @@ def create_tracker_app(
 
     async def register(request: Request) -> Response:
         reg = parse_body(Registration, await read_body(request, MAX_BODY_BYTES, "the tracker"))
+        certified = None
         if swarm is not None:
             require_node(request.scope, reg.node_id)
+            certified = scope_member(request.scope)
         try:
             layers = LayerRange.parse(reg.layers, reg.total_layers)
         except ValueError as exc:
@@ -265,6 +269,7 @@ def create_tracker_app(
             architecture=reg.architecture,
             seam=tuple(reg.seam) if reg.seam is not None else None,
             max_verify=reg.max_verify,
+            trusted=certified is not None and certified.trusted,
         )
         _check_same_model(node, tracker.live_nodes())
         live = {n.node_id: n for n in tracker.live_nodes()}

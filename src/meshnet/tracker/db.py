@@ -37,6 +37,8 @@ _sessions = sa.Table(
     sa.Column("ended_reason", sa.Text, nullable=True),
     # Every "NODE_ID LAYERS" that was ever on the route (repairs add to it): whose work may be billed.
     sa.Column("members", sa.Text, nullable=False, server_default="[]"),
+    # 1: the session's route and every repair of it take trusted nodes only (POST /v1/sessions).
+    sa.Column("trusted_only", sa.Integer, nullable=False, server_default="0"),
     # Every session open expires idle open sessions; closed ones stay (billing, audit), so the
     # expiry must not scan them all.
     sa.Index("sessions_status_updated", "status", "updated"),
@@ -126,6 +128,7 @@ class TrackerDB:
     # -- sessions ------------------------------------------------------------------------------
     def save_session(self, session: dict[str, Any]) -> None:
         row = {**session, "hops": json.dumps(session["hops"]), "status": "open", "updated": session["created"]}
+        row["trusted_only"] = int(bool(session.get("trusted_only")))
         row["members"] = json.dumps(_members(session["hops"], []))
         with self._engine.begin() as conn:
             conn.execute(sa.insert(_sessions).values(**row))
@@ -136,7 +139,8 @@ class TrackerDB:
         if row is None:
             return None
         hops = json.loads(row["hops"])
-        return {**row, "hops": hops, "members": _stored_members(row["members"], hops)}
+        members = _stored_members(row["members"], hops)
+        return {**row, "hops": hops, "members": members, "trusted_only": bool(row["trusted_only"])}
 
     def repin_session(self, session_id: str, hops: list[dict[str, Any]]) -> None:
         """A repaired route: the session's new hops (route id and session stay); the replaced hops stay
@@ -180,7 +184,7 @@ class TrackerDB:
     def open_sessions(self) -> list[dict[str, Any]]:
         with self._engine.connect() as conn:
             rows = conn.execute(sa.select(_sessions).where(_sessions.c.status == "open")).mappings().all()
-        return [{**row, "hops": json.loads(row["hops"])} for row in rows]
+        return [{**row, "hops": json.loads(row["hops"]), "trusted_only": bool(row["trusted_only"])} for row in rows]
 
     # -- billing -------------------------------------------------------------------------------
     def record_billing(self, session: dict[str, Any], outcome: str, rows: Sequence[BillingRow]) -> bool:

@@ -119,6 +119,9 @@ class NodeRecord:
     architecture: str | None = None  # GGUF general.architecture (None: an older node did not say)
     seam: tuple[int, ...] | None = None  # per-position shape of what crosses its seams
     max_verify: int = 0  # drafted positions one verify chunk may add (speculative decoding)
+    # The trust tier of its member certificate, read by a private swarm's tracker from the TLS
+    # handshake of its registration (never from what it claims); a node of an open swarm is untrusted.
+    trusted: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,10 +32,11 @@ from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, repai
 from meshnet.tracker.billing import FORMULA
 from meshnet.tracker.db import BillingRow, TrackerDB, member
 from meshnet.tracker.repair import PinnedHop, equivalent_nodes, plan_repair
-from meshnet.tracker.routing import NodeRecord, RouteRequest, select_routes
+from meshnet.tracker.routing import NodeRecord, RouteChoice, RouteRequest, select_routes
 
 __all__ = ["NodeRegistry", "SessionsApi", "parse_body"]
 
+NO_TRUSTED_ROUTE = "no_trusted_route"  # the 503's code when trusted nodes alone cannot make the route
 SESSION_IDLE_S = 3600.0  # an open session nobody repaired, billed or closed for this long is expired
 
 
@@ -57,6 +58,8 @@ class SessionRequest(BaseModel):
     # A fresh route that must compute exactly what this (earlier) session's route did: the gateway
     # re-prefills a generation that already streamed text, which must go on unchanged.
     like_session: str | None = Field(None, min_length=1, max_length=64)
+    # Only nodes whose certificate grants the trusted tier, on the route and in every repair of it.
+    trusted_only: bool = Field(False, strict=True)
 
 
 class RepairRequest(BaseModel):
@@ -164,25 +167,20 @@ class SessionsApi:
             prefill_tokens=defaults.prefill_tokens if req.prefill_tokens is None else req.prefill_tokens,
             decode_tokens=defaults.decode_tokens if req.max_tokens is None else req.max_tokens,
         )
-        live = self.registry.live_nodes()
-        if req.like_session is not None:
-            like = equivalent_nodes(pinned_hops(self.load(req.like_session)), live)
-            why = (
-                f"only nodes that compute bit-identically to session {req.like_session}'s route qualify (same "
-                f"library, processor, threads and lossy seams): {len(like)} of {len(live)} live nodes do"
-            )
-            try:
-                choices = select_routes(like, req.model, req.total_layers, request=expected, exclude=req.exclude)
-            except Overloaded as exc:
-                raise Overloaded(f"{exc.message}; {why}", retry_after_s=5) from None
-        else:
-            choices = select_routes(live, req.model, req.total_layers, request=expected, exclude=req.exclude)
+        live, why_not = self._eligible(req.trusted_only, req.model)
+        try:
+            choices = self._choose(req, expected, live)
+        except Overloaded as exc:
+            if not why_not:
+                raise
+            raise Overloaded(f"{exc.message}; {why_not}", retry_after_s=5, code=NO_TRUSTED_ROUTE) from None
         session = {
             "session_id": new_session_id(),
             "route_id": new_route_id(),
             "model": req.model,
             "hops": hops_json(choices[0].nodes),
             "created": time.time(),
+            "trusted_only": req.trusted_only,
         }
         self.db.save_session(session)
         # Not persisted: the alternatives are a snapshot for the caller to fall back on right away.
@@ -190,6 +188,34 @@ class SessionsApi:
         if self.signer is not None:
             extra["ticket"] = self.signer.sign(self._ticket(session))
         return JSONResponse({**session, **extra}, status_code=201)
+
+    def _eligible(self, trusted_only: bool, model: str) -> tuple[list[NodeRecord], str]:
+        """The live nodes a session may use, and (for a trusted-only one) what to say when they cannot
+        make its route: the tier is the one each node's certificate grants (``NodeRecord.trusted``)."""
+        live = self.registry.live_nodes()
+        if not trusted_only:
+            return live, ""
+        serving = [n for n in live if n.model == model]
+        trusted = [n for n in live if n.trusted]
+        why = (
+            f"the session takes trusted nodes only (trusted_only): {sum(n.trusted for n in serving)} of the "
+            f"{len(serving)} live nodes serving {model!r} are trusted (a node's tier is its certificate's: "
+            "meshnet swarm invite --trusted)"
+        )
+        return trusted, why
+
+    def _choose(self, req: SessionRequest, expected: RouteRequest, live: list[NodeRecord]) -> list[RouteChoice]:
+        if req.like_session is not None:
+            like = equivalent_nodes(pinned_hops(self.load(req.like_session)), live)
+            why = (
+                f"only nodes that compute bit-identically to session {req.like_session}'s route qualify (same "
+                f"library, processor, threads and lossy seams): {len(like)} of {len(live)} live nodes do"
+            )
+            try:
+                return select_routes(like, req.model, req.total_layers, request=expected, exclude=req.exclude)
+            except Overloaded as exc:
+                raise Overloaded(f"{exc.message}; {why}", retry_after_s=5) from None
+        return select_routes(live, req.model, req.total_layers, request=expected, exclude=req.exclude)
 
     def _ticket(self, session: dict[str, Any], *, hops: list[dict[str, Any]] | None = None) -> RouteTicket:
         """The route ticket of ``session`` (on ``hops``, else its pinned ones)."""
@@ -223,13 +249,13 @@ class SessionsApi:
             raise InvalidRequest(f"node {req.failed_node} is not on session {sid}'s route", param="failed_node")
         self.registry.record_failure(req.failed_node, req.reason or "failed during decode")
         self.registry.suspend(req.failed_node)
-        fix = plan_repair(
-            pinned,
-            req.failed_node,
-            self.registry.live_nodes(),
-            session["model"],
-            request=RouteRequest(req.position, 256),
-        )
+        live, why_not = self._eligible(bool(session.get("trusted_only")), session["model"])
+        try:
+            fix = plan_repair(pinned, req.failed_node, live, session["model"], request=RouteRequest(req.position, 256))
+        except Overloaded as exc:
+            if not why_not:
+                raise
+            raise Overloaded(f"{exc.message}; {why_not}", retry_after_s=5, code=NO_TRUSTED_ROUTE) from None
         hops = [*session["hops"][: fix.first], *hops_json(fix.nodes), *session["hops"][fix.first + fix.removed :]]
         self.db.repin_session(sid, hops)
         replaced = {"first": fix.first, "count": len(fix.nodes), "removed": fix.removed}
