@@ -10,9 +10,9 @@ import pytest
 
 from meshnet.artifacts.bundled import bundled_gguf
 from meshnet.backends.base import TokenStep
+from meshnet.backends.llama_draft import DraftModel
 from meshnet.backends.llama_full import LlamaFullEngine
 from meshnet.backends.llama_vocab import LlamaVocab
-from meshnet.backends.llama_draft import DraftModel
 from meshnet.sampling import Sampler, SamplingParams
 from tests.procs import MESHNET
 

@@ -37,7 +37,7 @@ def test_a_client_past_its_sessions_gets_a_429_and_others_and_its_own_sessions_g
         assert refused.value.status == 429 and refused.value.retry_after_s > 0
         assert "member 'gw-a' holds 2 sessions on node n" in refused.value.message
         assert "--max-sessions-per-client 2" in refused.value.message
-        assert SessionId("a3") not in service.sessions and len(service.shard.store) == 2  # nothing changed
+        assert SessionId("a3") not in service.shard.store.ids() and len(service.shard.store) == 2  # nothing changed
         # another member has its own quota, and a request with no known client (open swarm) has none
         assert await service.handle(open_request("b1"), client="gw-b") is not None
         assert await service.handle(open_request("x1")) is not None

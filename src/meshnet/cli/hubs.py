@@ -139,8 +139,8 @@ def _draft_model(args: argparse.Namespace, vocab: Any, n_ctx: int) -> Any:
         return None
     if args.draft_gguf is None:
         raise ValueError("--speculative draft needs --draft-gguf PATH: a small GGUF sharing the model's vocabulary")
-    from meshnet.cores import CoreLease
     from meshnet.backends.llama_draft import DraftModel
+    from meshnet.cores import CoreLease
 
     lease = CoreLease(args.core_lease) if args.core_lease is not None else None
     threads = (os.cpu_count() or 1) if lease is not None else 1  # alone on the lease, else beside the nodes

@@ -62,14 +62,7 @@ def add_swarm_commands(sub: Any) -> None:
     node.add_argument("--port", type=int, default=0, help="port (default 0: a free one)")
     node.add_argument("--tracker", help="tracker URL to register with, e.g. http://127.0.0.1:8001")
     node.add_argument("--backend", choices=("llama", "torch"), default="llama")
-    node.add_argument("--threads", type=int, help="compute threads (default: all cores)")
-    node.add_argument(
-        "--core-lease",
-        type=Path,
-        metavar="FILE",
-        help="share this machine's cores with the other nodes given the same FILE: they compute one at a time, "
-        "each with all its threads, and never spin against each other (meshnet up does this)",
-    )
+    _add_compute(node)
     node.add_argument("--ctx", type=int, default=2048, help="context per session in tokens (default 2048)")
     node.add_argument("--max-sessions", type=at_least_one, default=4, help="sessions held at once (default 4)")
     node.add_argument(
@@ -162,6 +155,17 @@ def add_swarm_commands(sub: Any) -> None:
         type=float,
         default=120.0,
         help="seconds to wait for the next hop of a route (default 120; hops further up wait 10 s more per hop)",
+    )
+
+
+def _add_compute(node: argparse.ArgumentParser) -> None:
+    node.add_argument("--threads", type=int, help="compute threads (default: all cores)")
+    node.add_argument(
+        "--core-lease",
+        type=Path,
+        metavar="FILE",
+        help="share this machine's cores with the other nodes given the same FILE: they compute one at a time, "
+        "each with all its threads, and never spin against each other (meshnet up does this)",
     )
 
 

@@ -482,7 +482,8 @@ class NodeService:
         limit = self.config.max_sessions_per_client
         if client is None or limit is None:
             return
-        held = sum(1 for s in self.sessions.values() if s.client == client)
+        bound = (self._bound(sid) for sid in self.shard.store.ids())
+        held = sum(1 for s in bound if s is not None and s.client == client)
         if held >= limit:
             raise RateLimited(
                 f"member {client!r} holds {held} sessions on node {self.config.node_id}, its limit "
