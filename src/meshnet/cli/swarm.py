@@ -63,7 +63,6 @@ def add_swarm_commands(sub: Any) -> None:
     node.add_argument("--tracker", help="tracker URL to register with, e.g. http://127.0.0.1:8001")
     node.add_argument("--backend", choices=("llama", "torch"), default="llama")
     _add_compute(node)
-    node.add_argument("--ctx", type=int, default=2048, help="context per session in tokens (default 2048)")
     node.add_argument("--max-sessions", type=at_least_one, default=4, help="sessions held at once (default 4)")
     node.add_argument(
         "--max-sessions-per-client",
@@ -167,6 +166,7 @@ def _add_compute(node: argparse.ArgumentParser) -> None:
         help="share this machine's cores with the other nodes given the same FILE: they compute one at a time, "
         "each with all its threads, and never spin against each other (meshnet up does this)",
     )
+    node.add_argument("--ctx", type=int, default=2048, help="context per session in tokens (default 2048)")
 
 
 def add_speculative(parser: argparse.ArgumentParser) -> None:
