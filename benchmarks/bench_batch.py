@@ -120,7 +120,9 @@ def run() -> Section:
         f"python benchmarks/run.py --only batch  (two `meshnet up` swarms: 3 llama.cpp nodes, 1 thread each, "
         f"--max-sessions 8, --speculative off; {TOKENS} greedy tokens per session, median of {ROUNDS})",
     )
+    # one thread per node, computing side by side (--no-core-lease), plain HTTP: what is compared is batching
     common = ["up", "--port", "0", "--nodes", "3", "--threads", "1", "--max-sessions", "8", "--speculative", "off"]
+    common += ["--no-core-lease", "--no-tls"]
     with (
         tempfile.TemporaryDirectory() as a,
         tempfile.TemporaryDirectory() as b,

@@ -59,70 +59,78 @@ def run() -> Section:
     threads_per_node = max(1, CORES // 3)
     section = Section(
         "Networked route: `meshnet up` (3 llama.cpp nodes) vs `meshnet serve`, both over HTTP",
-        f"python benchmarks/run.py --only route  (serve: {CORES} threads; route: {CORES} threads per node sharing "
-        f"the cores through the core lease, and for comparison --no-core-lease: {threads_per_node} thread(s) per "
-        f"node; float32 seams on loopback; ctx {CTX}, {DECODE_TOKENS} greedy tokens, median of {ROUNDS})",
+        f"python benchmarks/run.py --only route  (serve: {CORES} threads; `meshnet up` as it runs by default: a "
+        f"private swarm (mutual TLS, route tickets), {CORES} threads per node sharing the cores through the core "
+        f"lease; beside it the same with --no-tls, and --no-tls --no-core-lease ({threads_per_node} thread(s) per "
+        f"node); float32 seams on loopback; ctx {CTX}, {DECODE_TOKENS} greedy tokens, median of {ROUNDS})",
     )
-    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as tmp_split:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        tempfile.TemporaryDirectory() as tmp_plain,
+        tempfile.TemporaryDirectory() as tmp_split,
+    ):
         serve_args = ["serve", "--port", "0", "--threads", str(CORES), "--ctx", str(CTX)]
         # plain decoding (drafts would change the bytes and the work per step); the decode channel is the default
         up_args = ["up", "--port", "0", "--nodes", "3", "--ctx", str(CTX), "--speculative", "off"]
         with (
             meshnet_process(serve_args) as serve,
             meshnet_process([*up_args, "--workdir", tmp], ready_timeout_s=300) as swarm,
-            meshnet_process([*up_args, "--workdir", tmp_split, "--no-core-lease"], ready_timeout_s=300) as split,
+            meshnet_process([*up_args, "--workdir", tmp_plain, "--no-tls"], ready_timeout_s=300) as plain,
+            meshnet_process([*up_args, "--workdir", tmp_split, "--no-tls", "--no-core-lease"], ready_timeout_s=300)
+            as split,
             meshnet_process(
-                [
-                    "gateway",
-                    "--tracker",
-                    tracker_url(swarm),
-                    "--port",
-                    "0",
-                    "--speculative",
-                    "off",
-                    "--decode-channel",
-                    "off",
-                ]
-            ) as http_gateway,  # fmt: skip
-        ):
+                ["gateway", "--tracker", tracker_url(plain), "--port", "0", "--speculative", "off",
+                 "--decode-channel", "off"]
+            ) as http_gateway,
+        ):  # fmt: skip
+            urls = {"serve": serve.url, "route": swarm.url, "plain": plain.url, "split": split.url}
             model = httpx.get(f"{serve.url}/v1/models", timeout=10).json()["data"][0]["id"]
-            view = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]
+            view = httpx.get(f"{plain.url}/v1/swarm", timeout=30).json()["nodes"]
             nodes = [n["url"] for n in sorted(view, key=lambda n: int(n["layers"].split(":")[0]))]
-            for url in (serve.url, swarm.url, http_gateway.url, split.url):
+            for url in (*urls.values(), http_gateway.url):
                 _stream(url, model, "warm up", 8)
-            overhead: dict[str, list[tuple[float, float]]] = {"channel": [], "http": []}
+            overhead: dict[str, list[tuple[float, float]]] = {"channel": [], "http": [], "tls": []}
             for _ in range(ROUNDS):
-                overhead["channel"].append(_overhead_ms(swarm.url, model, 3))
+                overhead["channel"].append(_overhead_ms(plain.url, model, 3))
                 overhead["http"].append(_overhead_ms(http_gateway.url, model, 3))
-            decode: dict[str, list[float]] = {"serve": [], "route": [], "split": []}
-            prefill: dict[str, list[float]] = {"serve": [], "route": [], "split": []}
+                overhead["tls"].append(_overhead_ms(swarm.url, model, 3))
+            decode: dict[str, list[float]] = {name: [] for name in urls}
+            prefill: dict[str, list[float]] = {name: [] for name in urls}
             for _ in range(ROUNDS):
-                for name, url in (("serve", serve.url), ("route", swarm.url), ("split", split.url)):
+                for name, url in urls.items():
                     times, _ = _stream(url, model, DECODE_PROMPT, DECODE_TOKENS)
                     decode[name].append(_rate(times))
                     _, final = _stream(url, model, LONG_PROMPT, 1)
                     prefill[name].append(final["prompt_tokens"] / final["prefill_seconds"])
                     long_tokens = final["prompt_tokens"]
-            seam_100 = _decode_steps_bytes(swarm.url, model, nodes, 100)
-            seam_2000 = _decode_steps_bytes(swarm.url, model, nodes, 2000)
-    d_ratio = median(decode["route"]) / median(decode["serve"])
-    p_ratio = median(prefill["route"]) / median(prefill["serve"])
-    section.add("serve decode", f"{median(decode['serve']):.1f} tok/s")
-    section.add("route decode", f"{median(decode['route']):.1f} tok/s")
+            seam_100 = _decode_steps_bytes(plain.url, model, nodes, 100)
+            seam_2000 = _decode_steps_bytes(plain.url, model, nodes, 2000)
+    rate = {name: median(values) for name, values in decode.items()}
+    fill = {name: median(values) for name, values in prefill.items()}
+    d_ratio, p_ratio = rate["route"] / rate["serve"], fill["route"] / fill["serve"]
+    section.add("serve decode", f"{rate['serve']:.1f} tok/s")
+    section.add("route decode (private swarm, core lease: meshnet up's default)", f"{rate['route']:.1f} tok/s")
     section.add("route ÷ serve decode", f"{d_ratio:.3f}", "≥ 0.85", d_ratio >= 0.85)
-    section.add("route decode, cores split (--no-core-lease)", f"{median(decode['split']):.1f} tok/s")
-    lease_gain = median(decode["route"]) / median(decode["split"])
-    section.add("core lease ÷ cores split, decode", f"{lease_gain:.3f}", "> 1", lease_gain > 1)
-    section.add("route prefill, cores split (--no-core-lease)", f"{median(prefill['split']):.1f} tok/s")
+    section.add("route decode, --no-tls", f"{rate['plain']:.1f} tok/s")
+    security = rate["route"] / rate["plain"]
+    section.add("security on ÷ off, decode (TLS and tickets ÷ --no-tls)", f"{security:.3f}", "≥ 0.95", security >= 0.95)
+    section.add("route decode, --no-tls --no-core-lease (cores split)", f"{rate['split']:.1f} tok/s")
+    lease_gain = rate["plain"] / rate["split"]
+    section.add("core lease ÷ cores split, decode (both --no-tls)", f"{lease_gain:.3f}", "≥ 1", lease_gain >= 1)
     step = {k: median([s for s, _ in v]) for k, v in overhead.items()}
     per_hop = {k: median([h for _, h in v]) for k, v in overhead.items()}
-    section.add("route step, HTTP per hop (--decode-channel off)", f"{step['http']:.2f} ms")
-    section.add("route step, decode channel", f"{step['channel']:.2f} ms")
+    section.add("route step, HTTP per hop (--decode-channel off, --no-tls)", f"{step['http']:.2f} ms")
+    section.add("route step, decode channel (--no-tls)", f"{step['channel']:.2f} ms")
+    section.add("route step, decode channel over TLS", f"{step['tls']:.2f} ms")
     section.add("per-hop overhead, HTTP per hop", f"{per_hop['http']:.2f} ms")
     section.add("per-hop overhead, decode channel", f"{per_hop['channel']:.2f} ms", "≤ 0.5", per_hop["channel"] <= 0.5)
-    section.add(f"serve prefill ({long_tokens}-token prompt)", f"{median(prefill['serve']):.1f} tok/s")
-    section.add("route prefill (pipelined 128-token chunks)", f"{median(prefill['route']):.1f} tok/s")
+    section.add("per-hop overhead, decode channel over TLS", f"{per_hop['tls']:.2f} ms")
+    section.add(f"serve prefill ({long_tokens}-token prompt)", f"{fill['serve']:.1f} tok/s")
+    section.add("route prefill (pipelined 128-token chunks)", f"{fill['route']:.1f} tok/s")
     section.add("route ÷ serve prefill", f"{p_ratio:.3f}", "≥ 0.9", p_ratio >= 0.9)
+    section.add(
+        "route prefill, --no-tls / --no-tls --no-core-lease", f"{fill['plain']:.1f} / {fill['split']:.1f} tok/s"
+    )
     hidden_bytes = 576 * 4
     for label, values in (("100", seam_100), ("2,000", seam_2000)):
         shown = ", ".join(f"{v:.0f}" for v in values)
@@ -131,7 +139,7 @@ def run() -> Section:
     section.add("seam bytes independent of context", "yes" if equal else "no", "equal", equal)
     section.notes.append(
         "Per-hop overhead = (ms per decoded token - the route's own compute per token, summed over its hops "
-        "from the route.health telemetry) ÷ 3 hops; both gateways run on the same nodes, one after the other."
+        "from the route.health telemetry) ÷ 3 hops; the gateways run on the same nodes, one after the other."
     )
     section.notes.append(
         "Seam bytes: activation body bytes each node sent onward per decode step (its Prometheus counter); "

@@ -15,6 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 MESHNET = [sys.executable, "-m", "meshnet.cli.main"]
 _LISTENING = re.compile(r"listening on (https?://\S+)")
 
@@ -57,9 +59,38 @@ def local_swarm(workdir: Path, *extra: str) -> Iterator[Proc]:
 
 def tracker_url(swarm: Proc) -> str:
     """The tracker a ``meshnet up`` started, from the line it printed (to add a gateway beside its own)."""
-    match = re.search(r"meshnet: tracker (http://\S+?);", swarm.output())
+    match = re.search(r"meshnet: tracker (https?://\S+?);", swarm.output())
     assert match, f"meshnet up printed no tracker URL:\n{swarm.output()}"
     return match.group(1)
+
+
+def swarm_dir(swarm: Proc) -> Path:
+    """The private swarm directory a ``meshnet up`` made (its CA, its admin's and members' credentials)."""
+    match = re.search(r"private swarm (\S+) \(mutual TLS", swarm.output())
+    assert match, f"meshnet up ran no private swarm:\n{swarm.output()}"
+    return Path(match.group(1))
+
+
+def admin_client(swarm: Proc, timeout_s: float = 30.0) -> httpx.Client:
+    """An HTTP client holding the swarm admin's credential: what reads a private swarm's tracker and nodes."""
+    from meshnet.security.tls import Credentials
+
+    return httpx.Client(verify=Credentials.at(swarm_dir(swarm) / "admin").client_context(), timeout=timeout_s)
+
+
+def join_member(swarm: Proc, role: str, member_id: str) -> Path:
+    """Invite and join one more member of a ``meshnet up`` swarm (e.g. a second gateway); its credentials."""
+    directory = swarm_dir(swarm)
+    invite = subprocess.run(
+        [*MESHNET, "swarm", "invite", "--dir", str(directory), "--role", role, "--id", member_id],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    into = directory / "members" / member_id
+    subprocess.run(
+        [*MESHNET, "swarm", "join", invite.stdout.strip(), "--dir", str(into)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return into
 
 
 @contextlib.contextmanager

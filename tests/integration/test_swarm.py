@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import Proc, meshnet_process, tracker_url
+from tests.procs import Proc, admin_client, join_member, meshnet_process, tracker_url
 
 pytestmark = pytest.mark.real
 
@@ -51,17 +51,20 @@ def test_four_concurrent_streams_each_match_their_solo_run(swarm: Proc, model_id
     """The nodes compute the steps of sessions that reach them together as one llama.cpp batch,
     and the text stays each session's own."""
     nodes = [n["url"] for n in httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]]
-    limits = [httpx.get(f"{url}/v1/health", timeout=10).json()["decode_batch"] for url in nodes]
+    with admin_client(swarm) as admin:  # a private swarm's nodes answer members only
+        limits = [admin.get(f"{url}/v1/health").json()["decode_batch"] for url in nodes]
     assert limits == [4] * 3  # measured at load; capped by --max-sessions 4
     solo = [chat(swarm.url, model_id, p) for p in PROMPTS]
-    calls = [_metric(url, "meshnet_node_decode_batches_total") for url in nodes]
-    steps = [_metric(url, "meshnet_node_decode_batch_steps_total") for url in nodes]
+    calls = [_metric(swarm, url, "meshnet_node_decode_batches_total") for url in nodes]
+    steps = [_metric(swarm, url, "meshnet_node_decode_batch_steps_total") for url in nodes]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda p: chat(swarm.url, model_id, p, stream=True), PROMPTS))
     assert together == solo
     # some node computed several sessions' steps in one call
-    calls = [_metric(url, "meshnet_node_decode_batches_total") - c for url, c in zip(nodes, calls, strict=True)]
-    steps = [_metric(url, "meshnet_node_decode_batch_steps_total") - s for url, s in zip(nodes, steps, strict=True)]
+    calls = [_metric(swarm, url, "meshnet_node_decode_batches_total") - c for url, c in zip(nodes, calls, strict=True)]
+    steps = [
+        _metric(swarm, url, "meshnet_node_decode_batch_steps_total") - s for url, s in zip(nodes, steps, strict=True)
+    ]
     assert any(s > c for s, c in zip(steps, calls, strict=True)), (calls, steps)
 
 
@@ -85,7 +88,8 @@ def test_route_telemetry_and_swarm_view(swarm: Proc, model_id: str) -> None:
     assert [h["layers"] for h in health["hops"]] == ["0:10", "10:20", "20:30"]
     assert all(h["decode_step_ms"] is not None and h["decode_step_ms"] > 0 for h in health["hops"])
     view = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
-    assert view["tracker"].startswith("http://127.0.0.1:")
+    assert view["tracker"].startswith("https://127.0.0.1:")  # meshnet up runs a private swarm by default
+    assert all(n["url"].startswith("https://127.0.0.1:") for n in view["nodes"])
     assert sorted(n["layers"] for n in view["nodes"]) == ["0:10", "10:20", "20:30"]
     assert all(n["health"]["status"] == "ok" for n in view["nodes"])
     # The finished session frees its KV on every node (the close travels down the chain).
@@ -213,7 +217,8 @@ def test_a_draft_model_at_the_gateway_gives_serves_text_with_drafts_accepted(
     per walk, and the text is exactly serve's."""
     from meshnet.artifacts.bundled import bundled_gguf
 
-    args = ["gateway", "--tracker", tracker_url(swarm), "--port", "0", "--speculative", "draft"]
+    member = ["--swarm-dir", str(join_member(swarm, "gateway", "draft-gateway"))]
+    args = ["gateway", "--tracker", tracker_url(swarm), "--port", "0", "--speculative", "draft", *member]
     with meshnet_process([*args, "--draft-gguf", str(bundled_gguf())]) as gateway:
         gid = "gen-draft-model"
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=180)
@@ -290,18 +295,20 @@ def test_the_decode_channel_on_and_off_give_serves_text(swarm: Proc, server: Pro
     HTTP requests per hop (``--decode-channel off``): both give ``serve``'s greedy text, streamed or
     not, with drafts and without, and the nodes really took steps over their channels."""
     nodes = [n["url"] for n in httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]]
-    before = [_metric(url, "meshnet_node_channel_steps_total") for url in nodes]
+    before = [_metric(swarm, url, "meshnet_node_channel_steps_total") for url in nodes]
     flags = ["--speculative", "off", "--decode-channel", "off"]
+    flags += ["--swarm-dir", str(join_member(swarm, "gateway", "http-gateway"))]
     with meshnet_process(["gateway", "--tracker", tracker_url(swarm), "--port", "0", *flags]) as http_gateway:
         for prompt in ("Repeat after me: one two three, one two three, one two three.", PROMPTS[3]):
             expected = chat(server.url, model_id, prompt)
             assert chat(swarm.url, model_id, prompt, stream=True) == expected
             assert chat(http_gateway.url, model_id, prompt) == expected
-    after = [_metric(url, "meshnet_node_channel_steps_total") for url in nodes]
+    after = [_metric(swarm, url, "meshnet_node_channel_steps_total") for url in nodes]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
-    assert all(_metric(url, "meshnet_node_channels_open") >= 1 for url in nodes)  # kept open between steps
+    assert all(_metric(swarm, url, "meshnet_node_channels_open") >= 1 for url in nodes)  # kept open between steps
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+def _metric(swarm: Proc, url: str, name: str) -> float:
+    with admin_client(swarm) as admin:
+        text = admin.get(f"{url}/metrics").text
     return float(next(x for x in text.splitlines() if x.startswith(f"{name} ")).split()[1])

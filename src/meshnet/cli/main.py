@@ -125,9 +125,11 @@ def _add_up_parser(sub: Any) -> None:
     add_allow_uncertified(up)
     up.add_argument(
         "--tls",
-        action="store_true",
-        help="run it as a private swarm: a CA under the workdir, every member joined with an invite, mutual TLS "
-        "between tracker, nodes and gateway (the gateway's OpenAI port stays plain HTTP)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run it as a private swarm (the default): a CA under the workdir, every member joined with an invite, "
+        "mutual TLS and route tickets between tracker, nodes and gateway (the gateway's OpenAI port stays plain "
+        "HTTP on loopback); --no-tls: plain HTTP, any process on this machine can reach the tracker and nodes",
     )
 
 

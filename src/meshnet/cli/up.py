@@ -13,8 +13,10 @@ is left behind. A node dying does not: the route repairs around it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
+import shutil
 import signal
 import ssl
 import subprocess
@@ -258,24 +260,35 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 class _PrivateSwarm:
-    """``meshnet up --tls``: a swarm CA under the workdir, each member joined with its own invite."""
+    """``meshnet up`` (``--tls``, the default): a swarm CA under the workdir, each member joined with
+    its own invite. A workdir used before keeps its swarm: the CA, and every member's credentials."""
 
     def __init__(self, directory: Path) -> None:
         from meshnet.security.identity import SwarmCA
         from meshnet.security.join import default_sans
         from meshnet.security.membership import ADMIN_DIR, SwarmAuthority
+        from meshnet.security.tls import Credentials
 
         self.directory = directory
-        self.ca = SwarmCA.init(directory, name="meshnet up")
+        existing = Credentials.at(directory / ADMIN_DIR).exists()
+        self.ca = SwarmCA.load(directory) if existing else SwarmCA.init(directory, name="meshnet up")
         self.admin = SwarmAuthority(self.ca).issue_own("admin", "admin", default_sans(), directory / ADMIN_DIR)
 
     def member_args(self, role: str, member_id: str, tracker_url: str) -> list[str]:
-        """Join ``member_id`` (its key made here, in its own directory) and name its credentials."""
+        """Join ``member_id`` (its key made here, in its own directory), or reuse the credentials it
+        joined with before, and name them."""
+        from meshnet.errors import MeshnetError
         from meshnet.security.invites import mint_invite
         from meshnet.security.join import join_swarm
+        from meshnet.security.tls import Credentials
 
+        credentials = Credentials.at(self.directory / "members" / member_id)
+        with contextlib.suppress(MeshnetError):
+            if credentials.exists() and credentials.ticket_key() and credentials.member().role == role:
+                return ["--swarm-dir", str(credentials.directory)]
+        shutil.rmtree(credentials.directory, ignore_errors=True)  # unusable leftovers of an earlier run
         token = mint_invite(self.ca, role=role, member_id=member_id, tracker_url=tracker_url, expires_in_s=600)
-        credentials = join_swarm(token, self.directory / "members" / member_id)
+        credentials = join_swarm(token, credentials.directory)
         return ["--swarm-dir", str(credentials.directory)]
 
     def admin_tls(self) -> ssl.SSLContext:
@@ -296,6 +309,9 @@ def _banner(gateway: str, tracker: str, nodes: list[dict[str, Any]], swarm: Path
     ]
     if swarm is not None:
         lines.append(f"  private swarm {swarm} (mutual TLS; admin credential {swarm / 'admin'})")
+        lines.append(f"  add a member  meshnet swarm invite --dir {swarm} --role node|gateway")
+    else:
+        lines.append("  open swarm   plain HTTP (--no-tls): any process here can reach its tracker and nodes")
     lines += ["  Ctrl-C stops every process.", ""]
     print("\n".join(lines), flush=True)
     print(f"meshnet: listening on {gateway}", flush=True)
