@@ -31,6 +31,7 @@ from meshnet.node.advert import LatencyProber, SelfBenchmark, advert_fields, ben
 from meshnet.node.channel import Direct
 from meshnet.node.service import ChannelSend, NodeConfig, NodeService
 from meshnet.node.transport import HttpTransport
+from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
 from meshnet.protocol.channel import CHANNEL_PATH, Kind, encode_frame
 from meshnet.protocol.messages import HopRequest, Verb
@@ -108,7 +109,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
 
     async def delete_session(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
-        await node.delete(sid)
+        await node.delete(sid, request.headers.get(H.TICKET))
         return JSONResponse({"deleted": sid})
 
     async def health(_: Request) -> Response:
