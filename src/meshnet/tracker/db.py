@@ -37,6 +37,8 @@ _sessions = sa.Table(
     sa.Column("ended_reason", sa.Text, nullable=True),
     # Every "NODE_ID LAYERS" that was ever on the route (repairs add to it): whose work may be billed.
     sa.Column("members", sa.Text, nullable=False, server_default="[]"),
+    # The member (a private swarm's gateway) that opened it: only it repairs, reports, bills, closes.
+    sa.Column("owner", sa.String(128), nullable=True),
     # Every session open expires idle open sessions; closed ones stay (billing, audit), so the
     # expiry must not scan them all.
     sa.Index("sessions_status_updated", "status", "updated"),
