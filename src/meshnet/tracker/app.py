@@ -240,6 +240,8 @@ def create_tracker_app(
         reg = parse_body(Registration, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         if swarm is not None:
             require_node(request.scope, reg.node_id)
+            if not reg.url.startswith("https://"):  # members speak mutual TLS: no plain URL to aim peers at
+                raise InvalidRequest(f"a private swarm's node serves https, not {reg.url}", param="url")
         try:
             layers = LayerRange.parse(reg.layers, reg.total_layers)
         except ValueError as exc:
