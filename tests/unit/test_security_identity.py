@@ -127,7 +127,8 @@ def test_load_refuses_a_key_that_is_not_the_certificates(tmp_path: Path, other_c
 def test_issue_and_member_of_round_trip(ca: SwarmCA, role: str, trusted: bool):
     pem = _issue(ca, "node-1.a_b", role, trusted=trusted, sans=("127.0.0.1", "localhost", "::1"))
     member = member_of(pem, ca.cert)
-    assert member == Member(ca.swarm_id, "node-1.a_b", role, trusted, member.expires)
+    assert member == Member(ca.swarm_id, "node-1.a_b", role, trusted, member.expires, member.serial)
+    assert member.serial == format(x509.load_pem_x509_certificate(pem).serial_number, "x")
     assert timedelta(days=364) < member.expires - datetime.now(UTC) <= timedelta(days=365)
     assert member.uri == f"meshnet://{ca.swarm_id}/{role}/node-1.a_b"
 
@@ -281,7 +282,8 @@ def test_admit_refuses_a_csr_for_another_id_and_keeps_the_invite(ca: SwarmCA):
         admit(ca, ledger, token, make_csr(key, "n1"), requested_id="n1", sans=["bad host!"])
     assert len(ledger) == 0  # not consumed: the same invite still admits
     cert = admit(ca, ledger, token, make_csr(key, "n1"), requested_id="n1", sans=["127.0.0.1"])
-    assert member_of(cert, ca.cert) == Member(ca.swarm_id, "n1", "node", True, member_of(cert, ca.cert).expires)
+    member = member_of(cert, ca.cert)
+    assert member == Member(ca.swarm_id, "n1", "node", True, member.expires, member.serial)
     with pytest.raises(Unauthorized, match="invite already used"):
         admit(ca, ledger, token, make_csr(key, "n1"), requested_id="n1", sans=[])
 

@@ -1,4 +1,4 @@
-"""``meshnet swarm init|invite|join``: make a private swarm, invite members, join one.
+"""``meshnet swarm init|invite|join|revoke``: make a private swarm, invite members, join one.
 
 ``init`` makes the swarm's CA and an admin credential in a directory (the one the tracker then
 serves with ``meshnet tracker --swarm DIR``). ``invite`` signs a single-use join token with that
@@ -80,9 +80,16 @@ def add_swarm_admin_commands(sub: Any) -> None:
     )
     join.add_argument("--tracker", help="the tracker URL (default: the one the invite names)")
 
+    revoke = actions.add_parser("revoke", help="revoke a member's certificate (the tracker and nodes refuse it)")
+    revoke.add_argument("id", help="the member id (as in the swarm directory's members.json)")
+    revoke.add_argument(
+        "--dir", "--swarm", dest="dir", type=Path, default=DEFAULT_SWARM_DIR,
+        help=f"the swarm directory (default {DEFAULT_SWARM_DIR})",
+    )  # fmt: skip
+
 
 def run_swarm(args: argparse.Namespace) -> int:
-    runner = {"init": _init, "invite": _invite, "join": _join}[args.swarm_command]
+    runner = {"init": _init, "invite": _invite, "join": _join, "revoke": _revoke}[args.swarm_command]
     try:
         return runner(args)
     except MeshnetError as exc:
@@ -141,6 +148,15 @@ def _join(args: argparse.Namespace) -> int:
     )
     flag = "node --swarm-dir" if member.role == "node" else f"{member.role} --swarm-dir"
     print(f"  next: meshnet {flag} {credentials.directory} ...")
+    return 0
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    from meshnet.security.revocation import REVOKED_FILE, revoke_member
+
+    serial = revoke_member(args.dir, args.id)
+    print(f"meshnet: revoked member {args.id!r} (certificate serial {serial}) in {args.dir / REVOKED_FILE}")
+    print("  the tracker refuses it from its next request on; nodes from their next heartbeat")
     return 0
 
 

@@ -73,6 +73,7 @@ from meshnet.gateway.speculative import SPECULATIVE_MODES, Drafter, DraftSource,
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
+from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
 from meshnet.protocol.ledger import ChunkLedger, pack_chunks, verify_hops
 from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, HopRequest, Payload, RerouteRequest, Verb
@@ -455,7 +456,7 @@ class RouteEngine:
         for hop in old.hops:  # hops cut out of the route (but alive) free the session now, not at TTL
             if hop.url not in kept and hop.node != failed.node:
                 with contextlib.suppress(httpx.HTTPError):
-                    self._client().delete(f"{hop.url}/v1/sessions/{sid}", timeout=5.0)
+                    self._client().delete(f"{hop.url}/v1/sessions/{sid}", headers=_ticketed(old), timeout=5.0)
         return answer, position
 
     def _reroute(self, run: _Run, index: int, replay: int, step: int) -> RerouteRequest:
@@ -587,7 +588,8 @@ class RouteEngine:
     def _close(self, plan: RoutePlan) -> None:
         """Free the session's KV on every hop (the head forwards the delete) and on the tracker."""
         with contextlib.suppress(httpx.HTTPError):  # an unreachable node frees it by its idle TTL
-            self._client().delete(f"{plan.hops[0].url}/v1/sessions/{plan.session_id}", timeout=10.0)
+            url = f"{plan.hops[0].url}/v1/sessions/{plan.session_id}"
+            self._client().delete(url, headers=_ticketed(plan), timeout=10.0)
         self.release(plan)
 
     def close(self) -> None:
@@ -627,3 +629,8 @@ def _hop_ms(answer: HopAnswer) -> tuple[float, ...]:
 
 def _since(began: float) -> float:
     return time.monotonic() - began
+
+
+def _ticketed(plan: RoutePlan) -> dict[str, str]:
+    """The headers of a ``DELETE`` on a node: a private swarm's nodes want the session's ticket."""
+    return {} if plan.ticket is None else {H.TICKET: plan.ticket}

@@ -31,15 +31,25 @@ from meshnet.node.advert import LatencyProber, SelfBenchmark, advert_fields, ben
 from meshnet.node.channel import Direct
 from meshnet.node.service import ChannelSend, NodeConfig, NodeService
 from meshnet.node.transport import HttpTransport
+from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
 from meshnet.protocol.channel import CHANNEL_PATH, Kind, encode_frame
 from meshnet.protocol.messages import HopRequest, Verb
 from meshnet.security.membership import scope_member
+from meshnet.security.revocation import RefuseRevoked, RevokedSerials
 
 __all__ = ["NodeConfig", "create_node_app"]
 
 
-def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
+def create_node_app(shard: ShardBackend, config: NodeConfig) -> Any:
+    """The node's ASGI app; in a private swarm (``client_tls``) behind ``RefuseRevoked``, fed the
+    revoked serials by the tracker's answer to each heartbeat."""
+    revoked = RevokedSerials()
+    app = _node_app(shard, config, revoked)
+    return app if config.client_tls is None else RefuseRevoked(app, revoked)
+
+
+def _node_app(shard: ShardBackend, config: NodeConfig, revoked: RevokedSerials) -> Starlette:
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(config.hop_timeout_s, connect=5.0),
         limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=300),
@@ -59,7 +69,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
             # The first registration does not wait for the self-benchmark (it says "speed unknown");
             # the heartbeat re-registers as soon as the benchmark is done.
             benching.add(asyncio.create_task(benchmark_in_background(bench, node.traffic)))
-            tasks.append(asyncio.create_task(_heartbeat(node, client, config.tracker_url)))
+            tasks.append(asyncio.create_task(_heartbeat(node, client, config.tracker_url, revoked)))
         try:
             yield
         finally:
@@ -109,7 +119,7 @@ def create_node_app(shard: ShardBackend, config: NodeConfig) -> Starlette:
 
     async def delete_session(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
-        await node.delete(sid)
+        await node.delete(sid, request.headers.get(H.TICKET))
         return JSONResponse({"deleted": sid})
 
     async def health(_: Request) -> Response:
@@ -188,7 +198,9 @@ def _lease_path(shard: ShardBackend) -> str | None:
     return str(lease.path) if isinstance(lease, CoreLease) else None
 
 
-async def _heartbeat(node: NodeService, client: httpx.AsyncClient, tracker_url: str) -> None:
+async def _heartbeat(
+    node: NodeService, client: httpx.AsyncClient, tracker_url: str, revoked: RevokedSerials | None = None
+) -> None:
     """Register, then re-register every ``heartbeat_s``: a restarted tracker relearns us by itself.
 
     Each registration carries the advertisement (``node.advert``); the tracker answers with the
@@ -222,10 +234,14 @@ async def _heartbeat(node: NodeService, client: httpx.AsyncClient, tracker_url: 
                 response = await client.post(f"{tracker_url}/v1/nodes", json=body, timeout=5.0)
                 if response.status_code >= 400:
                     log.warning("tracker refused registration: %s", error_message(response))
-                elif probing is None or probing.done():
-                    hops = response.json().get("next_hops") or []
-                    probing = asyncio.create_task(prober.probe(client, [str(h) for h in hops]))
-                    probing.add_done_callback(_consume)
+                else:
+                    answer = response.json()
+                    if revoked is not None and isinstance(answer.get("revoked"), list):
+                        revoked.update(answer["revoked"])
+                    if probing is None or probing.done():
+                        hops = answer.get("next_hops") or []
+                        probing = asyncio.create_task(prober.probe(client, [str(h) for h in hops]))
+                        probing.add_done_callback(_consume)
                 reported = False
             except (httpx.HTTPError, ValueError, AttributeError) as exc:
                 if not reported:  # say it once per outage, not every heartbeat

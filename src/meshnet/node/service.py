@@ -371,9 +371,16 @@ class NodeService:
         answer = await self._forward(s, replayed(Verb.DECODE, position - 1, position))
         return answer.after(me)
 
-    async def delete(self, sid: SessionId) -> None:
-        """Free a session here, then on the next hop (the delete travels down the chain)."""
+    async def delete(self, sid: SessionId, ticket: str | None = None) -> None:
+        """Free a session here, then on the next hop (the delete travels down the chain).
+
+        In a private swarm only a holder of the session's ticket may: a genuine tracker ticket for
+        this session and its pinned route (route or repair; expired ones too, a session outlives
+        its ticket), which only the gateway that opened it and the route's hops ever see. A member
+        that merely learns a session id cannot end it (401 ``route_ticket_*``)."""
         s = self._existing(sid)
+        if self.config.tickets is not None:
+            self.config.tickets.verify(ticket, session_id=sid, route_id=s.route_id, current=False)
         if s.forward is not None:
             with contextlib.suppress(Exception):
                 await s.forward  # its outcome was already recorded; only the order matters
@@ -382,7 +389,7 @@ class NodeService:
         with contextlib.suppress(SessionGone, SessionNotFound):
             self.shard.close_session(sid)
         if s.next_hops:
-            await self.transport.delete(s.next_hops[0], sid)
+            await self.transport.delete(s.next_hops[0], sid, ticket)
 
     def session_state(self, sid: SessionId) -> dict[str, Any]:
         """``GET /v1/sessions/{id}``: what this node holds of a session (a gateway asks it to find

@@ -19,6 +19,7 @@ import httpx
 
 from meshnet.errors import HopFailed, MeshnetError
 from meshnet.ids import SessionId
+from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
 from meshnet.protocol.messages import HopAnswer, HopRequest, remote_error
 
@@ -31,8 +32,9 @@ __all__ = ["HopTransport", "HttpTransport", "LocalTransport"]
 class HopTransport(Protocol):
     async def send(self, hop: str, request: HopRequest, *, timeout_s: float) -> HopAnswer: ...
 
-    async def delete(self, hop: str, session: SessionId) -> None:
-        """Free the session on ``hop`` (and down the chain from it); failures are ignored."""
+    async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> None:
+        """Free the session on ``hop`` (and down the chain from it); failures are ignored. ``ticket``:
+        the session's route ticket, which a node of a private swarm wants on a ``DELETE``."""
 
     async def aclose(self) -> None: ...
 
@@ -50,9 +52,10 @@ class HttpTransport:
             raise HopFailed(f"next hop {hop} failed: {type(exc).__name__}: {exc}", failed_hop=hop) from None
         return http_binding.answer_from_response(response, hop)
 
-    async def delete(self, hop: str, session: SessionId) -> None:
+    async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> None:
+        headers = {} if ticket is None else {H.TICKET: ticket}
         with contextlib.suppress(httpx.HTTPError):
-            await self.client.delete(f"{hop}/v1/sessions/{session}")
+            await self.client.delete(f"{hop}/v1/sessions/{session}", headers=headers)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -82,11 +85,11 @@ class LocalTransport:
         assert answer is not None  # only a decode-channel step answers nothing
         return answer
 
-    async def delete(self, hop: str, session: SessionId) -> None:
+    async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> None:
         service = self.services.get(hop)
         if service is not None:
             with contextlib.suppress(MeshnetError):
-                await service.delete(session)
+                await service.delete(session, ticket)
 
     async def aclose(self) -> None:
         self.services.clear()

@@ -117,6 +117,7 @@ class Member:
     role: str
     trusted: bool
     expires: datetime
+    serial: str = ""  # the certificate's serial number, hex (what a revocation names)
 
     @property
     def uri(self) -> str:
@@ -460,7 +461,9 @@ def _claims(cert: x509.Certificate) -> Member:
         raise Unauthorized(f"{who} carries a malformed trust URI")
     if role not in ROLES or not _MEMBER_ID.fullmatch(member_id):
         raise Unauthorized(f"{who} names an unknown role {role!r} or a malformed member id {member_id!r}")
-    return Member(swarm_id, member_id, role, trust == TRUSTED, cert.not_valid_after_utc)
+    return Member(
+        swarm_id, member_id, role, trust == TRUSTED, cert.not_valid_after_utc, format(cert.serial_number, "x")
+    )
 
 
 def _check_issued_by(cert: x509.Certificate, ca: x509.Certificate, swarm_id: str) -> None:

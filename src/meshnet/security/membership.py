@@ -46,6 +46,7 @@ from meshnet.security.identity import (
     write_atomic,
 )
 from meshnet.security.invites import InviteLedger, admit
+from meshnet.security.revocation import RevocationList, revoked_error
 from meshnet.security.tls import Credentials, save_member
 from meshnet.security.transport import ASGIApp, Scope, over_tls, peer_certificate_pem
 
@@ -116,10 +117,18 @@ class RequireMember:
     """ASGI middleware: each request must come, over TLS, from a member of the swarm whose CA is
     ``ca_cert`` and of a role ``policy`` allows (default: any member, on every path)."""
 
-    def __init__(self, app: ASGIApp, ca_cert: x509.Certificate, *, policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        ca_cert: x509.Certificate,
+        *,
+        policy: Policy | None = None,
+        revoked: Callable[[], frozenset[str]] | None = None,
+    ) -> None:
         self.app = app
         self.ca_cert = ca_cert
         self.policy = policy or (lambda _method, _path: ANY_MEMBER)
+        self.revoked = revoked  # the revoked certificate serials (hex), asked on every request
         self._known: dict[bytes, Member] = {}  # verified certificates, by PEM (bounded)
 
     async def __call__(
@@ -132,6 +141,8 @@ class RequireMember:
         if roles is not None:
             try:
                 member = self._member(scope)
+                if self.revoked is not None and member.serial in self.revoked():
+                    raise revoked_error(member.member_id)
                 if member.role not in roles:
                     raise Forbidden(
                         f"{scope.get('method', 'GET')} {scope['path']} is for {' or '.join(sorted(roles))} members; "
@@ -188,6 +199,14 @@ class SwarmAuthority:
         self.ledger = InviteLedger.from_json(ledger_path.read_bytes()) if ledger_path.exists() else InviteLedger()
         self.members: dict[str, dict[str, Any]] = _read_registry(self.directory / MEMBERS_FILE)
         self.signer = _ticket_signer(self.directory / TICKET_SIGNING_KEY_FILE)
+        self.revocations = RevocationList(self.directory)
+
+    def revoked_ids(self) -> frozenset[str]:
+        """Members whose current certificate is revoked (a node among them leaves the routes)."""
+        serials = self.revocations.serials()
+        if not serials:
+            return frozenset()
+        return frozenset(mid for mid, entry in self.members.items() if entry.get("serial") in serials)
 
     @classmethod
     def load(cls, directory: Path) -> SwarmAuthority:
@@ -229,11 +248,17 @@ class SwarmAuthority:
 
     def _check_takeover(self, member_id: str, csr_pem: bytes, now: float | None) -> None:
         held = self.members.get(member_id)
-        if held is None or held["expires"] <= (time.time() if now is None else now):
+        if held is None:
             return
         csr_member_id(csr_pem)  # a malformed CSR is a 400 before anything else
-        csr = x509.load_pem_x509_csr(csr_pem)
-        if _key_digest(csr.public_key()) != held["key"]:
+        same_key = _key_digest(x509.load_pem_x509_csr(csr_pem).public_key()) == held["key"]
+        if held.get("serial") in self.revocations.serials():
+            if same_key:  # a revoked member does not come back with its old key, invite or not
+                raise revoked_error(member_id)
+            return  # a new invite and a new key may take the id again
+        if held["expires"] <= (time.time() if now is None else now):
+            return
+        if not same_key:
             until = datetime.fromtimestamp(held["expires"], UTC).isoformat(timespec="seconds")
             raise Conflict(
                 f"member id {member_id!r} is held by another key (its certificate is valid until {until}); "

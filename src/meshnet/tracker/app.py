@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Annotated, Any
 
@@ -34,6 +35,7 @@ from meshnet.security.membership import (
     scope_member,
     tracker_policy,
 )
+from meshnet.security.revocation import REVOKED_PATH
 from meshnet.tracker.db import TrackerDB
 from meshnet.tracker.reliability import Reliability
 from meshnet.tracker.routing import Hardware, NodeRecord
@@ -113,15 +115,17 @@ class Registration(BaseModel):
 class _Tracker:
     """Live nodes (in memory) and every node's reliability record (kept across its expiry)."""
 
-    def __init__(self, db: TrackerDB) -> None:
+    def __init__(self, db: TrackerDB, revoked: Callable[[], frozenset[str]] | None = None) -> None:
         self.db = db
         self.nodes: dict[str, NodeRecord] = {}
         self.records: dict[str, Reliability] = {}
+        self.revoked = revoked  # member ids whose certificate is revoked: off the routes at once
 
     def live_nodes(self) -> list[NodeRecord]:
         now = time.time()
         cutoff = now - NODE_TTL_S
-        for node_id in [k for k, n in self.nodes.items() if n.last_seen < cutoff]:
+        gone = self.revoked() if self.revoked is not None else frozenset()
+        for node_id in [k for k, n in self.nodes.items() if n.last_seen < cutoff or k in gone]:
             del self.nodes[node_id]
         # A node that is overdue but not yet expired already pays for the heartbeats it missed.
         for node_id, node in self.nodes.items():
@@ -232,7 +236,7 @@ def create_tracker_app(
     (``RequireMember`` with ``tracker_policy``; serve it over TLS that asks for client
     certificates), and takes a registration only from the node it names. ``client_tls`` is the
     context its own requests to nodes go out with (the takeover probe)."""
-    tracker = _Tracker(db)
+    tracker = _Tracker(db, None if swarm is None else swarm.revoked_ids)
 
     async def register(request: Request) -> Response:
         reg = parse_body(Registration, await read_body(request, MAX_BODY_BYTES, "the tracker"))
@@ -240,6 +244,8 @@ def create_tracker_app(
         if swarm is not None:
             require_node(request.scope, reg.node_id)
             certified = scope_member(request.scope)
+            if not reg.url.startswith("https://"):  # members speak mutual TLS: no plain URL to aim peers at
+                raise InvalidRequest(f"a private swarm's node serves https, not {reg.url}", param="url")
         try:
             layers = LayerRange.parse(reg.layers, reg.total_layers)
         except ValueError as exc:
@@ -285,7 +291,9 @@ def create_tracker_app(
         fresh = held is None
         node = replace(node, reliability=tracker.heartbeat(reg.node_id, reg.heartbeat_s))
         tracker.nodes[reg.node_id] = node
-        answer = {"registered": reg.node_id, "ttl_s": NODE_TTL_S, "next_hops": tracker.next_hops(node)}
+        answer: dict[str, Any] = {"registered": reg.node_id, "ttl_s": NODE_TTL_S, "next_hops": tracker.next_hops(node)}
+        if swarm is not None:  # the node refuses these peers too (security.revocation)
+            answer["revoked"] = sorted(swarm.revocations.serials())
         return JSONResponse(answer, status_code=201 if fresh else 200)
 
     async def _still_answers(held: NodeRecord) -> bool:
@@ -322,7 +330,15 @@ def create_tracker_app(
         assert swarm is not None
         return Response(swarm.ca.cert_pem, media_type="application/x-pem-file")
 
-    membership = [Route(JOIN_PATH, join, methods=["POST"]), Route(CA_PATH, swarm_ca, methods=["GET"])]
+    async def revoked(_: Request) -> Response:
+        assert swarm is not None
+        return JSONResponse({"serials": sorted(swarm.revocations.serials())})
+
+    membership = [
+        Route(JOIN_PATH, join, methods=["POST"]),
+        Route(CA_PATH, swarm_ca, methods=["GET"]),
+        Route(REVOKED_PATH, revoked, methods=["GET"]),
+    ]
     app = Starlette(
         routes=[
             Route("/v1/nodes", register, methods=["POST"]),
@@ -334,4 +350,6 @@ def create_tracker_app(
         ],
         exception_handlers=EXCEPTION_HANDLERS,
     )
-    return app if swarm is None else RequireMember(app, swarm.ca.cert, policy=tracker_policy)
+    if swarm is None:
+        return app
+    return RequireMember(app, swarm.ca.cert, policy=tracker_policy, revoked=swarm.revocations.serials)

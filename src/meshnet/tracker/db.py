@@ -39,6 +39,8 @@ _sessions = sa.Table(
     sa.Column("members", sa.Text, nullable=False, server_default="[]"),
     # 1: the session's route and every repair of it take trusted nodes only (POST /v1/sessions).
     sa.Column("trusted_only", sa.Integer, nullable=False, server_default="0"),
+    # The member (a private swarm's gateway) that opened it: only it repairs, reports, bills, closes.
+    sa.Column("owner", sa.String(128), nullable=True),
     # Every session open expires idle open sessions; closed ones stay (billing, audit), so the
     # expiry must not scan them all.
     sa.Index("sessions_status_updated", "status", "updated"),

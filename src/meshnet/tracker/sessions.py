@@ -24,11 +24,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.errors import Conflict, InvalidRequest, NotFound, Overloaded
+from meshnet.errors import Conflict, Forbidden, InvalidRequest, NotFound, Overloaded
 from meshnet.httputil import read_body
 from meshnet.ids import RouteId, SessionId, new_route_id, new_session_id
 from meshnet.layers import LayerRange
 from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, repair_ticket, route_ticket
+from meshnet.security.membership import scope_member
 from meshnet.tracker.billing import FORMULA
 from meshnet.tracker.db import BillingRow, TrackerDB, member
 from meshnet.tracker.repair import PinnedHop, equivalent_nodes, plan_repair
@@ -134,6 +135,26 @@ def pinned_hops(session: dict[str, Any]) -> list[PinnedHop]:
     ]
 
 
+def _caller(request: Request) -> str | None:
+    """The member id of a private swarm's caller (``None`` in an open swarm)."""
+    member = scope_member(request.scope)
+    return None if member is None else member.member_id
+
+
+def _check_owner(request: Request, session: dict[str, Any], what: str) -> None:
+    """In a private swarm, only the member that opened a session (or an admin) may ``what`` it:
+    another gateway that learns its id cannot repair it, report its nodes, bill it or close it."""
+    member = scope_member(request.scope)
+    owner = session.get("owner")
+    if member is None or owner is None or member.role == "admin" or member.member_id == owner:
+        return
+    raise Forbidden(
+        f"session {session['session_id']} was opened by {owner!r}; {member.role} {member.member_id!r} may not "
+        f"{what} it",
+        param="session_id",
+    )
+
+
 def _total_layers(session: dict[str, Any]) -> int:
     """A pinned route ends at the model's last layer: its tail's stop is the layer count."""
     return int(session["hops"][-1]["layers"].partition(":")[2])
@@ -182,7 +203,7 @@ class SessionsApi:
             "created": time.time(),
             "trusted_only": req.trusted_only,
         }
-        self.db.save_session(session)
+        self.db.save_session({**session, "owner": _caller(request)})
         # Not persisted: the alternatives are a snapshot for the caller to fall back on right away.
         extra = {"alternatives": [hops_json(c.nodes) for c in choices[1:]], "estimated_s": choices[0].estimated_s}
         if self.signer is not None:
@@ -226,14 +247,18 @@ class SessionsApi:
 
     async def list_sessions(self, _: Request) -> Response:
         self.db.expire_sessions(SESSION_IDLE_S)
-        return JSONResponse({"sessions": self.db.open_sessions()})
+        sessions = [{k: v for k, v in s.items() if k != "owner"} for s in self.db.open_sessions()]
+        return JSONResponse({"sessions": sessions})
 
     async def get_session(self, request: Request) -> Response:
-        return JSONResponse(self.load(request.path_params["session_id"]))
+        session = self.load(request.path_params["session_id"])
+        session.pop("owner", None)  # who drives it is the tracker's business
+        return JSONResponse(session)
 
     async def close_session(self, request: Request) -> Response:
         sid = request.path_params["session_id"]
         session = self.load(sid)
+        _check_owner(request, session, "close")
         if not self.db.end_session(sid, "closed", "closed by the gateway"):
             raise NotFound(f"session {sid} is already {session['status']}")
         return JSONResponse({"deleted": sid})
@@ -242,6 +267,7 @@ class SessionsApi:
         sid = request.path_params["session_id"]
         req = parse_body(RepairRequest, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         session = self.load(sid)
+        _check_owner(request, session, "repair")
         if session["status"] != "open":
             raise Conflict(f"session {sid} is {session['status']}; open a new one")
         pinned = pinned_hops(session)
@@ -273,6 +299,7 @@ class SessionsApi:
         node_id = request.path_params["node_id"]
         req = parse_body(FailureReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         session = self.load(req.session_id)
+        _check_owner(request, session, "report failures on")
         if session["status"] != "open":
             raise Conflict(f"session {req.session_id} is {session['status']}: report failures while it is open")
         if node_id not in {h["node_id"] for h in session["hops"]}:
@@ -290,6 +317,7 @@ class SessionsApi:
     async def record_billing(self, request: Request) -> Response:
         req = parse_body(BillingReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         session = self.load(req.session_id)
+        _check_owner(request, session, "bill")
         if session["route_id"] != req.route_id:
             raise Conflict(f"session {req.session_id} is on route {session['route_id']}, not {req.route_id}")
         ended_s = time.time() - float(session["updated"])
