@@ -46,7 +46,9 @@ def run_tracker(args: argparse.Namespace) -> int:
         if tls is None:
             serve_app(create_tracker_app(db), sock)
         else:
-            app = create_tracker_app(db, swarm=tls.authority, client_tls=tls.client)
+            app = create_tracker_app(
+                db, swarm=tls.authority, client_tls=tls.client, max_sessions_per_client=args.max_sessions_per_client
+            )
             serve_app(app, sock, tls=tls.server)
     finally:
         db.close()
