@@ -69,6 +69,8 @@ class DelayProxy:
             return
         try:
             await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        except asyncio.CancelledError:
+            pass  # the proxy is stopping: the link goes down with it, not an error to report
         finally:
             for w in (writer, up_writer):
                 w.close()

@@ -43,6 +43,7 @@ class RoutePlan:
     route_id: RouteId
     hops: tuple[Hop, ...]
     ticket: str | None = None  # a private swarm's tracker-signed route (or repair) ticket for the hops
+    trusted_only: bool = False  # pinned over trusted nodes only (and so is every route that replaces it)
 
     @property
     def layers(self) -> int:

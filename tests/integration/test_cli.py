@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -134,3 +135,11 @@ def test_serve_with_api_keys_through_the_official_client(tmp_path: Path) -> None
                 bad.models.list()
             assert info.value.body["code"] == "invalid_api_key"  # type: ignore[index]
         assert httpx.get(f"{proc.url}/health", timeout=10).status_code == 200
+
+
+def test_a_trusted_only_key_needs_a_private_swarm(tmp_path: Path) -> None:
+    """A key whose policy asks for trusted nodes only, on a gateway of an open swarm (no tiers): exit 2."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": "sk-0123456789abcdef", "name": "ops", "trusted_only": True}]}))
+    out = run("gateway", "--tracker", "http://127.0.0.1:9", "--port", "0", "--api-keys", str(keys), timeout=60)
+    assert out.returncode == 2 and "trusted_only policy of key(s) ops needs a private swarm" in out.stderr, out.stderr

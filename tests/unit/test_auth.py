@@ -15,6 +15,7 @@ from meshnet.backends.fake import FakeEngine
 from meshnet.errors import RateLimited, Unauthorized
 from meshnet.gateway import create_app
 from meshnet.gateway.auth import COOKIE, KeyPolicy, KeyRing, digest, load_keys
+from meshnet.routes import RoutePlan
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -52,6 +53,7 @@ def test_a_json_file_sets_a_policy_per_key(tmp_path: Path) -> None:
         (json.dumps({"keys": [{"key": ALICE, "max_concurrency": "2"}]}), "integer"),
         (json.dumps({"keys": [{"key": ALICE, "name": "a"}, {"key": BOB, "name": "a"}]}), "unique"),
         (json.dumps({"keys": [{"key": ALICE}, {"key": ALICE}]}), "twice"),
+        (json.dumps({"keys": [{"key": ALICE, "trusted_only": "yes"}]}), "trusted_only must be true or false"),
     ],
 )
 def test_a_bad_key_file_says_what_to_fix(tmp_path: Path, content: str, fault: str) -> None:
@@ -130,3 +132,28 @@ def test_a_key_past_its_concurrency_gets_429_and_others_are_served(client: TestC
     worker.join(10)
     assert results == [200]
     assert client.post("/v1/chat/completions", json=CHAT, headers=alice).status_code == 200  # the slot came back
+
+
+class _PlanRecorder(FakeEngine):
+    """The fake engine, recording what every route was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[bool] = []
+
+    def plan(self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False) -> RoutePlan:
+        self.asked.append(trusted_only)
+        return super().plan(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+
+
+def test_a_key_with_the_trusted_only_policy_gets_routes_over_trusted_nodes_only(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"key": ALICE, "name": "alice", "trusted_only": True}, {"key": BOB}]}))
+    ring = load_keys(path)
+    assert ring.authenticate(ALICE).trusted_only and not ring.authenticate(BOB).trusted_only
+    engine = _PlanRecorder()
+    with TestClient(create_app(engine, api_keys=ring)) as c:
+        for key in (ALICE, BOB):
+            answer = c.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers={"Authorization": f"Bearer {key}"})
+            assert answer.status_code == 200, answer.text
+    assert engine.asked == [True, True, False, False]  # every choice of alice's request, none of bob's

@@ -145,3 +145,25 @@ def test_an_open_swarm_has_no_trusted_nodes(tmp_path: Path) -> None:
             assert client.post("/v1/sessions", json={"model": MODEL, "trusted_only": "yes"}).status_code == 400
     finally:
         db.close()
+
+
+def test_a_member_past_its_open_sessions_on_the_tracker_gets_a_429(tmp_path: Path) -> None:
+    """``meshnet tracker --max-sessions-per-client``: one gateway cannot pin every node's sessions."""
+    db = TrackerDB(f"sqlite:///{tmp_path}/tracker.db")
+    try:
+        private = PrivateTracker(tmp_path, db)
+        private.app = create_tracker_app(db, swarm=SwarmAuthority.load(tmp_path / "swarm"), max_sessions_per_client=2)
+        register(private, "whole", "0:30", trusted=True)
+        greedy, other = private.member("greedy", "gateway"), private.member("other", "gateway")
+        body = {"model": MODEL, "total_layers": 30}
+        opened = [greedy.post("/v1/sessions", json=body) for _ in range(2)]
+        assert all(a.status_code == 201 for a in opened)
+        refused = greedy.post("/v1/sessions", json=body)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "member 'greedy' holds 2 open sessions" in refused.json()["error"]["message"]
+        assert refused.headers["Retry-After"] == "5"
+        assert other.post("/v1/sessions", json=body).status_code == 201  # the others are served
+        assert greedy.delete(f"/v1/sessions/{opened[0].json()['session_id']}").status_code == 200
+        assert greedy.post("/v1/sessions", json=body).status_code == 201  # one closed: room again
+    finally:
+        db.close()

@@ -98,8 +98,9 @@ class TextEngine(Protocol):
     n_ctx: int
     max_concurrency: int
 
-    def plan(self, *, prompt_tokens: int = 0, max_tokens: int = 0) -> RoutePlan:
-        """Pick (and pin) the route a generation of this size will use. May block: call it off the event loop."""
+    def plan(self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False) -> RoutePlan:
+        """Pick (and pin) the route a generation of this size will use (``trusted_only``: over nodes
+        of the trusted tier only). May block: call it off the event loop."""
         ...
 
     def release(self, plan: RoutePlan) -> None:

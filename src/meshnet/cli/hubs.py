@@ -8,7 +8,15 @@ import sys
 from typing import Any
 
 from meshnet.cli.member_tls import member_tls_for, tracker_tls_for
-from meshnet.cli.serve import api_keys_for, bind_socket, read_chat_template, resolve_gguf, serve_app, setup_logging
+from meshnet.cli.serve import (
+    api_keys_for,
+    bind_socket,
+    read_chat_template,
+    resolve_gguf,
+    serve_app,
+    setup_logging,
+    usage_error,
+)
 from meshnet.errors import MeshnetError
 
 __all__ = ["run_gateway", "run_tracker"]
@@ -38,7 +46,9 @@ def run_tracker(args: argparse.Namespace) -> int:
         if tls is None:
             serve_app(create_tracker_app(db), sock)
         else:
-            app = create_tracker_app(db, swarm=tls.authority, client_tls=tls.client)
+            app = create_tracker_app(
+                db, swarm=tls.authority, client_tls=tls.client, max_sessions_per_client=args.max_sessions_per_client
+            )
             serve_app(app, sock, tls=tls.server)
     finally:
         db.close()
@@ -48,25 +58,14 @@ def run_tracker(args: argparse.Namespace) -> int:
 def run_gateway(args: argparse.Namespace) -> int:
     setup_logging()
     if args.draft_tokens < 1:
-        print(f"meshnet gateway: --draft-tokens must be at least 1, got {args.draft_tokens}", file=sys.stderr)
-        return 2
+        usage_error(f"meshnet gateway: --draft-tokens must be at least 1, got {args.draft_tokens}")
     if not 0 < args.max_body_mb <= 4096:
-        print(f"meshnet gateway: --max-body-mb must be within (0, 4096], got {args.max_body_mb}", file=sys.stderr)
-        return 2
+        usage_error(f"meshnet gateway: --max-body-mb must be within (0, 4096], got {args.max_body_mb}")
     gguf = resolve_gguf(args.gguf, "gateway")
     template = read_chat_template(args.chat_template_file, "gateway")
     keys = api_keys_for(args, "gateway")
     member = member_tls_for(args, "gateway", "gateway")
-    if member is not None and not args.tracker.startswith("https://"):
-        print(f"meshnet gateway: a swarm member talks to its tracker over https, not {args.tracker}", file=sys.stderr)
-        return 2
-    if args.trusted_only and member is None:
-        print(
-            "meshnet gateway: --trusted-only needs a private swarm (--swarm-dir): in an open swarm no node has a "
-            "trust tier, so no route would ever qualify",
-            file=sys.stderr,
-        )
-        return 2
+    _check_membership(args, keys, member)
     client_tls = member.client_context() if member else None
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -129,6 +128,19 @@ def run_gateway(args: argparse.Namespace) -> int:
         if draft is not None:
             draft.close()
     return 0
+
+
+def _check_membership(args: argparse.Namespace, keys: Any, member: Any) -> None:
+    """What the gateway's flags need of its swarm membership (exit 2 saying what is missing)."""
+    if member is not None and not args.tracker.startswith("https://"):
+        usage_error(f"meshnet gateway: a swarm member talks to its tracker over https, not {args.tracker}")
+    trusting = [p.name for p in (keys.policies if keys is not None else ()) if p.trusted_only]
+    if (args.trusted_only or trusting) and member is None:
+        what = "--trusted-only" if args.trusted_only else f"the trusted_only policy of key(s) {', '.join(trusting)}"
+        usage_error(
+            f"meshnet gateway: {what} needs a private swarm (--swarm-dir): in an open swarm no node has a "
+            "trust tier, so no route would ever qualify"
+        )
 
 
 def _draft_model(args: argparse.Namespace, vocab: Any, n_ctx: int) -> Any:

@@ -107,11 +107,7 @@ def add_swarm_commands(sub: Any) -> None:
         help="activations kept for route repair, all sessions together (MiB; 0 turns repair from this node off)",
     )
 
-    tracker = sub.add_parser("tracker", help="node registry and sticky routes")
-    tracker.add_argument("--host", default="127.0.0.1")
-    tracker.add_argument("--port", type=int, default=8001)
-    tracker.add_argument("--db", default="sqlite:///.meshnet/tracker.db", help="SQLAlchemy URL (sqlite or postgresql)")
-    add_tracker_tls(tracker)
+    _add_tracker(sub)
 
     gateway = sub.add_parser("gateway", help="OpenAI API + telemetry over a route of nodes")
     gateway.add_argument("--gguf", type=Path, help="the model's GGUF, for its tokenizer (default: bundled)")
@@ -155,6 +151,19 @@ def add_swarm_commands(sub: Any) -> None:
         default=120.0,
         help="seconds to wait for the next hop of a route (default 120; hops further up wait 10 s more per hop)",
     )
+
+
+def _add_tracker(sub: Any) -> None:
+    tracker = sub.add_parser("tracker", help="node registry and sticky routes")
+    tracker.add_argument("--host", default="127.0.0.1")
+    tracker.add_argument("--port", type=int, default=8001)
+    tracker.add_argument(
+        "--max-sessions-per-client",
+        type=at_least_one,
+        help="with --swarm: open sessions one member (gateway) may hold at once; one more is 429 (default: no limit)",
+    )
+    tracker.add_argument("--db", default="sqlite:///.meshnet/tracker.db", help="SQLAlchemy URL (sqlite or postgresql)")
+    add_tracker_tls(tracker)
 
 
 def _add_compute(node: argparse.ArgumentParser) -> None:

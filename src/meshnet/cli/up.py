@@ -287,7 +287,10 @@ class _PrivateSwarm:
             if credentials.exists() and credentials.ticket_key() and credentials.member().role == role:
                 return ["--swarm-dir", str(credentials.directory)]
         shutil.rmtree(credentials.directory, ignore_errors=True)  # unusable leftovers of an earlier run
-        token = mint_invite(self.ca, role=role, member_id=member_id, tracker_url=tracker_url, expires_in_s=600)
+        # the local swarm's nodes run on the operator's own machine: trusted
+        token = mint_invite(
+            self.ca, role=role, trusted=role == "node", member_id=member_id, tracker_url=tracker_url, expires_in_s=600
+        )
         credentials = join_swarm(token, credentials.directory)
         return ["--swarm-dir", str(credentials.directory)]
 

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from meshnet.backends.base import TextEngine
 from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError, UnknownModel
 from meshnet.gateway import dashboard
-from meshnet.gateway.auth import ApiKeyMiddleware, KeyRing
+from meshnet.gateway.auth import ApiKeyMiddleware, KeyRing, key_policy
 from meshnet.gateway.chat_template import ChatTemplate
 from meshnet.gateway.generation import (
     Delta,
@@ -344,6 +344,9 @@ async def _serve(
     id: the proposed or new one, then ``ID.1``, ``ID.2``...; a seeded choice ``i`` uses seed + i)."""
     gid = _generation_id(request)
     gids = [gid, *(GenerationId(f"{gid}.{i}") for i in range(1, body.n))]
+    policy = key_policy(request.scope)
+    if policy is not None and policy.trusted_only:
+        gen = dataclasses.replace(gen, trusted_only=True)
     for one in gids:
         state.hub.check_free(one)
     headers = {GENERATION_ID: str(gid)}
@@ -383,7 +386,9 @@ async def _start(
     """Plan a route for one choice, open its telemetry and queue it."""
     # Planning may ask a tracker over the network: off the event loop.
     size = {"prompt_tokens": len(gen.prompt_tokens), "max_tokens": gen.max_tokens}
-    plan = await asyncio.get_running_loop().run_in_executor(None, lambda: state.engine.plan(**size))
+    plan = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: state.engine.plan(**size, trusted_only=gen.trusted_only)
+    )
     try:
         tel = _open_telemetry(state, gid, plan, len(gen.prompt_tokens))
         state.service.admit(tel)

@@ -56,6 +56,7 @@ class KeyPolicy:
     key_digest: str
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY  # generations in flight at once
     requests_per_minute: int = 0  # generation requests per sliding minute; 0: no limit
+    trusted_only: bool = False  # every route of this key's generations over trusted nodes only
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -104,7 +105,7 @@ def _json_policies(text: str, path: Path) -> list[KeyPolicy]:
         where = f"{path}: keys[{i}]"
         if not isinstance(entry, dict):
             raise ValueError(f"{where} must be an object")
-        unknown = set(entry) - {"key", "name", "max_concurrency", "requests_per_minute"}
+        unknown = set(entry) - {"key", "name", "max_concurrency", "requests_per_minute", "trusted_only"}
         if unknown:
             raise ValueError(f"{where} has unknown fields {sorted(unknown)}")
         name, concurrency, rpm = (
@@ -117,12 +118,16 @@ def _json_policies(text: str, path: Path) -> list[KeyPolicy]:
         for field, value in (("max_concurrency", concurrency), ("requests_per_minute", rpm)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{where}: {field} must be an integer")
+        trusted = entry.get("trusted_only", False)
+        if not isinstance(trusted, bool):
+            raise ValueError(f"{where}: trusted_only must be true or false")
         policies.append(
             KeyPolicy(
                 name,
                 digest(_check_key(entry.get("key"), where)),
                 max_concurrency=DEFAULT_MAX_CONCURRENCY if concurrency is None else concurrency,
                 requests_per_minute=rpm or 0,
+                trusted_only=trusted,
             )
         )
     names = [p.name for p in policies]
@@ -145,6 +150,10 @@ class KeyRing:
 
     def __len__(self) -> int:
         return len(self._by_digest)
+
+    @property
+    def policies(self) -> tuple[KeyPolicy, ...]:
+        return tuple(self._by_digest.values())
 
     def authenticate(self, key: str | None) -> KeyPolicy:
         if not key:
@@ -211,11 +220,21 @@ class ApiKeyMiddleware:
                 scope, receive, send
             )
             return
+        scope.setdefault("state", {})[_POLICY] = policy  # what the key may ask for (key_policy)
         try:
             await self.app(scope, receive, send)
         finally:
             if generating:
                 self.keys.release(policy)
+
+
+def key_policy(scope: Scope) -> KeyPolicy | None:
+    """The policy of the API key a request came with (None: this gateway takes no keys)."""
+    policy = (scope.get("state") or {}).get(_POLICY)
+    return policy if isinstance(policy, KeyPolicy) else None
+
+
+_POLICY = "meshnet_key_policy"
 
 
 def _needs_key(path: str) -> bool:

@@ -49,6 +49,7 @@ class GenerationRequest:
     max_tokens: int
     stop: tuple[str, ...] = ()
     plan: RoutePlan | None = None
+    trusted_only: bool = False  # its route over trusted nodes only (the API key's policy)
 
 
 @dataclass(frozen=True, slots=True)

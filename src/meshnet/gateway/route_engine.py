@@ -203,14 +203,17 @@ class RouteEngine:
         prompt_tokens: int = 0,
         max_tokens: int = 0,
         like_session: SessionId | None = None,
+        trusted_only: bool = False,
     ) -> RoutePlan:
-        """Pin a fresh route; ``like_session``: only one that computes bit-identically to that session's."""
+        """Pin a fresh route; ``like_session``: only one that computes bit-identically to that session's;
+        ``trusted_only`` (or the gateway's ``--trusted-only``): over trusted nodes only."""
+        trusted_only = trusted_only or self.trusted_only
         body: dict[str, Any] = {"model": self.info.model_id, "total_layers": self.info.n_layers}
         if exclude:
             body["exclude"] = list(exclude)
         if like_session is not None:
             body["like_session"] = like_session
-        if self.trusted_only:
+        if trusted_only:
             body["trusted_only"] = True
         if prompt_tokens:
             body["prefill_tokens"] = prompt_tokens
@@ -224,7 +227,7 @@ class RouteEngine:
         data = response.json()
         ticket = data.get("ticket")
         return RoutePlan(SessionId(data["session_id"]), RouteId(data["route_id"]), self._hops(data["hops"]),
-                         ticket=ticket if isinstance(ticket, str) else None)  # fmt: skip
+                         ticket=ticket if isinstance(ticket, str) else None, trusted_only=trusted_only)  # fmt: skip
 
     def _hops(self, hops: Sequence[dict[str, Any]]) -> tuple[Hop, ...]:
         total = self.info.n_layers
@@ -479,7 +482,10 @@ class RouteEngine:
         """Abandon the current route (work on it is not billed) for a new one without the failed nodes."""
         self._close(run.plan)
         like = run.plan.session_id if run.streamed else None
-        run.plan = self.plan(exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens), like_session=like)
+        run.plan = self.plan(
+            exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens), like_session=like,
+            trusted_only=run.plan.trusted_only,
+        )  # fmt: skip
         run.usage = Usage()
 
     def _failed_hop(self, run: _Run, error: HopFailed) -> Hop:

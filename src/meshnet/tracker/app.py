@@ -229,7 +229,11 @@ def _check_same_model(node: NodeRecord, live: list[NodeRecord]) -> None:
 
 
 def create_tracker_app(
-    db: TrackerDB, *, swarm: SwarmAuthority | None = None, client_tls: ssl.SSLContext | None = None
+    db: TrackerDB,
+    *,
+    swarm: SwarmAuthority | None = None,
+    client_tls: ssl.SSLContext | None = None,
+    max_sessions_per_client: int | None = None,
 ) -> Any:
     """The tracker's ASGI app. With ``swarm`` it is a private swarm's tracker: it admits members
     (``POST /v1/swarm/join``, ``GET /v1/swarm/ca``), takes every other request only from members
@@ -345,7 +349,12 @@ def create_tracker_app(
             Route("/v1/nodes", list_nodes, methods=["GET"]),
             Route("/v1/artifacts/{digest}/peers", artifact_peers, methods=["GET"]),
             Route("/v1/health", health, methods=["GET"]),
-            *SessionsApi(tracker, db, signer=None if swarm is None else swarm.signer).routes(),
+            *SessionsApi(
+                tracker,
+                db,
+                signer=None if swarm is None else swarm.signer,
+                max_sessions_per_client=max_sessions_per_client,
+            ).routes(),
             *(membership if swarm is not None else []),
         ],
         exception_handlers=EXCEPTION_HANDLERS,

@@ -183,6 +183,12 @@ class TrackerDB:
             )
         return int(result.rowcount)
 
+    def open_sessions_of(self, owner: str) -> int:
+        """How many sessions the member ``owner`` holds open."""
+        query = sa.select(sa.func.count()).where(_sessions.c.status == "open", _sessions.c.owner == owner)
+        with self._engine.connect() as conn:
+            return int(conn.execute(query).scalar_one())
+
     def open_sessions(self) -> list[dict[str, Any]]:
         with self._engine.connect() as conn:
             rows = conn.execute(sa.select(_sessions).where(_sessions.c.status == "open")).mappings().all()

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.errors import Conflict, Forbidden, InvalidRequest, NotFound, Overloaded
+from meshnet.errors import Conflict, Forbidden, InvalidRequest, NotFound, Overloaded, RateLimited
 from meshnet.httputil import read_body
 from meshnet.ids import RouteId, SessionId, new_route_id, new_session_id
 from meshnet.layers import LayerRange
@@ -168,10 +168,19 @@ TICKET_TTL_S = 300.0
 class SessionsApi:
     """The handlers; ``routes()`` mounts them."""
 
-    def __init__(self, registry: NodeRegistry, db: TrackerDB, *, signer: TicketSigner | None = None) -> None:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        db: TrackerDB,
+        *,
+        signer: TicketSigner | None = None,
+        max_sessions_per_client: int | None = None,
+    ) -> None:
         self.registry = registry
         self.db = db
         self.signer = signer  # a private swarm's tracker signs every route it pins (protocol.tickets)
+        # Open sessions one member (a private swarm's gateway, by its certificate) may hold; None: no limit.
+        self.max_sessions_per_client = max_sessions_per_client
         self._reported: dict[tuple[str, str], None] = {}  # insertion-ordered: the oldest go first
 
     def load(self, session_id: str) -> dict[str, Any]:
@@ -183,6 +192,7 @@ class SessionsApi:
     async def open_session(self, request: Request) -> Response:
         req = parse_body(SessionRequest, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         self.db.expire_sessions(SESSION_IDLE_S)
+        self._check_quota(_caller(request))
         defaults = RouteRequest()
         expected = RouteRequest(
             prefill_tokens=defaults.prefill_tokens if req.prefill_tokens is None else req.prefill_tokens,
@@ -209,6 +219,18 @@ class SessionsApi:
         if self.signer is not None:
             extra["ticket"] = self.signer.sign(self._ticket(session))
         return JSONResponse({**session, **extra}, status_code=201)
+
+    def _check_quota(self, caller: str | None) -> None:
+        limit = self.max_sessions_per_client
+        if caller is None or limit is None:
+            return
+        held = self.db.open_sessions_of(caller)
+        if held >= limit:
+            raise RateLimited(
+                f"member {caller!r} holds {held} open sessions on this tracker, its limit (--max-sessions-per-client "
+                f"{limit}); close one (DELETE /v1/sessions/ID) or retry when one ends",
+                retry_after_s=5,
+            )
 
     def _eligible(self, trusted_only: bool, model: str) -> tuple[list[NodeRecord], str]:
         """The live nodes a session may use, and (for a trusted-only one) what to say when they cannot
