@@ -23,7 +23,7 @@ from benchmarks.common import Section, median, route_compute_ms
 CORES = os.cpu_count() or 2
 CTX = 4096
 DECODE_TOKENS = 128
-ROUNDS = 3
+ROUNDS = 4
 LONG_PROMPT = " ".join(f"Fact {i}: the sky is blue and the grass is green." for i in range(150))  # ~2K tokens
 
 
@@ -96,8 +96,10 @@ def run() -> Section:
                 overhead["tls"].append(_overhead_ms(swarm.url, model, 3))
             decode: dict[str, list[float]] = {name: [] for name in urls}
             prefill: dict[str, list[float]] = {name: [] for name in urls}
-            for _ in range(ROUNDS):
-                for name, url in urls.items():
+            order = list(urls.items())
+            for r in range(ROUNDS):
+                # each round starts with another setup: none is always the one measured right after serve
+                for name, url in order[r % len(order) :] + order[: r % len(order)]:
                     times, _ = _stream(url, model, DECODE_PROMPT, DECODE_TOKENS)
                     decode[name].append(_rate(times))
                     _, final = _stream(url, model, LONG_PROMPT, 1)
