@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from meshnet.artifacts.plan import shape_from_fields
 from meshnet.artifacts.shard_file import range_starts, trunk_layers, write_shard
 from meshnet.artifacts.torrent import DEFAULT_PIECE_LENGTH, create_torrent, magnet_of, read_torrent
 from meshnet.errors import InvalidRequest
+from meshnet.fsutil import write_atomic
 from meshnet.layers import LayerRange
 
 __all__ = ["TORRENT_NAME", "PublishOptions", "file_sha256", "publish", "split_ranges"]
@@ -144,7 +144,7 @@ def publish(source: Path, out: Path, options: PublishOptions | None = None) -> M
         layer_map.append({"layers": str(r), "files": [f["name"] for f in group]})
 
     torrent = create_torrent(out, name, piece_length=opts.piece_length, web_seeds=opts.web_seeds)
-    _write_atomic(out / TORRENT_NAME, torrent)
+    write_atomic(out / TORRENT_NAME, torrent)
     parsed = read_torrent(torrent)
     for entry in files:
         entry["pieces_root"] = parsed.roots[entry["name"]]
@@ -199,7 +199,7 @@ def publish(source: Path, out: Path, options: PublishOptions | None = None) -> M
     }
     data = canonical_json(doc)
     manifest = parse_manifest(data)  # what we publish must pass our own strict parser
-    _write_atomic(out / MANIFEST_NAME, data)
+    write_atomic(out / MANIFEST_NAME, data)
     return manifest
 
 
@@ -243,12 +243,3 @@ def _file_type(value: Any) -> str:
     except ValueError:
         return f"ftype-{int(value)}"
     return name.removeprefix("MOSTLY_").removeprefix("ALL_")  # "Q4_1", as the node advertises it
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

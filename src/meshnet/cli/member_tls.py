@@ -140,8 +140,8 @@ def tracker_tls_for(args: argparse.Namespace, host: str, port: int) -> TrackerTL
         check_plain_bind(host, args.insecure, "tracker", "run a private swarm with --swarm DIR")
         return None
     from meshnet.cli.swarm_admin import TRACKER_INFO_FILE
+    from meshnet.fsutil import write_atomic
     from meshnet.httputil import service_url
-    from meshnet.security.identity import write_atomic
     from meshnet.security.join import default_sans
     from meshnet.security.membership import TRACKER_DIR, SwarmAuthority
 

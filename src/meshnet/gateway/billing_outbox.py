@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from meshnet.fsutil import PRIVATE_MODE, write_atomic
 from meshnet.httputil import error_message
 from meshnet.routes import Hop, RoutePlan
 
@@ -114,10 +115,8 @@ class BillingOutbox:
     def _enqueue(self, item: dict[str, Any], *, spooled: bool) -> None:
         if not spooled:
             path = self.spool / f"{item['session_id']}.json"
-            tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
-            try:  # write-then-rename: a crash leaves the old file or the new one, never half of one
-                tmp.write_text(json.dumps(item))
-                os.replace(tmp, path)
+            try:  # a crash leaves the old file or the new one, never half of one
+                write_atomic(path, json.dumps(item).encode(), mode=PRIVATE_MODE)
             except OSError as exc:
                 _log.error("billing record for %s not spooled (%s): it is lost if this gateway stops first",
                            item["session_id"], exc)  # fmt: skip

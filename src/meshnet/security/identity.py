@@ -30,13 +30,10 @@ keys are written 0600 and unencrypted; the directory's permissions are what prot
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import ipaddress
-import os
 import re
 import secrets
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -49,6 +46,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from meshnet.errors import InvalidRequest, NotFound, Unauthorized
+from meshnet.fsutil import PRIVATE_MODE, PUBLIC_MODE, write_atomic
 
 __all__ = [
     "CA_CERT_FILE",
@@ -57,8 +55,6 @@ __all__ = [
     "CLOCK_SKEW",
     "DIRECTORY_MODE",
     "MEMBER_VALIDITY",
-    "PRIVATE_MODE",
-    "PUBLIC_MODE",
     "ROLES",
     "CertificateLike",
     "Member",
@@ -77,7 +73,6 @@ __all__ = [
     "member_of",
     "new_member_key",
     "swarm_id_of",
-    "write_atomic",
 ]
 
 CA_CERT_FILE = "ca.pem"
@@ -94,8 +89,6 @@ SWARM_ID_PREFIX = "swm-"
 SWARM_ID_HEX_BYTES = 8
 MAX_NAME_CHARS = 64  # the X.509 upper bound on a common name
 MAX_SANS = 16
-PRIVATE_MODE = 0o600
-PUBLIC_MODE = 0o644
 DIRECTORY_MODE = 0o700
 _MEMBER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SWARM_ID = re.compile(rf"{SWARM_ID_PREFIX}[0-9a-f]{{{2 * SWARM_ID_HEX_BYTES}}}")
@@ -349,26 +342,6 @@ class SwarmCA:
         return not_before, expires
 
 
-def write_atomic(path: Path, data: bytes, *, mode: int = PUBLIC_MODE) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never half of
-    one: a temporary file (created 0600) in the same directory, fsync, chmod, ``os.replace``, then
-    an fsync of the directory so the rename itself is durable."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(path.parent)
-
-
 def load_certificate(path: Path) -> x509.Certificate:
     """The PEM certificate at ``path``; ``NotFound``/``InvalidRequest`` naming the path."""
     data = _read(Path(path), "certificate")
@@ -572,15 +545,6 @@ def _read(path: Path, what: str) -> bytes:
         raise NotFound(f"{what} file {path} does not exist") from exc
     except OSError as exc:
         raise InvalidRequest(f"cannot read {what} file {path}: {exc.strerror}") from exc
-
-
-def _fsync_directory(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # not every platform or filesystem can open or fsync a directory
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _utc(when: datetime, what: str) -> datetime:

@@ -29,10 +29,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from meshnet.errors import Conflict, Forbidden, InvalidRequest, MeshnetError, Unauthorized
+from meshnet.fsutil import PRIVATE_MODE, write_atomic
 from meshnet.httputil import error_response
 from meshnet.protocol.tickets import TicketSigner
 from meshnet.security.identity import (
-    PRIVATE_MODE,
     ROLES,
     Member,
     MemberRequest,
@@ -43,7 +43,6 @@ from meshnet.security.identity import (
     make_csr,
     member_of,
     new_member_key,
-    write_atomic,
 )
 from meshnet.security.invites import InviteLedger, admit
 from meshnet.security.revocation import RevocationList, revoked_error

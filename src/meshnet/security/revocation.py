@@ -23,8 +23,8 @@ from typing import Any
 from cryptography import x509
 
 from meshnet.errors import InvalidRequest, Unauthorized
+from meshnet.fsutil import write_atomic
 from meshnet.httputil import error_response
-from meshnet.security.identity import write_atomic
 from meshnet.security.transport import ASGIApp, Scope, peer_certificate_pem
 
 __all__ = [

@@ -27,12 +27,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from meshnet.errors import InvalidRequest, NotFound, Unauthorized
+from meshnet.fsutil import PRIVATE_MODE, PUBLIC_MODE, write_atomic
 from meshnet.protocol.tickets import TicketVerifier
 from meshnet.security.identity import (
     CA_CERT_FILE,
     DIRECTORY_MODE,
-    PRIVATE_MODE,
-    PUBLIC_MODE,
     CertificateLike,
     Member,
     as_certificate,
@@ -40,7 +39,6 @@ from meshnet.security.identity import (
     key_pem,
     load_certificate,
     member_of,
-    write_atomic,
 )
 
 __all__ = [

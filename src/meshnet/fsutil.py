@@ -1,0 +1,47 @@
+"""Files that are never half-written: the one atomic write of Meshnet.
+
+Manifests, torrents, credentials, invite ledgers, member registries, revocation lists and the
+gateway's billing spool all go through ``write_atomic``: a reader (or the process itself after a
+crash) sees the old file or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["PRIVATE_MODE", "PUBLIC_MODE", "fsync_directory", "write_atomic"]
+
+PRIVATE_MODE = 0o600
+PUBLIC_MODE = 0o644
+
+
+def write_atomic(path: Path, data: bytes, *, mode: int = PUBLIC_MODE) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never half of
+    one: a temporary file (created 0600) in the same directory, fsync, chmod, ``os.replace``, then
+    an fsync of the directory so the rename itself is durable. ``OSError`` if it cannot."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every platform or filesystem can open or fsync a directory
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
