@@ -47,6 +47,22 @@ def _decode_steps_bytes(url: str, model: str, nodes: list[str], context: int) ->
     return [(a - b - prefill) / steps for a, b in zip(after[:-1], before[:-1], strict=True)]
 
 
+def _hop_times(node_urls: list[str]) -> list[tuple[float, float, float]]:
+    """Each node's decode steps, their compute seconds and their seconds on the hop, so far."""
+    names = ("meshnet_node_decode_steps_total", "meshnet_node_decode_compute_seconds_total",
+             "meshnet_node_decode_handle_seconds_total")  # fmt: skip
+    out = []
+    for url in node_urls:
+        values = dict.fromkeys(names, 0.0)
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in values:
+                values[name] = float(value)
+        steps, compute, handle = (values[n] for n in names)
+        out.append((steps, compute, handle))
+    return out
+
+
 def _overhead_ms(url: str, model: str, hops: int) -> tuple[float, float]:
     """(ms per decoded token, per-hop overhead in ms = (step - the hops' own compute) ÷ hops)."""
     gid = f"overhead-{time.time_ns()}"
@@ -90,8 +106,12 @@ def run() -> Section:
             for url in (*urls.values(), http_gateway.url):
                 _stream(url, model, "warm up", 8)
             overhead: dict[str, list[tuple[float, float]]] = {"channel": [], "http": [], "tls": []}
+            before = _hop_times(nodes)
             for _ in range(ROUNDS):
                 overhead["channel"].append(_overhead_ms(plain.url, model, 3))
+            after = _hop_times(nodes)
+            spent = [tuple(a - b for a, b in zip(x, y, strict=True)) for x, y in zip(after, before, strict=True)]
+            for _ in range(ROUNDS):
                 overhead["http"].append(_overhead_ms(http_gateway.url, model, 3))
                 overhead["tls"].append(_overhead_ms(swarm.url, model, 3))
             decode: dict[str, list[float]] = {name: [] for name in urls}
@@ -127,6 +147,17 @@ def run() -> Section:
     section.add("per-hop overhead, HTTP per hop", f"{per_hop['http']:.2f} ms")
     section.add("per-hop overhead, decode channel", f"{per_hop['channel']:.2f} ms", "≤ 0.5", per_hop["channel"] <= 0.5)
     section.add("per-hop overhead, decode channel over TLS", f"{per_hop['tls']:.2f} ms")
+    # where a step's time goes (decode channel, --no-tls): each hop's compute and the rest of its time
+    # (checks, bookkeeping, thread hand-offs, encoding, the send), then the legs between them
+    computes = [1000 * c / n for n, c, _ in spent]
+    glues = [1000 * (h - c) / n for n, c, h in spent]
+    on_hops = sum(1000 * h / n for n, _, h in spent)
+    legs = (step["channel"] - on_hops) / (len(spent) + 1)
+    shown = ", ".join(f"{c:.2f}" for c in computes)
+    section.add("per hop (head, middle, tail): compute per step", f"{shown} ms")
+    shown = ", ".join(f"{g:.2f}" for g in glues)
+    section.add("per hop (head, middle, tail): the rest of its time per step", f"{shown} ms")
+    section.add("per leg (gateway→head, 2 seams, tail→gateway), the gateway's own work included", f"{legs:.2f} ms")
     section.add(f"serve prefill ({long_tokens}-token prompt)", f"{fill['serve']:.1f} tok/s")
     section.add("route prefill (pipelined 128-token chunks)", f"{fill['route']:.1f} tok/s")
     section.add("route ÷ serve prefill", f"{p_ratio:.3f}", "≥ 0.9", p_ratio >= 0.9)
@@ -142,6 +173,12 @@ def run() -> Section:
     section.notes.append(
         "Per-hop overhead = (ms per decoded token - the route's own compute per token, summed over its hops "
         "from the route.health telemetry) ÷ 3 hops; the gateways run on the same nodes, one after the other."
+    )
+    section.notes.append(
+        "Where the time goes: each node counts, for every decode step, its shard compute and its whole time on the "
+        "hop (from the request's arrival to the step leaving it; Prometheus meshnet_node_decode_*); a leg is what "
+        "is left of the step, shared by the 4 legs: framing, the loopback socket, process wake-ups on 2 cores, and "
+        "the gateway's own work for the token."
     )
     section.notes.append(
         "Seam bytes: activation body bytes each node sent onward per decode step (its Prometheus counter); "

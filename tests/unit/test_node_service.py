@@ -470,3 +470,15 @@ def test_a_session_is_one_record_that_gives_back_its_seam_log_when_the_store_end
     assert head.logs.used == 0
     with pytest.raises(SessionGone, match="expired"):
         head.session_state(SID)
+
+
+def test_every_hop_counts_where_a_decode_steps_time_goes() -> None:
+    """The per-hop breakdown bench_route reads: steps, their compute, and their time on the hop."""
+    swarm = Swarm()
+    route = chain(swarm)
+    asyncio.run(generate(swarm, route, 6))  # 5 decode steps after the prefill's token
+    for url in route:
+        metrics = swarm.transport.services[url].metrics
+        steps = metrics.decode_steps._value.get()
+        compute, handle = metrics.decode_compute._value.get(), metrics.decode_handle._value.get()
+        assert steps == 5 and 0 < compute <= handle, (url, steps, compute, handle)

@@ -24,6 +24,19 @@ class NodeMetrics:
             "meshnet_node_decode_batch_steps", "One-position steps those calls computed, all sessions", registry=r
         )
 
+        # Where a decode step's time goes on this hop (benchmarks/bench_route): from the request's
+        # arrival to the step leaving it, and the shard's compute within that.
+        self.decode_steps = Counter("meshnet_node_decode_steps", "One-position decode steps handled", registry=r)
+        self.decode_compute = Counter("meshnet_node_decode_compute_seconds", "Shard compute of those steps", registry=r)
+        self.decode_handle = Counter(
+            "meshnet_node_decode_handle_seconds", "Those steps from arrival to leaving this hop", registry=r
+        )
+
+    def decode_step(self, compute_s: float, handle_s: float) -> None:
+        self.decode_steps.inc()
+        self.decode_compute.inc(compute_s)
+        self.decode_handle.inc(handle_s)
+
     def batch(self, steps: int) -> None:
         self.decode_batches.inc()
         self.decode_batch_steps.inc(steps)

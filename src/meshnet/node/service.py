@@ -150,6 +150,7 @@ class NodeService:
             check_drafts(self.info, self.config.node_id, request.drafts)
         if direct is not None and request.replay:
             raise InvalidRequest(f"a decode-channel step is never replayed: drop {H.REPLAY}")
+        began = time.perf_counter()
         tokens, hidden = shard_inputs(self.info, request)
         s = self._session(request, client)
         if s.busy:
@@ -158,13 +159,13 @@ class NodeService:
             )
         s.busy = True
         try:
-            return await self._compute_and_pass(s, request, tokens, hidden, direct)
+            return await self._compute_and_pass(s, request, tokens, hidden, direct, began=began)
         finally:
             s.busy = False
 
     async def _compute_and_pass(
         self, s: NodeSession, request: HopRequest, tokens: np.ndarray | None, hidden: np.ndarray | None,
-        direct: Direct | None,
+        direct: Direct | None, *, began: float,
     ) -> HopAnswer | None:  # fmt: skip
         sid, start, n = request.session, request.start, request.n
         if request.rewind:
@@ -191,13 +192,16 @@ class NodeService:
             answer = await self._sampled(s, request, logits, me, direct=direct is not None)
             if direct is not None:
                 answer = answer.after(*_entries(direct.hops))
+            self._handed_on(request, began, compute_ms)
             return answer
         assert frame is not None
-        return await self._pass_on(s, request=request, frame=frame, tokens=tokens, me=me, direct=direct)
+        return await self._pass_on(
+            s, request=request, frame=frame, tokens=tokens, me=me, direct=direct, began=began
+        )  # fmt: skip
 
     async def _pass_on(
         self, s: NodeSession, *, request: HopRequest, frame: TensorFrame, tokens: np.ndarray | None, me: HopEntry,
-        direct: Direct | None,
+        direct: Direct | None, began: float,
     ) -> HopAnswer | None:  # fmt: skip
         """Log and forward what this hop computed; the answer (``None`` for a ``direct`` step)."""
         ids = self._ids_onward(s, tokens)
@@ -219,6 +223,7 @@ class NodeService:
             except MeshnetError as exc:
                 s.break_with(exc)
                 raise
+            self._handed_on(request, began, me.compute_ms)
             return None
 
         async def send() -> HopAnswer:
@@ -226,6 +231,7 @@ class NodeService:
                 await previous  # forwards leave in position order
             return await self._forward(s, onward)
 
+        self._handed_on(request, began, me.compute_ms)  # what this hop took; the rest is the hops after it
         task: asyncio.Task[HopAnswer] = asyncio.ensure_future(send())
         s.forward = task
         if not request.final and not request.replay:
@@ -236,6 +242,12 @@ class NodeService:
             await self._drop_rejected(s, answer, start=request.start, n=request.n)
             me = self._entry(s, me.compute_ms, positions=me.positions)
         return answer.after(me)
+
+    def _handed_on(self, request: HopRequest, began: float, compute_ms: float) -> None:
+        """A decode step left this hop (sent on, or answered at the tail): count its time here,
+        compute and the rest (checks, bookkeeping, thread hand-offs, encoding, the send)."""
+        if request.verb is Verb.DECODE and not request.replay:
+            self.metrics.decode_step(compute_ms / 1000, time.perf_counter() - began)
 
     async def _forward(self, s: NodeSession, request: HopRequest) -> HopAnswer:
         """Send ``request`` to the session's next hop; a failure breaks the session here."""
