@@ -18,9 +18,10 @@ def server() -> Iterator[Proc]:
 
 @pytest.fixture(scope="session")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    """``meshnet up``: tracker + 3 llama.cpp nodes + gateway, shared by the modules that only send requests."""
+    """``meshnet up``: tracker + 3 llama.cpp nodes + gateway, shared by the modules that only send requests.
+    Eight sessions at once: the concurrent-streams test runs eight through every node's batches."""
     workdir = tmp_path_factory.mktemp("swarm")
-    with local_swarm(workdir) as proc:
+    with local_swarm(workdir, "--max-sessions", "8") as proc:
         yield proc
 
 

@@ -47,18 +47,19 @@ def test_three_llama_nodes_match_single_node_serve(swarm: Proc, server: Proc, mo
         assert chat(swarm.url, model_id, prompt) == chat(server.url, model_id, prompt)
 
 
-def test_four_concurrent_streams_each_match_their_solo_run(swarm: Proc, model_id: str) -> None:
+def test_eight_concurrent_streams_each_match_their_solo_run(swarm: Proc, model_id: str) -> None:
     """The nodes compute the steps of sessions that reach them together as one llama.cpp batch,
     and the text stays each session's own."""
     nodes = [n["url"] for n in httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]]
     with admin_client(swarm) as admin:  # a private swarm's nodes answer members only
         limits = [admin.get(f"{url}/v1/health").json()["decode_batch"] for url in nodes]
-    assert limits == [4] * 3  # measured at load; capped by --max-sessions 4
-    solo = [chat(swarm.url, model_id, p) for p in PROMPTS]
+    assert limits == [8] * 3  # measured at load; capped by --max-sessions 8
+    prompts = [*PROMPTS, *(f"{p} Answer in one sentence." for p in PROMPTS)]
+    solo = [chat(swarm.url, model_id, p) for p in prompts]
     calls = [_metric(swarm, url, "meshnet_node_decode_batches_total") for url in nodes]
     steps = [_metric(swarm, url, "meshnet_node_decode_batch_steps_total") for url in nodes]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda p: chat(swarm.url, model_id, p, stream=True), PROMPTS))
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: chat(swarm.url, model_id, p, stream=True), prompts))
     assert together == solo
     # some node computed several sessions' steps in one call
     calls = [_metric(swarm, url, "meshnet_node_decode_batches_total") - c for url, c in zip(nodes, calls, strict=True)]
