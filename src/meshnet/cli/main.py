@@ -97,12 +97,14 @@ def _add_up_parser(sub: Any) -> None:
     )
     up.add_argument("--backend", choices=("llama", "torch"), default="llama")
     up.add_argument(
-        "--threads", type=int, help="threads per node (default: all cores; with --no-core-lease cores / nodes)"
+        "--threads", type=int, help="threads per node (default: cores / nodes, at least 1; with --core-lease all cores)"
     )
     up.add_argument(
-        "--no-core-lease",
-        action="store_true",
-        help="split the cores between the nodes instead of letting each compute with all of them in turn",
+        "--core-lease",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let each node compute with all the cores, one node at a time (a machine-wide lease), instead of "
+        "splitting the cores between the nodes (measured slower on 2 cores: benchmarks/RESULTS.md, route)",
     )
     up.add_argument("--ctx", type=int, default=2048, help="context per session (default 2048)")
     up.add_argument(

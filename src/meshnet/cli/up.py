@@ -1,10 +1,11 @@
 """``meshnet up``: a whole local swarm — tracker, N shard nodes, gateway — as child processes.
 
-The bundled model's layers are split evenly between the nodes. The nodes share the machine's
-cores through a core lease (``meshnet.cores``): each runs as many threads as there are cores and
-computes only while it holds the lease, so a node computing alone uses the whole machine and two
-never spin against each other (llama.cpp threads spin; oversubscribed cores slow decode by orders
-of magnitude). ``--no-core-lease`` splits the cores between the nodes instead. ``--spares K``
+The bundled model's layers are split evenly between the nodes, the machine's cores between their
+compute threads (llama.cpp threads spin; oversubscribed cores slow decode by orders of magnitude).
+``--core-lease`` instead gives each node every core and a machine-wide lease (``meshnet.cores``):
+a node computes only while it holds it, so one computing alone uses the whole machine and two never
+spin against each other — slower on a 2-core machine, where the other processes' Python work
+keeps a core busy while a node computes (benchmarks/RESULTS.md, route). ``--spares K``
 makes K of the nodes spares that hold every layer but the head's, so route repair can replace
 any other node that dies. Ctrl-C (or the tracker or gateway dying) stops every process; nothing
 is left behind. A node dying does not: the route repairs around it.
@@ -163,7 +164,7 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange]] | None:
 
 def _threads(args: argparse.Namespace, cores: int) -> tuple[bool, int]:
     """Whether the nodes share the cores through a lease, and each node's threads."""
-    lease = not args.no_core_lease
+    lease = bool(args.core_lease)
     return lease, args.threads or (cores if lease else max(1, cores // args.nodes))
 
 
