@@ -374,8 +374,7 @@ class RouteEngine:
         assert self.channels is not None
         plan = run.plan
         sid = plan.session_id
-        _path, headers, body = http_binding.encode_request(request)
-        del headers["Content-Type"]
+        headers, body = http_binding.encode_step(request)
 
         def probe(url: str, seq: int) -> bool | None:
             try:

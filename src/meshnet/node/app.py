@@ -148,8 +148,7 @@ def _node_app(shard: ShardBackend, config: NodeConfig, revoked: RevokedSerials) 
 def _channel_sender(dialer: channel.Dialer) -> ChannelSend:
     async def send(hop: str, request: HopRequest, direct: Direct, timeout_s: float) -> None:
         """Pass a decode-channel step on to the next hop over its channel, without waiting for anything."""
-        _path, headers, body = http_binding.encode_request(request)
-        del headers["Content-Type"]
+        headers, body = http_binding.encode_step(request)
         header = {
             "session": request.session,
             "seq": direct.seq,

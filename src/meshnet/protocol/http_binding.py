@@ -28,6 +28,7 @@ __all__ = [
     "decode_reroute",
     "encode_request",
     "encode_reroute",
+    "encode_step",
     "error_from_response",
     "request_path",
 ]
@@ -75,6 +76,14 @@ def encode_request(request: HopRequest) -> tuple[str, dict[str, str], bytes]:
         body = request.payload.token_ids + body
     headers["Content-Type"] = OCTETS
     return request_path(request.session, request.verb), headers, body
+
+
+def encode_step(request: HopRequest) -> tuple[dict[str, str], bytes]:
+    """The ``X-Meshnet-*`` headers and the body that a decode-channel ``STEP`` frame carries for
+    ``request``: those of its HTTP request, without the HTTP-only content type."""
+    _path, headers, body = encode_request(request)
+    del headers["Content-Type"]
+    return headers, body
 
 
 def decode_request(
