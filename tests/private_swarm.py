@@ -5,37 +5,16 @@ is stopped when the context ends."""
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from meshnet.security.tls import Credentials
-from tests.procs import MESHNET, Proc, meshnet_process
+from tests.procs import Proc, join, member_client, meshnet_cli, meshnet_process
 
 NODE_ARGS = ["--threads", "1", "--ctx", "256", "--max-sessions", "4", "--max-sessions-per-client", "2"]
 NODE_ARGS += ["--max-body-mb", "8"]
 HALVES = (("head", "0:15"), ("tail", "15:30"))
-
-
-def meshnet_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*MESHNET, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
-
-
-def join(swarm: Path, role: str, member_id: str, into: Path) -> Path:
-    """Invite ``member_id`` as ``role`` and join it into ``into`` (its credentials directory)."""
-    invite = meshnet_cli("swarm", "invite", "--dir", str(swarm), "--role", role, "--id", member_id)
-    assert invite.returncode == 0, invite.stderr
-    joined = meshnet_cli("swarm", "join", invite.stdout.strip(), "--dir", str(into))
-    assert joined.returncode == 0, joined.stderr
-    return into
-
-
-def member_client(credentials: Path, timeout_s: float = 30) -> httpx.Client:
-    return httpx.Client(verify=Credentials.at(credentials).client_context(), timeout=timeout_s)
 
 
 def node_urls(tracker: str, admin: Path) -> dict[str, str]:

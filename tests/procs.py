@@ -71,26 +71,37 @@ def swarm_dir(swarm: Proc) -> Path:
     return Path(match.group(1))
 
 
-def admin_client(swarm: Proc, timeout_s: float = 30.0) -> httpx.Client:
-    """An HTTP client holding the swarm admin's credential: what reads a private swarm's tracker and nodes."""
+def member_client(credentials: Path, timeout_s: float = 30) -> httpx.Client:
+    """An HTTP client holding the member credentials in ``credentials`` (a private swarm's TLS)."""
     from meshnet.security.tls import Credentials
 
-    return httpx.Client(verify=Credentials.at(swarm_dir(swarm) / "admin").client_context(), timeout=timeout_s)
+    return httpx.Client(verify=Credentials.at(credentials).client_context(), timeout=timeout_s)
+
+
+def admin_client(swarm: Proc, timeout_s: float = 30.0) -> httpx.Client:
+    """An HTTP client holding the swarm admin's credential: what reads a private swarm's tracker and nodes."""
+    return member_client(swarm_dir(swarm) / "admin", timeout_s)
+
+
+def meshnet_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run one ``meshnet`` command to its end (bounded); its output and exit status."""
+    return subprocess.run([*MESHNET, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def join(swarm: Path, role: str, member_id: str, into: Path) -> Path:
+    """Invite ``member_id`` as ``role`` into the swarm at ``swarm`` and join it into ``into`` (its
+    credentials directory)."""
+    invite = meshnet_cli("swarm", "invite", "--dir", str(swarm), "--role", role, "--id", member_id)
+    assert invite.returncode == 0, invite.stderr
+    joined = meshnet_cli("swarm", "join", invite.stdout.strip(), "--dir", str(into))
+    assert joined.returncode == 0, joined.stderr
+    return into
 
 
 def join_member(swarm: Proc, role: str, member_id: str) -> Path:
     """Invite and join one more member of a ``meshnet up`` swarm (e.g. a second gateway); its credentials."""
     directory = swarm_dir(swarm)
-    invite = subprocess.run(
-        [*MESHNET, "swarm", "invite", "--dir", str(directory), "--role", role, "--id", member_id],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
-    into = directory / "members" / member_id
-    subprocess.run(
-        [*MESHNET, "swarm", "join", invite.stdout.strip(), "--dir", str(into)],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
-    return into
+    return join(directory, role, member_id, directory / "members" / member_id)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,8 @@ from meshnet.ids import SessionId
 from meshnet.protocol.http_binding import encode_request, encode_reroute
 from meshnet.protocol.messages import HopRequest, Payload, RerouteRequest, Verb
 from meshnet.protocol.wire import encode_tensor
-from tests.private_swarm import PrivateSwarm, member_client, node_urls, private_swarm
+from tests.private_swarm import PrivateSwarm, node_urls, private_swarm
+from tests.procs import member_client
 
 pytestmark = pytest.mark.real
 

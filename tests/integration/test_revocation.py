@@ -21,7 +21,8 @@ from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
 from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_member_key
 from meshnet.security.tls import save_member
-from tests.private_swarm import PrivateSwarm, join, member_client, meshnet_cli, node_urls, private_swarm, start_tracker
+from tests.private_swarm import PrivateSwarm, node_urls, private_swarm, start_tracker
+from tests.procs import join, member_client, meshnet_cli
 
 pytestmark = pytest.mark.real
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import ssl
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,58 +19,31 @@ from meshnet.protocol.wire import encode_tensor
 from meshnet.security.identity import SwarmCA
 from meshnet.security.invites import mint_invite
 from meshnet.security.join import join_swarm
-from meshnet.security.tls import Credentials
-from tests.procs import MESHNET, Proc, meshnet_process
+from tests.private_swarm import wait_nodes
+from tests.procs import Proc, join, member_client, meshnet_cli, meshnet_process
 
 pytestmark = pytest.mark.real
 
 NODE_ARGS = ["--threads", "1", "--ctx", "256", "--max-sessions", "2"]
 
 
-def _meshnet(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*MESHNET, *args], capture_output=True, text=True, timeout=120, check=False)
-
-
-def _join(swarm: Path, role: str, member_id: str, into: Path) -> Path:
-    invite = _meshnet("swarm", "invite", "--dir", str(swarm), "--role", role, "--id", member_id)
-    assert invite.returncode == 0, invite.stderr
-    joined = _meshnet("swarm", "join", invite.stdout.strip(), "--dir", str(into))
-    assert joined.returncode == 0, joined.stderr
-    return into
-
-
-def _client(credentials: Path) -> httpx.Client:
-    return httpx.Client(verify=Credentials.at(credentials).client_context(), timeout=30)
-
-
-def _wait_nodes(tracker: str, admin: Path, want: set[str]) -> dict[str, str]:
-    deadline = time.monotonic() + 120
-    with _client(admin) as client:
-        while time.monotonic() < deadline:
-            nodes = {n["node_id"]: n["url"] for n in client.get(f"{tracker}/v1/nodes").json()["nodes"]}
-            if set(nodes) >= want:
-                return nodes
-            time.sleep(0.3)
-    raise TimeoutError(f"nodes {want} did not register with {tracker}")
-
-
 @pytest.fixture(scope="module")
 def private_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Proc, dict[str, str], Proc]]:
     root = tmp_path_factory.mktemp("private")
     swarm = root / "swarm"
-    assert _meshnet("swarm", "init", str(swarm)).returncode == 0
+    assert meshnet_cli("swarm", "init", str(swarm)).returncode == 0
     with contextlib.ExitStack() as stack:
         tracker = stack.enter_context(
             meshnet_process(["tracker", "--swarm", str(swarm), "--port", "0", "--db", f"sqlite:///{root}/t.db"])
         )
         assert tracker.url.startswith("https://127.0.0.1:")
-        head = _join(swarm, "node", "head", root / "head")
-        tail = _join(swarm, "node", "tail", root / "tail")
-        gateway = _join(swarm, "gateway", "gw", root / "gw")
+        head = join(swarm, "node", "head", root / "head")
+        tail = join(swarm, "node", "tail", root / "tail")
+        gateway = join(swarm, "gateway", "gw", root / "gw")
         for layers, credentials in (("0:15", head), ("15:30", tail)):
             node = ["node", "--layers", layers, "--swarm-dir", str(credentials), "--tracker", tracker.url]
             stack.enter_context(meshnet_process([*node, "--port", "0", *NODE_ARGS]))
-        nodes = _wait_nodes(tracker.url, swarm / "admin", {"head", "tail"})
+        nodes = wait_nodes(tracker.url, swarm / "admin", {"head", "tail"})
         gw = stack.enter_context(
             meshnet_process(["gateway", "--swarm-dir", str(gateway), "--tracker", tracker.url, "--port", "0"])
         )
@@ -88,7 +59,7 @@ def test_a_chat_completion_runs_over_mutual_tls(private_swarm: tuple[Path, Proc,
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"]
     # decode steps went over the nodes' TLS WebSockets (wss), not only HTTPS hop requests
-    with _client(swarm / "admin") as admin:
+    with member_client(swarm / "admin") as admin:
         metrics = admin.get(f"{nodes['head']}/metrics").text
     steps = [line for line in metrics.splitlines() if line.startswith("meshnet_node_channel_steps_total")]
     assert steps and float(steps[0].split()[-1]) > 0, steps
@@ -132,7 +103,7 @@ def test_a_member_without_the_trackers_ticket_cannot_open_or_steer_a_session(
         path, headers, body = encode_request(request)
         return client.post(f"{nodes['head']}{path}", content=body, headers=headers)
 
-    with _client(swarm.parent / "gw") as client:
+    with member_client(swarm.parent / "gw") as client:
         plan = client.post(f"{tracker.url}/v1/sessions", json={"model": _model(client, tracker), "total_layers": 30})
         assert plan.status_code == 201, plan.text
         session = plan.json()
@@ -165,11 +136,11 @@ def test_a_node_runs_only_as_its_certificate_says(
 ) -> None:
     swarm, tracker, _, _ = private_swarm
     head = swarm.parent / "head"
-    out = _meshnet("node", "--layers", "0:15", "--swarm-dir", str(head), "--node-id", "tail", "--port", "0")
+    out = meshnet_cli("node", "--layers", "0:15", "--swarm-dir", str(head), "--node-id", "tail", "--port", "0")
     assert out.returncode == 2 and "not the certificate's id 'head'" in out.stderr, out.stderr
-    out = _meshnet("node", "--layers", "0:15", "--swarm-dir", str(swarm.parent / "gw"), "--port", "0")
+    out = meshnet_cli("node", "--layers", "0:15", "--swarm-dir", str(swarm.parent / "gw"), "--port", "0")
     assert out.returncode == 2 and "needs a node certificate" in out.stderr, out.stderr
-    out = _meshnet(
+    out = meshnet_cli(
         "gateway", "--swarm-dir", str(swarm.parent / "gw"), "--tracker", tracker.url.replace("https", "http")
     )
     assert out.returncode == 2 and "over https" in out.stderr, out.stderr

@@ -146,11 +146,16 @@ async def generate(swarm: Swarm, route: Sequence[str], n: int, *, chunk: int = 4
         assert answer.kind is (AnswerKind.TOKEN if final else AnswerKind.ACCEPTED)
     assert answer is not None and answer.token is not None
     out = [answer.token]
-    while len(out) < n:
-        answer = await swarm.send(head, step(out[-1], len(PROMPT) + len(out) - 1))
+    return await decode(swarm, head, out, n)
+
+
+async def decode(swarm: Swarm, head: str, tokens: list[int], n: int) -> list[int]:
+    """Greedy steps after ``PROMPT`` and ``tokens`` until there are ``n`` tokens; ``tokens``, grown."""
+    while len(tokens) < n:
+        answer = await swarm.send(head, step(tokens[-1], len(PROMPT) + len(tokens) - 1))
         assert answer.token is not None
-        out.append(answer.token)
-    return out
+        tokens.append(answer.token)
+    return tokens
 
 
 def chain(swarm: Swarm, **kwargs: object) -> list[str]:
@@ -240,11 +245,7 @@ def test_a_reroute_replays_the_seam_log_into_a_replacement_and_the_text_goes_on_
             assert (await swarm.transport.services[fixed[i]].reroute(cleared)).kind is AnswerKind.REROUTED
         assert answer.token is not None
         tokens.append(answer.token)
-        while len(tokens) < 10:
-            answer = await swarm.send(route[0], step(tokens[-1], len(PROMPT) + len(tokens) - 1))
-            assert answer.token is not None
-            tokens.append(answer.token)
-        return tokens
+        return await decode(swarm, route[0], tokens, 10)
 
     assert asyncio.run(main()) == want
 
@@ -303,11 +304,7 @@ def test_a_verify_chunk_keeps_the_agreeing_drafts_and_every_hop_drops_the_rest()
         assert list(answer.tokens) == want[3:6] and answer.position == position + 3
         assert [h.held for h in answer.hops] == [position + 3] * 3  # the rejected draft is gone everywhere
         tokens += answer.tokens
-        while len(tokens) < 10:
-            answer = await swarm.send(route[0], step(tokens[-1], len(PROMPT) + len(tokens) - 1))
-            assert answer.token is not None
-            tokens.append(answer.token)
-        return tokens
+        return await decode(swarm, route[0], tokens, 10)
 
     assert asyncio.run(main()) == want
 
@@ -434,10 +431,7 @@ def test_with_tickets_a_session_opens_only_along_the_trackers_route_and_repairs_
         answer = await swarm.send(route[0], dataclasses.replace(first, ticket=token))
         assert answer.token is not None
         tokens = [answer.token]
-        for _ in range(3):
-            answer = await swarm.send(route[0], step(tokens[-1], len(PROMPT) + len(tokens) - 1))
-            assert answer.token is not None
-            tokens.append(answer.token)
+        await decode(swarm, route[0], tokens, 4)
         position = len(PROMPT) + len(tokens) - 1
         swarm.transport.remove(route[2])
         with pytest.raises(HopFailed):
@@ -451,11 +445,7 @@ def test_with_tickets_a_session_opens_only_along_the_trackers_route_and_repairs_
         await head.reroute(RerouteRequest(SID, tuple(fixed[1:]), "r1", step=position, ticket=repair))
         assert answer.token is not None
         tokens.append(answer.token)
-        while len(tokens) < 8:
-            answer = await swarm.send(route[0], step(tokens[-1], len(PROMPT) + len(tokens) - 1))
-            assert answer.token is not None
-            tokens.append(answer.token)
-        return tokens
+        return await decode(swarm, route[0], tokens, 8)
 
     assert asyncio.run(main()) == want
 
