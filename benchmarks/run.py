@@ -30,6 +30,7 @@ BENCHES = {
     "wan": "bench_wan",
     "routing": "bench_routing",
     "repair": "bench_repair",
+    "prefix": "bench_prefix",
     "artifacts": "bench_artifacts",
     "chaos": "bench_chaos",
     "families": "bench_families",

@@ -179,6 +179,63 @@ def test_snapshot_close_restore_into_fresh_shards_continues_identically(
     assert out == reference[2]
 
 
+def test_a_session_adopting_cached_blocks_computes_the_bits_of_a_cold_prefill(
+    chain: list[LlamaShard], prompts: list[list[int]]
+) -> None:
+    """The prefix cache's premise (node.prefix_cache): KV of whole 128-position chunks, kept after a
+    session decoded past them and cut back to a block boundary, gives a later session — which
+    prefills only the rest, in the same aligned chunks — the logits of a cold prefill to the bit.
+    128 is past the 63 rows where llama.cpp's kernels change, so a wrong chunk would show."""
+    block = 128
+    history = [t for p in prompts for t in p] * 8  # ~500 tokens
+    first, later = history[:260], history[:300]
+    kept = 2 * block
+    sid, new, ref = SessionId("turn1"), SessionId("turn2"), SessionId("cold")
+    for shard in chain:
+        shard.open_session(sid)
+    logits = prefill_chain(chain, sid, first, chunk=block)
+    position = len(first)
+    for _ in range(5):  # decode steps past the prompt: not cached
+        logits = decode_chain(chain, sid, position, int(np.argmax(logits)))
+        position += 1
+    blobs = []
+    for shard in chain:
+        shard.rewind(sid, kept)
+        blobs.append(shard.snapshot(sid))
+        shard.close_session(sid)
+    try:
+        for shard, blob in zip(chain, blobs, strict=True):
+            shard.open_session(new)
+            shard.adopt(new, blob, block)  # one block fewer than kept: the snapshot is cut on adoption
+            assert shard.store.get(new).position == block
+            shard.open_session(ref)
+        warm = prefill_chain(chain, new, later[block:], chunk=block, start=block)
+        cold = prefill_chain(chain, ref, later, chunk=block)
+        assert np.array_equal(warm, cold)
+        for _ in range(8):
+            token = int(np.argmax(cold))
+            warm = decode_chain(chain, new, position_of(chain, new), token)
+            cold = decode_chain(chain, ref, position_of(chain, ref), token)
+            assert np.array_equal(warm, cold)
+        # adoption only into a fresh session, and never past the snapshot
+        with pytest.raises(PositionMismatch):
+            chain[0].adopt(new, blobs[0], block)
+        chain[0].open_session(SessionId("past"))
+        with pytest.raises(InvalidRequest, match="cannot give"):
+            chain[0].adopt(SessionId("past"), blobs[0], 3 * block)
+        assert chain[0].store.get(SessionId("past")).position == 0
+        chain[0].close_session(SessionId("past"))
+    finally:
+        for shard in chain:
+            for s in (new, ref):
+                if s in shard.store.ids():
+                    shard.close_session(s)
+
+
+def position_of(chain: list[LlamaShard], sid: SessionId) -> int:
+    return chain[0].store.get(sid).position
+
+
 def test_no_recompute_and_kv_grows_linearly(chain: list[LlamaShard], prompts: list[list[int]]) -> None:
     sid = SessionId("linear")
     prompt = prompts[0]

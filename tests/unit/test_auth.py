@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -141,7 +141,9 @@ class _PlanRecorder(FakeEngine):
         super().__init__()
         self.asked: list[bool] = []
 
-    def plan(self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False) -> RoutePlan:
+    def plan(
+        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = ()
+    ) -> RoutePlan:
         self.asked.append(trusted_only)
         return super().plan(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
 

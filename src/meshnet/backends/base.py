@@ -53,10 +53,12 @@ def local_plan(info: ModelInfo, url: str = "local") -> RoutePlan:
 
 @dataclass(frozen=True, slots=True)
 class PrefillProgress:
-    """``done`` of ``total`` prompt tokens are in the KV cache."""
+    """``done`` of ``total`` prompt tokens are in the KV cache; ``cached`` of them came from prefix
+    caches instead of being computed for this generation."""
 
     done: int
     total: int
+    cached: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +100,12 @@ class TextEngine(Protocol):
     n_ctx: int
     max_concurrency: int
 
-    def plan(self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False) -> RoutePlan:
+    def plan(
+        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = ()
+    ) -> RoutePlan:
         """Pick (and pin) the route a generation of this size will use (``trusted_only``: over nodes
-        of the trusted tier only). May block: call it off the event loop."""
+        of the trusted tier only; ``prompt``: its token ids, so a route whose prefix caches hold its
+        start may win). May block: call it off the event loop."""
         ...
 
     def release(self, plan: RoutePlan) -> None:

@@ -81,7 +81,9 @@ class FakeEngine:
     def is_end_of_generation(self, token: int) -> bool:
         return token == EOS
 
-    def plan(self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False) -> RoutePlan:
+    def plan(
+        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = ()
+    ) -> RoutePlan:
         return local_plan(self.info, self.url)  # one process holds the whole model: nothing leaves it
 
     def release(self, plan: RoutePlan) -> None:

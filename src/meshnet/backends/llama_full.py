@@ -84,7 +84,9 @@ class LlamaFullEngine:
     def grammar(self, text: str, *, param: str = "grammar") -> TokenGrammar:
         return self.vocab.grammar(text, param=param)
 
-    def plan(self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False) -> RoutePlan:
+    def plan(
+        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = ()
+    ) -> RoutePlan:
         return local_plan(self.info, self.url)  # one process holds the whole model: nothing leaves it
 
     def release(self, plan: RoutePlan) -> None:

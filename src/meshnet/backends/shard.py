@@ -170,6 +170,8 @@ class ShardBackend(Protocol):
 
     def restore(self, sid: SessionId, blob: bytes) -> None: ...
 
+    def adopt(self, sid: SessionId, blob: bytes, position: int) -> None: ...
+
     def close_session(self, sid: SessionId) -> None: ...
 
     def grammar(self, text: str) -> TokenGrammar:
@@ -336,6 +338,29 @@ class ShardBase(abc.ABC, Generic[S]):
             with self._compute:
                 self._free_state(state)
             raise
+
+    def adopt(self, sid: SessionId, blob: bytes, position: int) -> None:
+        """Give the fresh session ``sid`` the first ``position`` positions of the ``snapshot`` ``blob``
+        (a prefix cache hit, ``node.prefix_cache``). A backend that cannot drop the snapshot's later
+        positions raises ``EngineError``; any failure leaves the session fresh."""
+        header, body = self._parse_snapshot(blob)
+        held = int(header["position"])
+        if not 0 < position <= held:
+            raise InvalidRequest(f"a snapshot of {held} positions cannot give a session {position}")
+
+        def swap(old: S) -> S:
+            with self._compute:
+                new = self._load_state(sid, body, held)
+                try:
+                    if position < held:
+                        self._truncate_state(new, position)
+                except BaseException:
+                    self._free_state(new)
+                    raise
+                self._free_state(old)
+                return new
+
+        self._store.adopt(sid, position, swap)
 
     def grammar(self, text: str) -> TokenGrammar:
         raise InvalidRequest(

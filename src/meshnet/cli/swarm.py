@@ -106,6 +106,13 @@ def add_swarm_commands(sub: Any) -> None:
         default=512.0,
         help="activations kept for route repair, all sessions together (MiB; 0 turns repair from this node off)",
     )
+    node.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=128.0,
+        help="KV of finished sessions' prompt blocks kept for the next turn of a conversation or a shared system "
+        "prompt to reuse (MiB; 0 turns prefix caching off on this node)",
+    )
 
     _add_tracker(sub)
 
@@ -231,6 +238,9 @@ def run_node(args: argparse.Namespace) -> int:
     setup_logging()
     _check_advertisable(args.host, _public_url(args.public_url))  # a bad one fails now, not after loading the model
     _per_client(args)  # likewise
+    for flag, mib in (("--seam-log-mb", args.seam_log_mb), ("--prefix-cache-mb", args.prefix_cache_mb)):
+        if not mib >= 0:
+            usage_error(f"meshnet node: {flag} is a size in MiB, 0 or more (0 turns it off), not {mib:g}")
     args.member_tls = member_tls_for(args, "node", "node")
     if args.member_tls is None:
         check_plain_bind(args.host, args.insecure, "node", "join a private swarm and give --swarm-dir DIR")
@@ -361,6 +371,7 @@ def _serve_node(
         max_body_bytes=int(args.max_body_mb * 2**20),
         hop_timeout_s=args.hop_timeout,
         seam_log_bytes=int(args.seam_log_mb * 2**20),
+        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
         sweep_interval_s=min(5.0, max(0.2, args.session_ttl / 2)),
         tracker_url=args.tracker.rstrip("/") if args.tracker else None,
         advert=tuple(advert.items()),

@@ -387,7 +387,7 @@ async def _start(
     # Planning may ask a tracker over the network: off the event loop.
     size = {"prompt_tokens": len(gen.prompt_tokens), "max_tokens": gen.max_tokens}
     plan = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: state.engine.plan(**size, trusted_only=gen.trusted_only)
+        None, lambda: state.engine.plan(**size, trusted_only=gen.trusted_only, prompt=gen.prompt_tokens)
     )
     try:
         tel = _open_telemetry(state, gid, plan, len(gen.prompt_tokens))
@@ -427,9 +427,10 @@ class _Shape:
         first = self.tel.generation_id.removesuffix(f".{self.index}") if self.index else self.tel.generation_id
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + first
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         p, c = self.tel.prompt_tokens, self.tel.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        details = {"cached_tokens": self.tel.cached_tokens}  # OpenAI's field: prompt tokens not recomputed
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": details}
 
     def _logprobs(self, deltas: Sequence[Delta]) -> dict[str, Any] | None:
         if self.logprobs is None or not deltas:
@@ -499,10 +500,14 @@ class _Shape:
 def _final(shapes: Sequence[_Shape], choices: list[dict[str, Any]]) -> dict[str, Any]:
     """A non-streamed response: every choice; usage adds the choices up (each prefilled the prompt)."""
     first = shapes[0]
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    usage: dict[str, Any] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    cached = 0
     for shape in shapes:
         for key, value in shape.usage().items():
-            usage[key] += value
+            if key in usage:
+                usage[key] += value
+        cached += shape.tel.cached_tokens
+    usage["prompt_tokens_details"] = {"cached_tokens": cached}
     extra = {"meshnet_choices": [s.tel.snapshot() for s in shapes]} if len(shapes) > 1 else {}
     return {
         "id": first.id,

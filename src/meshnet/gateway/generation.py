@@ -131,26 +131,30 @@ def run_worker(
     try:
         grammar = engine.grammar(request.sampling.grammar) if request.sampling.grammar else None
         steps = engine.generate(request.prompt_tokens, Sampler(request.sampling, grammar), cancel, request.plan)
+        finished: Finished | None = None
         with contextlib.closing(steps):
             for step in steps:
                 if isinstance(step, PrefillProgress | RouteChange):
                     report(step)
                     continue
                 if engine.is_end_of_generation(step.token):
-                    report(Finished("stop", stops.flush() + decoder.decode(b"", final=True)))
-                    return
+                    finished = Finished("stop", stops.flush() + decoder.decode(b"", final=True))
+                    break
                 produced += 1
                 text, stopped = stops.feed(decoder.decode(engine.token_bytes(step.token)))
                 report(Delta(text, step.token, step.logprob, step.hop_ms, step.drafted, step.accepted, step.top))
                 if stopped:
-                    report(Finished("stop", ""))
-                    return
+                    finished = Finished("stop", "")
+                    break
                 if produced >= request.max_tokens:
-                    report(Finished("length", stops.flush() + decoder.decode(b"", final=True)))
-                    return
-        # The engine ran out of context (or was cancelled) before any other stop condition.
-        reason = "cancelled" if cancel.is_set() else "length"
-        report(Finished(reason, stops.flush() + decoder.decode(b"", final=True)))
+                    finished = Finished("length", stops.flush() + decoder.decode(b"", final=True))
+                    break
+        # Reported only once the engine closed the generation (a route: its session freed, its prompt
+        # blocks in the hops' prefix caches), so a client's next turn finds them there.
+        if finished is None:  # the engine ran out of context (or was cancelled) before any other stop condition
+            reason = "cancelled" if cancel.is_set() else "length"
+            finished = Finished(reason, stops.flush() + decoder.decode(b"", final=True))
+        report(finished)
     except MeshnetError as exc:
         report(Failed(exc))
     except Exception as exc:  # a backend bug must still end the generation visibly
@@ -260,8 +264,8 @@ class GenerationService:
         self.metrics.active.inc()
 
     def _on_prefill(self, tel: GenerationTelemetry, progress: PrefillProgress) -> None:
-        tel.prefill_done = progress.done
-        tel.emit(EventType.PREFILL_PROGRESS, done=progress.done, total=progress.total)
+        tel.prefill_done, tel.cached_tokens = progress.done, progress.cached
+        tel.emit(EventType.PREFILL_PROGRESS, done=progress.done, total=progress.total, cached=progress.cached)
         if progress.done < progress.total:
             return
         now = time.monotonic()
@@ -271,6 +275,7 @@ class GenerationService:
         tel.emit(
             EventType.PREFILL_COMPLETED,
             prompt_tokens=progress.total,
+            cached_tokens=progress.cached,
             seconds=round(seconds, 4),
             tokens_per_second=round(progress.total / seconds, 2) if seconds > 0 else None,
         )

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import ssl
 import threading
@@ -65,6 +66,7 @@ from meshnet.errors import (
     InvalidRequest,
     MeshnetError,
     Overloaded,
+    RouteInconsistent,
     hop_error,
 )
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
@@ -76,13 +78,25 @@ from meshnet.layers import LayerRange
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
 from meshnet.protocol.ledger import ChunkLedger, pack_chunks, verify_hops
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.messages import (
+    AnswerKind,
+    HopAnswer,
+    HopEntry,
+    HopRequest,
+    Payload,
+    PrefixClaim,
+    PrefixRequest,
+    RerouteRequest,
+    Verb,
+)
+from meshnet.protocol.prefix import block_hashes
 from meshnet.protocol.wire import encode_tensor
 from meshnet.routes import Hop, RoutePlan, hop_timeout_s
 from meshnet.sampling import Alternatives, Sampler
 
 __all__ = ["RouteEngine", "Tokenizer"]
 
+_log = logging.getLogger("meshnet.gateway")
 _ROUTES_COSTED = 256  # routes whose walk times the drafter remembers
 _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
 
@@ -115,6 +129,9 @@ class _Run:
     # a verify chunk over the decode channel left rejected drafts on the hops before the tail: the
     # next step tells them to drop them (X-Meshnet-Rewind)
     surplus: bool = False
+    prefix: PrefixClaim | None = None  # the prompt's blocks, for the hops' prefix caches
+    cached: int = 0  # prompt positions the route took from its prefix caches (not computed)
+    cold: bool = False  # reuse was refused once (the cached KV did not match the prompt): prefill everything
 
     def add(self, tokens: Sequence[int]) -> None:
         """``tokens`` become the route's next chunk (a prompt chunk, or one decode step)."""
@@ -204,11 +221,16 @@ class RouteEngine:
         max_tokens: int = 0,
         like_session: SessionId | None = None,
         trusted_only: bool = False,
+        prompt: Sequence[int] = (),
     ) -> RoutePlan:
         """Pin a fresh route; ``like_session``: only one that computes bit-identically to that session's;
-        ``trusted_only`` (or the gateway's ``--trusted-only``): over trusted nodes only."""
+        ``trusted_only`` (or the gateway's ``--trusted-only``): over trusted nodes only; ``prompt``:
+        its blocks let the tracker prefer a route whose prefix caches hold them."""
         trusted_only = trusted_only or self.trusted_only
         body: dict[str, Any] = {"model": self.info.model_id, "total_layers": self.info.n_layers}
+        hashes = block_hashes(prompt, self.prefill_chunk)
+        if hashes:
+            body["prefix"] = {"block": self.prefill_chunk, "hashes": [h.hex() for h in hashes]}
         if exclude:
             body["exclude"] = list(exclude)
         if like_session is not None:
@@ -225,9 +247,10 @@ class RouteEngine:
         if response.status_code >= 400:
             raise EngineError(f"the tracker refused a route: {error_message(response)}")
         data = response.json()
-        ticket = data.get("ticket")
+        ticket, cached = data.get("ticket"), data.get("cached_tokens")
         return RoutePlan(SessionId(data["session_id"]), RouteId(data["route_id"]), self._hops(data["hops"]),
-                         ticket=ticket if isinstance(ticket, str) else None, trusted_only=trusted_only)  # fmt: skip
+                         ticket=ticket if isinstance(ticket, str) else None, trusted_only=trusted_only,
+                         cached_tokens=cached if isinstance(cached, int) and cached > 0 else 0)  # fmt: skip
 
     def _hops(self, hops: Sequence[dict[str, Any]]) -> tuple[Hop, ...]:
         total = self.info.n_layers
@@ -250,6 +273,8 @@ class RouteEngine:
             raise InvalidRequest("the prompt is empty after tokenization")
         run = _Run(plan, json.dumps(dataclasses.asdict(sampler.params)), Usage(), ChunkLedger(sends=False))
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
+        hashes = block_hashes(tokens, self.prefill_chunk)
+        run.prefix = PrefixClaim(self.prefill_chunk, tuple(hashes)) if hashes else None
         for begin in range(0, len(tokens), self.prefill_chunk):
             run.add(tokens[begin : begin + self.prefill_chunk])
         drafter = self._drafter(plan)
@@ -303,7 +328,7 @@ class RouteEngine:
                 continue
             if answer is not None:
                 verify_hops(run.ledger, run.plan.hops, answer.hops)
-                run.usage.add(run.plan.hops, prefill=len(tokens))
+                run.usage.add(run.plan.hops, prefill=len(tokens) - run.cached)
             return answer
 
     def _drafter(self, plan: RoutePlan) -> Drafter | None:
@@ -483,9 +508,10 @@ class RouteEngine:
         like = run.plan.session_id if run.streamed else None
         run.plan = self.plan(
             exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens), like_session=like,
-            trusted_only=run.plan.trusted_only,
+            trusted_only=run.plan.trusted_only, prompt=tokens if run.prefix is not None else (),
         )  # fmt: skip
         run.usage = Usage()
+        run.cached = 0
 
     def _failed_hop(self, run: _Run, error: HopFailed) -> Hop:
         """The hop ``error`` names, counted against the retry budget."""
@@ -523,28 +549,71 @@ class RouteEngine:
     def _prefill(
         self, run: _Run, tokens: Sequence[int], cancel: threading.Event
     ) -> Generator[EngineStep, None, HopAnswer | None]:
-        """Prefill ``tokens`` on ``run.plan`` in the chunks of ``run.ledger``; the last chunk's answer samples."""
+        """Prefill ``tokens`` on ``run.plan`` in the chunks of ``run.ledger``, after the positions the
+        route's prefix caches give it (``_reuse``); the last chunk's answer samples."""
         answer: HopAnswer | None = None
         total = len(tokens)
-        for end, chunk in self._chunk_requests(run, tokens):
+        run.cached = 0
+        if run.prefix is not None and run.plan.cached_tokens > 0 and not run.cold:
+            run.cached = yield from self._reuse(run, tokens)
+        for end, chunk in self._chunk_requests(run, tokens, start=run.cached):
             if cancel.is_set():
                 return None
             request = dataclasses.replace(chunk, sample=True) if end == total else chunk
             answer = self._send(run.plan, request)
-            yield PrefillProgress(done=end, total=total)
+            yield PrefillProgress(done=end, total=total, cached=run.cached)
         if answer is not None:
             self._check_tokens(answer, run.plan)
         return answer
 
-    def _chunk_requests(self, run: _Run, tokens: Sequence[int]) -> Generator[tuple[int, HopRequest], None, None]:
-        """``(end, request)`` of the prefill requests for ``tokens``, in exactly the chunks the route
-        computed them in first (several chunks to a request, each its own compute call)."""
+    def _reuse(self, run: _Run, tokens: Sequence[int]) -> Generator[EngineStep, None, int]:
+        """Open the session with a prefix request: every hop adopts the KV of as many leading prompt
+        blocks as the whole route holds. The answer's digests must show every hop holding exactly
+        what a cold prefill of these tokens computes (protocol.ledger); if they do not (a poisoned
+        or colliding cache entry), the session is dropped and the prompt prefilled cold on a fresh
+        route, and that session's blocks replace the bad entry. How many positions were reused."""
+        plan, claim, block = run.plan, run.prefix, self.prefill_chunk
+        assert claim is not None
+        limit = min(len(claim.hashes), (len(tokens) - 1) // block)  # the last token is always computed
+        if limit < 1:
+            return 0
+        request = PrefixRequest(plan.session_id, claim, limit, plan.route_id, model=self.info.model_id,
+                                next_hops=tuple(h.url for h in plan.hops[1:]), sampling=run.sampling,
+                                ticket=plan.ticket)  # fmt: skip
+        path, headers = http_binding.encode_prefix(request)
+        answer = self._post(plan, plan.hops[0].url, path, b"", headers, below=len(plan.hops))
+        held = answer.count
+        if answer.kind is not AnswerKind.CACHED or held % block or held > limit * block:
+            head = plan.hops[0]
+            raise HopFailed(f"the head {head.node} answered a prefix request with {answer.kind} {held}",
+                            failed_hop=head.url)  # fmt: skip
+        expected = ChunkLedger(False, list(run.ledger.ends), list(run.ledger.inputs))
+        expected.rewind(held)
+        try:
+            verify_hops(expected, plan.hops, answer.hops)
+        except RouteInconsistent as exc:
+            _log.warning("prefix cache: route %s holds other KV for this prompt's blocks (%s); prefilling cold",
+                         plan.route_id, exc.message)  # fmt: skip
+            run.cold = True
+            self._fresh_route(run, list(tokens))
+            return 0
+        if held:
+            yield PrefillProgress(done=held, total=len(tokens), cached=held)
+        return held
+
+    def _chunk_requests(
+        self, run: _Run, tokens: Sequence[int], *, start: int = 0
+    ) -> Generator[tuple[int, HopRequest], None, None]:
+        """``(end, request)`` of the prefill requests for ``tokens`` from ``start``, in exactly the
+        chunks the route computed them in first (several chunks to a request, each its own compute call)."""
         plan = run.plan
         ends = run.ledger.ends
-        if len(tokens) not in ends:
-            raise EngineError(f"{len(tokens)} positions do not end on a chunk of this generation")
+        if len(tokens) not in ends or (start and start not in ends):
+            raise EngineError(f"positions {start}..{len(tokens)} do not end on chunks of this generation")
         sizes = run.ledger.sizes()[: ends.index(len(tokens)) + 1]
-        for begin, chunks in pack_chunks(sizes, self.prefill_chunk):
+        skip = ends.index(start) + 1 if start else 0
+        for begin, chunks in pack_chunks(sizes[skip:], self.prefill_chunk):
+            begin += start
             end = begin + sum(chunks)
             first = begin == 0  # the first request names the route and the tail's sampling
             yield end, HopRequest(
@@ -552,6 +621,7 @@ class RouteEngine:
                 model=self.info.model_id, route_id=plan.route_id, chunks=tuple(chunks) if len(chunks) > 1 else None,
                 next_hops=tuple(h.url for h in plan.hops[1:]) if first else None,
                 sampling=run.sampling if first else None, ticket=plan.ticket if first else None,
+                prefix=run.prefix if first else None,
             )  # fmt: skip
 
     def _send(self, plan: RoutePlan, request: HopRequest) -> HopAnswer:

@@ -98,6 +98,7 @@ class GenerationTelemetry:
     phase: Phase = Phase.QUEUED
     prompt_tokens: int = 0
     prefill_done: int = 0
+    cached_tokens: int = 0  # prompt tokens the route's prefix caches gave it (not computed)
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -190,6 +191,7 @@ class GenerationTelemetry:
             "elapsed": round(self.elapsed(), 4),
             "prompt_tokens": self.prompt_tokens,
             "prefill_done": self.prefill_done,
+            "cached_tokens": self.cached_tokens,
             "prefill_seconds": None if self.prefill_seconds is None else round(self.prefill_seconds, 4),
             "completion_tokens": self.completion_tokens,
             "tokens_per_second": round(self.tokens_per_second(), 2),

@@ -100,6 +100,11 @@ def _node_app(shard: ShardBackend, config: NodeConfig, revoked: RevokedSerials) 
         answer = await node.reroute(http_binding.decode_reroute(sid, request.headers))
         return JSONResponse(answer.to_json())
 
+    async def prefix(request: Request) -> Response:
+        sid = SessionId(request.path_params["session_id"])
+        answer = await node.prefix(http_binding.decode_prefix(sid, request.headers), client=_quota_client(request.scope))
+        return JSONResponse(answer.to_json())
+
     async def session(request: Request) -> Response:
         return JSONResponse(node.session_state(SessionId(request.path_params["session_id"])))
 
@@ -136,6 +141,7 @@ def _node_app(shard: ShardBackend, config: NodeConfig, revoked: RevokedSerials) 
         Route("/v1/sessions/{session_id}/decode-step", hop_endpoint(Verb.DECODE), methods=["POST"]),
         Route("/v1/sessions/{session_id}/verify", hop_endpoint(Verb.VERIFY), methods=["POST"]),
         Route("/v1/sessions/{session_id}/reroute", reroute, methods=["POST"]),
+        Route("/v1/sessions/{session_id}/prefix", prefix, methods=["POST"]),
         Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
         Route("/v1/sessions/{session_id}", session, methods=["GET"]),
         WebSocketRoute(CHANNEL_PATH, decode_channel),
@@ -187,6 +193,7 @@ def _health(node: NodeService) -> dict[str, Any]:
         "decode_batch": info.decode_batch,
         "decode_batch_below": info.decode_batch_below,
         "core_lease": _lease_path(node.shard),
+        "prefix_cache": None if node.prefix_cache is None else node.prefix_cache.describe(),
         "started": node.started,
     }
 
@@ -227,6 +234,7 @@ async def _heartbeat(
                 "wire_dtype": node.config.wire_dtype,
                 "hardware": host_hardware(threads),
                 **advert_fields(node.shard, node.traffic, prober),
+                "prefix_filter": node.prefix_cache.filter().encode() if node.prefix_cache is not None else None,
                 **extra,
             }
             try:

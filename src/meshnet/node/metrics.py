@@ -32,6 +32,16 @@ class NodeMetrics:
             "meshnet_node_decode_handle_seconds", "Those steps from arrival to leaving this hop", registry=r
         )
 
+        # Prefix caching (node.prefix_cache)
+        self.prefix_hits = Counter("meshnet_node_prefix_cache_hits", "Sessions that adopted cached blocks", registry=r)
+        self.prefix_misses = Counter(
+            "meshnet_node_prefix_cache_misses", "Prefix lookups that found no cached block", registry=r
+        )
+        self.prefix_reused = Counter(
+            "meshnet_node_prefix_cache_reused_positions", "Positions adopted from the cache, not computed", registry=r
+        )
+        self.prefix_bytes = Gauge("meshnet_node_prefix_cache_bytes", "Bytes the prefix cache holds", registry=r)
+
     def decode_step(self, compute_s: float, handle_s: float) -> None:
         self.decode_steps.inc()
         self.decode_compute.inc(compute_s)

@@ -35,6 +35,12 @@ straight to the gateway, and a failure goes to the gateway from the hop that met
 verify chunk there, the hops before the tail drop the rejected drafts when the next step says so
 (``rewind``).
 
+Prefix caching (``node.prefix_cache``): a session's first request names its prompt's blocks; when
+the session ends, the blocks this hop computed in canonical chunks stay in the prefix cache. A
+``PrefixRequest`` opens a session that adopts as many leading cached blocks as every hop of the
+route holds: each hop adopts what it can (at most what the hop before it adopted), passes the
+count on, and drops back to what the tail answers.
+
 Concurrency: one request per session at a time (a second gets 409); compute is serialized by
 the shard backend; everything else runs on the event loop.
 """
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -54,6 +61,7 @@ import numpy as np
 from meshnet.backends.shard import DecodeStep, ShardBackend, ShardOutput, compute_chunks, verify_chunk
 from meshnet.errors import (
     Conflict,
+    EngineError,
     HopFailed,
     InvalidRequest,
     MeshnetError,
@@ -70,11 +78,22 @@ from meshnet.node.batcher import DecodeBatcher
 from meshnet.node.channel import Direct
 from meshnet.node.checks import check_drafts, check_model, check_next_hops, sampling_params, shard_inputs
 from meshnet.node.metrics import NodeMetrics
+from meshnet.node.prefix_cache import CachedPrefix, PrefixCache
 from meshnet.node.session import NodeSession, SeamLogs
 from meshnet.node.transport import HopTransport
 from meshnet.protocol import headers as H
 from meshnet.protocol.ledger import ChunkLedger, pack_chunks
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.messages import (
+    AnswerKind,
+    HopAnswer,
+    HopEntry,
+    HopRequest,
+    Payload,
+    PrefixClaim,
+    PrefixRequest,
+    RerouteRequest,
+    Verb,
+)
 from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, TicketKind, TicketVerifier
 from meshnet.protocol.wire import TensorFrame, encode_tensor, frame_values
 from meshnet.routes import hop_timeout_s
@@ -82,6 +101,8 @@ from meshnet.sampling import Sampler
 from meshnet.session.store import Session
 
 __all__ = ["ChannelSend", "NodeConfig", "NodeService"]
+
+_log = logging.getLogger("meshnet.node")
 
 # (next hop, request, its decode-channel routing, timeout) -> sent; raises HopFailed naming the hop
 ChannelSend = Callable[[str, HopRequest, Direct, float], Awaitable[None]]
@@ -109,6 +130,8 @@ class NodeConfig:
     # Sessions one client (a swarm member, by its certificate's id) may hold open here at once;
     # None: no per-client limit (an open swarm knows no clients).
     max_sessions_per_client: int | None = None
+    # The KV of finished sessions' prompt blocks kept for later sessions to reuse (node.prefix_cache); 0: off.
+    prefix_cache_bytes: int = 128 * 2**20
 
 
 class NodeService:
@@ -132,6 +155,7 @@ class NodeService:
         self.batcher = DecodeBatcher(shard, self.metrics.batch) if shard.info.decode_batch > 1 else None
         self.traffic = Traffic()  # queue depth and measured speed, for the tracker (node.advert)
         self.logs = SeamLogs(config.seam_log_bytes)
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
         # One record per session: the store's, with this node's binding attached (``_bound``); a
         # session that ends in the store (closed, expired) gives back its seam log with it.
         shard.store.on_end = self._ended
@@ -298,6 +322,110 @@ class NodeService:
             raise error
         await self.rewind(s, kept)
 
+    # -- prefix caching --------------------------------------------------------------------------
+    async def prefix(self, request: PrefixRequest, *, client: str | None = None) -> HopAnswer:
+        """Open a session that adopts the KV of its prompt's leading cached blocks (at most
+        ``request.reuse``, and no more than every hop after this one holds): answers ``CACHED``
+        with the positions every hop now holds, from 0 (nothing cached) on."""
+        check_model(self.info, request.model)
+        sid = request.session
+        if self._bound(sid) is not None:
+            raise Conflict(f"session {sid} is already open here; a prefix request is a session's first request")
+        claim = request.prefix
+        s = self._open(sid, request.route_id, request.sampling, request.next_hops, request.ticket, client, claim)
+        s.busy = True
+        try:
+            blocks = await self._adopt(s, claim, request.reuse)
+            if self.info.layers.is_tail:
+                return HopAnswer(AnswerKind.CACHED, (self._entry(s),), count=blocks * claim.block)
+            onward = request.onward(blocks, s.next_hops, model=self.info.model_id)
+            answer = await self._forward(s, onward)
+            held = answer.count
+            if answer.kind is not AnswerKind.CACHED or held % claim.block or held > blocks * claim.block:
+                error = HopFailed(
+                    f"next hop {s.next_hops[0]} answered a prefix request of {blocks} blocks with {answer.kind} "
+                    f"{held}",
+                    failed_hop=s.next_hops[0],
+                )
+                s.break_with(error)
+                raise error
+            await self.rewind(s, held)  # the hops after this one hold fewer blocks: keep what they do
+            return answer.after(self._entry(s))
+        finally:
+            s.busy = False
+
+    async def _adopt(self, s: NodeSession, claim: PrefixClaim, limit: int) -> int:
+        """Adopt the cached KV (and ledger, seam log) of the most leading blocks of ``claim`` this
+        node holds, at most ``limit``; how many. A hit that cannot be adopted counts as none."""
+        cache = self.prefix_cache
+        hit = cache.lookup(claim.block, claim.hashes, limit) if cache is not None and limit > 0 else None
+        if hit is None:
+            if cache is not None and limit > 0:
+                self.metrics.prefix_misses.inc()
+            return 0
+        entry, blocks = hit
+        positions = blocks * claim.block
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, lambda: self.shard.adopt(s.session, entry.snapshot, positions))
+        except MeshnetError as exc:
+            _log.warning("prefix cache: session %s could not adopt %d cached positions: %s", s.session, positions,
+                         exc.message)  # fmt: skip
+            return 0
+        s.ledger.ends = [claim.block * (i + 1) for i in range(blocks)]
+        s.ledger.inputs = list(entry.inputs[:blocks])
+        s.ledger.outputs = list(entry.outputs[:blocks]) if s.ledger.sends else []
+        with_ids = self.info.seam.carries_token_ids or s.carry_ids
+        log = entry.log_prefix(positions)
+        if log is not None and (not with_ids or len(entry.ids_log) >= 4 * positions):
+            self.logs.adopt(s, log, entry.log_dtype, entry.ids_log[: 4 * positions] if with_ids else b"")
+        else:
+            self.logs.drop(s)  # no complete record of these positions: a repair will need a fresh prefill
+        if s.carry_ids and self.info.layers.is_tail:
+            s.ids_seen = [0] * positions  # prompt positions: before generated_from, never counted
+        self.metrics.prefix_hits.inc()
+        self.metrics.prefix_reused.inc(positions)
+        return blocks
+
+    async def _keep_prefix(self, s: NodeSession) -> None:
+        """Put the session's canonically computed prompt blocks into the prefix cache (it is ending)."""
+        cache, claim = self.prefix_cache, s.prefix
+        if cache is None or claim is None or s.broken:
+            return
+        blocks = 0
+        for i, end in enumerate(s.ledger.ends[: len(claim.hashes)]):
+            if end != claim.block * (i + 1):
+                break  # not the chunk a cold prefill computes this block in
+            blocks += 1
+        hashes = claim.hashes[:blocks]
+        if not hashes or cache.touch(hashes):
+            return
+        sid, positions = s.session, blocks * claim.block
+        held = self.shard.store.get(sid).position
+        row = len(s.log) // held if s.log and held else 0
+        log = None if s.log is None or not s.log_dtype else bytes(s.log[: positions * row])
+        ids = bytes(s.ids_log[: 4 * positions])
+
+        def snapshot() -> bytes | None:
+            with contextlib.suppress(EngineError):  # a recurrent state cannot go back: kept whole or not at all
+                self.shard.rewind(sid, positions)
+            if self.shard.store.get(sid).position != positions:
+                return None
+            return self.shard.snapshot(sid)
+
+        loop = asyncio.get_running_loop()
+        try:
+            blob = await loop.run_in_executor(None, snapshot)
+        except MeshnetError as exc:
+            _log.warning("prefix cache: session %s not kept: %s", sid, exc.message)
+            return
+        if blob is None:
+            return
+        entry = CachedPrefix(claim.block, hashes, blob, tuple(s.ledger.inputs[:blocks]),
+                             tuple(s.ledger.outputs[:blocks]), log, s.log_dtype, ids)  # fmt: skip
+        cache.add(entry)
+        self.metrics.prefix_bytes.set(cache.used)
+
     # -- repair, rewind, delete ------------------------------------------------------------------
     async def rewind(self, s: NodeSession, position: int) -> None:
         """Drop this node's positions from ``position`` on (KV, ledger, seam log)."""
@@ -396,12 +524,23 @@ class NodeService:
         if s.forward is not None:
             with contextlib.suppress(Exception):
                 await s.forward  # its outcome was already recorded; only the order matters
-        # still computing: SessionBusy, and it stays, KV and all; expired meanwhile: the delete still
-        # travels down the chain
-        with contextlib.suppress(SessionGone, SessionNotFound):
-            self.shard.close_session(sid)
-        if s.next_hops:
-            await self.transport.delete(s.next_hops[0], sid, ticket)
+        if s.busy:  # still computing: it stays, KV and all
+            raise SessionBusy(f"session {sid} is computing; close it after the call returns")
+
+        async def end_here() -> None:
+            s.busy = True  # nothing else runs on it while its prompt blocks go into the prefix cache
+            try:
+                await self._keep_prefix(s)
+            finally:
+                s.busy = False
+            # expired meanwhile: the delete still travels down the chain
+            with contextlib.suppress(SessionGone, SessionNotFound):
+                self.shard.close_session(sid)
+
+        if s.next_hops:  # the next hops keep theirs meanwhile
+            await asyncio.gather(end_here(), self.transport.delete(s.next_hops[0], sid, ticket))
+        else:
+            await end_here()
 
     def session_state(self, sid: SessionId) -> dict[str, Any]:
         """``GET /v1/sessions/{id}``: what this node holds of a session (a gateway asks it to find
@@ -470,30 +609,40 @@ class NodeService:
         sid = request.session
         s = self._bound(sid)
         if s is None:
-            self._check_quota(client)
             if request.start != 0:
                 # A session that is past position 0 existed once: this node lost it.
+                self._check_quota(client)
                 raise SessionGone(
                     f"session {sid} is unknown at position {request.start}: this node restarted or the session "
                     "expired; start a fresh prefill"
                 )
-            if not request.route_id:
-                raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
-            tail = self.info.layers.is_tail
-            params = sampling_params(request.sampling)
-            hops = self._ticketed_hops(request.ticket, sid, request.route_id, request.next_hops or (), kind=None)
-            hops = check_next_hops(self.info, self.config.node_id, hops)
-            sampler = Sampler(params, self.shard.grammar(params.grammar) if params.grammar else None) if tail else None
-            s = NodeSession(sid, request.route_id, hops, sampler, ChunkLedger(not tail), carry_ids=params.needs_history)
-            s.client = client
-            if tail or self.config.seam_log_bytes <= 0:
-                s.log = None
-            self.shard.open_session(sid)
-            self.shard.store.get(sid).attached = s
-            return s
+            return self._open(
+                sid, request.route_id, request.sampling, request.next_hops or (), request.ticket, client, request.prefix
+            )
         if request.route_id is not None and request.route_id != s.route_id:
             raise Conflict(f"session {sid} is pinned to route {s.route_id}, not {request.route_id}")
         s.check_open()
+        return s
+
+    def _open(
+        self, sid: SessionId, route_id: str | None, sampling: str | None, next_hops: tuple[str, ...],
+        ticket: str | None, client: str | None, prefix: PrefixClaim | None,
+    ) -> NodeSession:  # fmt: skip
+        """Open a session here from its first request's binding (route, next hops, the tail's sampling)."""
+        self._check_quota(client)
+        if not route_id:
+            raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
+        tail = self.info.layers.is_tail
+        params = sampling_params(sampling)
+        hops = self._ticketed_hops(ticket, sid, route_id, next_hops, kind=None)
+        hops = check_next_hops(self.info, self.config.node_id, hops)
+        sampler = Sampler(params, self.shard.grammar(params.grammar) if params.grammar else None) if tail else None
+        s = NodeSession(sid, route_id, hops, sampler, ChunkLedger(not tail), carry_ids=params.needs_history)
+        s.client, s.prefix = client, prefix
+        if tail or self.config.seam_log_bytes <= 0:
+            s.log = None
+        self.shard.open_session(sid)
+        self.shard.store.get(sid).attached = s
         return s
 
     def _check_quota(self, client: str | None) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from meshnet.errors import MeshnetError, SessionBroken
 from meshnet.ids import SessionId
 from meshnet.protocol.ledger import ChunkLedger
+from meshnet.protocol.messages import PrefixClaim
 from meshnet.protocol.wire import TensorFrame
 from meshnet.sampling import Sampler
 
@@ -46,6 +47,7 @@ class NodeSession:
     ids_seen: list[int] = field(default_factory=list)
     seq: int | None = None  # the newest decode-channel step this node computed for the session
     client: str | None = None  # the swarm member that opened it here (per-client quotas), if known
+    prefix: PrefixClaim | None = None  # its prompt's blocks, for the prefix cache (node.prefix_cache)
 
     def check_open(self) -> None:
         if self.broken:
@@ -83,6 +85,18 @@ class SeamLogs:
         if ids is not None:
             s.ids_log += ids
         self.used += size
+
+    def adopt(self, s: NodeSession, log: bytes, dtype: str, ids: bytes) -> None:
+        """Start the (empty) log of a session that adopted cached positions with their log, within budget."""
+        if s.log is None or s.log or s.ids_log:
+            return
+        if self.used + len(log) + len(ids) > self.budget_bytes:
+            self.drop(s)
+            return
+        s.log += log
+        s.ids_log += ids
+        s.log_dtype = dtype
+        self.used += len(log) + len(ids)
 
     def drop(self, s: NodeSession) -> None:
         if s.log is not None:

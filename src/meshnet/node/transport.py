@@ -21,7 +21,7 @@ from meshnet.errors import HopFailed, MeshnetError
 from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
-from meshnet.protocol.messages import HopAnswer, HopRequest, remote_error
+from meshnet.protocol.messages import HopAnswer, HopRequest, PrefixRequest, remote_error
 
 if TYPE_CHECKING:
     from meshnet.node.service import NodeService
@@ -30,7 +30,7 @@ __all__ = ["HopTransport", "HttpTransport", "LocalTransport"]
 
 
 class HopTransport(Protocol):
-    async def send(self, hop: str, request: HopRequest, *, timeout_s: float) -> HopAnswer: ...
+    async def send(self, hop: str, request: HopRequest | PrefixRequest, *, timeout_s: float) -> HopAnswer: ...
 
     async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> None:
         """Free the session on ``hop`` (and down the chain from it); failures are ignored. ``ticket``:
@@ -43,8 +43,12 @@ class HttpTransport:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
 
-    async def send(self, hop: str, request: HopRequest, *, timeout_s: float) -> HopAnswer:
-        path, headers, body = http_binding.encode_request(request)
+    async def send(self, hop: str, request: HopRequest | PrefixRequest, *, timeout_s: float) -> HopAnswer:
+        if isinstance(request, PrefixRequest):
+            path, headers = http_binding.encode_prefix(request)
+            body = b""
+        else:
+            path, headers, body = http_binding.encode_request(request)
         timeout = httpx.Timeout(timeout_s, connect=5.0)
         try:
             response = await self.client.post(f"{hop}{path}", content=body, headers=headers, timeout=timeout)
@@ -74,11 +78,13 @@ class LocalTransport:
         """The hop at ``url`` is gone, as after ``kill -9``: every later request to it fails."""
         self.services.pop(url, None)
 
-    async def send(self, hop: str, request: HopRequest, *, timeout_s: float) -> HopAnswer:
+    async def send(self, hop: str, request: HopRequest | PrefixRequest, *, timeout_s: float) -> HopAnswer:
         service = self.services.get(hop)
         if service is None:
             raise HopFailed(f"next hop {hop} failed: ConnectError: nothing listens there", failed_hop=hop)
         try:
+            if isinstance(request, PrefixRequest):
+                return await service.prefix(request)
             answer = await service.handle(request)
         except MeshnetError as exc:
             raise remote_error(exc, sender=hop, sender_is_head=False) from None

@@ -14,7 +14,9 @@ __all__ = [
     "MODEL",
     "NEXT_HOPS",
     "POSITION",
+    "PREFIX",
     "REPLAY",
+    "REUSE",
     "REWIND",
     "ROUTE_ID",
     "SAMPLE",
@@ -47,3 +49,6 @@ DRAFT = "X-Meshnet-Draft"
 # the tracker-signed route ticket (a repair ticket on reroute/replay), verbatim (protocol.tickets)
 TICKET = "X-Meshnet-Ticket"
 CHUNKS = "X-Meshnet-Chunks"  # prefill: how to split the body into compute calls ("128x2,37,1x3"); default one
+# prefix caching: a session's prompt blocks ("BLOCK:HASH,HASH,...", protocol.prefix), on its first request
+PREFIX = "X-Meshnet-Prefix"
+REUSE = "X-Meshnet-Reuse"  # POST .../prefix: the most leading blocks the receiver may take from its cache

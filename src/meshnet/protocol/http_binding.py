@@ -2,7 +2,7 @@
 
 ``encode_request`` / ``decode_request`` map a ``HopRequest`` to ``POST /v1/sessions/{id}/{verb}``
 headers and a raw body and back; ``encode_reroute`` / ``decode_reroute`` do the same for
-``.../reroute``; answers travel as JSON (``HopAnswer.to_json`` / ``answer_from_response``), and an
+``.../reroute`` and ``encode_prefix`` / ``decode_prefix`` for ``.../prefix``; answers travel as JSON (``HopAnswer.to_json`` / ``answer_from_response``), and an
 error answer becomes the ``MeshnetError`` it means to the sender (``error_from_response``). The
 decode channel (``node.channel``) carries the same headers and body inside its frames, so this is
 the only place that reads or writes an ``X-Meshnet-*`` hop header.
@@ -19,13 +19,16 @@ from meshnet.httputil import error_field, error_message
 from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol.ledger import format_chunks, parse_chunks
-from meshnet.protocol.messages import HopAnswer, HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.messages import HopAnswer, HopRequest, Payload, PrefixClaim, PrefixRequest, RerouteRequest, Verb
+from meshnet.protocol.prefix import format_prefix, parse_prefix
 from meshnet.protocol.wire import format_shape, parse_range, read_frame, split_token_ids
 
 __all__ = [
     "answer_from_response",
+    "decode_prefix",
     "decode_request",
     "decode_reroute",
+    "encode_prefix",
     "encode_request",
     "encode_reroute",
     "encode_step",
@@ -68,6 +71,8 @@ def encode_request(request: HopRequest) -> tuple[str, dict[str, str], bytes]:
         headers[H.REWIND] = "1"
     if request.ticket is not None:
         headers[H.TICKET] = request.ticket
+    if request.prefix is not None:
+        headers[H.PREFIX] = format_prefix(request.prefix.block, request.prefix.hashes)
     headers[H.SHAPE] = format_shape(frame.shape)
     headers[H.DTYPE] = frame.dtype
     body = frame.body
@@ -120,6 +125,46 @@ def decode_request(
         drafts=drafts,
         replay=_replay(headers, verb),
         rewind=headers.get(H.REWIND) == "1",
+        ticket=headers.get(H.TICKET),
+        prefix=_prefix(headers),
+    )
+
+
+def encode_prefix(request: PrefixRequest) -> tuple[str, dict[str, str]]:
+    """``(path, headers)`` of a prefix request (it has no body)."""
+    headers = {
+        H.ROUTE_ID: request.route_id,
+        H.PREFIX: format_prefix(request.prefix.block, request.prefix.hashes),
+        H.REUSE: str(request.reuse),
+        H.NEXT_HOPS: ",".join(request.next_hops),
+    }
+    if request.model is not None:
+        headers[H.MODEL] = request.model
+    if request.sampling:
+        headers[H.SAMPLING] = request.sampling
+    if request.ticket is not None:
+        headers[H.TICKET] = request.ticket
+    return request_path(request.session, "prefix"), headers
+
+
+def decode_prefix(session: SessionId, headers: Mapping[str, str]) -> PrefixRequest:
+    prefix = _prefix(headers)
+    if prefix is None:
+        raise InvalidRequest(f"a prefix request names the prompt's blocks in {H.PREFIX}")
+    route_id = headers.get(H.ROUTE_ID)
+    if not route_id:
+        raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
+    raw = headers.get(H.REUSE, "")
+    if not (raw.isascii() and raw.isdigit()):
+        raise InvalidRequest(f"header {H.REUSE} must be the most blocks to reuse (0..{len(prefix.hashes)}), got {raw!r}")
+    return PrefixRequest(
+        session=session,
+        prefix=prefix,
+        reuse=int(raw),
+        route_id=route_id,
+        model=headers.get(H.MODEL),
+        next_hops=_hops(headers.get(H.NEXT_HOPS, "")),
+        sampling=headers.get(H.SAMPLING) or None,
         ticket=headers.get(H.TICKET),
     )
 
@@ -179,6 +224,17 @@ def error_from_response(response: httpx.Response, sender: str, *, sender_is_head
 def _chunks(headers: Mapping[str, str], n: int) -> tuple[int, ...] | None:
     chunks = tuple(parse_chunks(headers.get(H.CHUNKS), n))
     return chunks if len(chunks) > 1 else None
+
+
+def _prefix(headers: Mapping[str, str]) -> PrefixClaim | None:
+    raw = headers.get(H.PREFIX)
+    if raw is None:
+        return None
+    try:
+        block, hashes = parse_prefix(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"header {H.PREFIX} {exc}") from None
+    return PrefixClaim(block, hashes)
 
 
 def _hops(raw: str) -> tuple[str, ...]:

@@ -7,6 +7,9 @@ A gateway or an upstream node sends a *hop request* to the next hop of a session
   repair: rebuild KV on this many hops, answer no token) and ``rewind`` (a repair's resent step:
   a hop already past it drops it first) cover the repair traffic;
 - ``RerouteRequest``: point a session at new next hops, optionally replaying its seam log into them;
+- ``PrefixRequest``: a session's first request when its prompt starts with blocks the route may
+  hold in its prefix caches: every hop adopts the cached KV of as many leading blocks as it and
+  every hop after it hold (``node.prefix_cache``), and the prefill starts after them;
 - a delete names only the session.
 
 Every answer is a ``HopAnswer``: the positions taken (a pipelined chunk, a replay), the next token
@@ -31,6 +34,7 @@ from typing import Any
 from meshnet.errors import InvalidRequest, MeshnetError, hop_error
 from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
+from meshnet.protocol.prefix import MAX_PREFIX_BLOCKS
 from meshnet.protocol.wire import TensorFrame
 from meshnet.sampling import Alternatives
 
@@ -40,6 +44,8 @@ __all__ = [
     "HopEntry",
     "HopRequest",
     "Payload",
+    "PrefixClaim",
+    "PrefixRequest",
     "RerouteRequest",
     "Verb",
     "remote_error",
@@ -63,6 +69,20 @@ class Payload:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixClaim:
+    """A session's prompt as blocks (``protocol.prefix``): ``block`` tokens each, by chained hash.
+    Each hop keeps it with the session, and when the session ends puts the KV of those of its
+    blocks it computed in canonical chunks into its prefix cache under these hashes."""
+
+    block: int
+    hashes: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.block <= 1 << 16 or len(self.hashes) > MAX_PREFIX_BLOCKS:
+            raise InvalidRequest(f"{H.PREFIX} names blocks of 1..65536 tokens, at most {MAX_PREFIX_BLOCKS} of them")
+
+
+@dataclass(frozen=True, slots=True)
 class HopRequest:
     """One prefill chunk, decode step or verify chunk for the positions ``start..start + n - 1``."""
 
@@ -83,6 +103,7 @@ class HopRequest:
     rewind: bool = False  # a repair's resent step: a hop already holding it drops it first
     # in a private swarm, a session's first request: the tracker-signed ticket of its route (protocol.tickets)
     ticket: str | None = None
+    prefix: PrefixClaim | None = None  # a session's first request: its prompt's blocks (prefix caching)
 
     def __post_init__(self) -> None:
         if self.start < 0 or self.n < 1:
@@ -130,6 +151,32 @@ class HopRequest:
             next_hops=next_hops[1:] if self.next_hops is not None or self.verb is Verb.PREFILL else None,
             replay=max(self.replay - 1, 0),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRequest:
+    """Open a session whose prompt starts with ``prefix``, reusing at most ``reuse`` of its blocks
+    from the hops' prefix caches; the answer (``CACHED``) says how many positions every hop holds.
+    It carries what a session's first request carries (route, next hops, sampling, ticket)."""
+
+    session: SessionId
+    prefix: PrefixClaim
+    reuse: int
+    route_id: str
+    model: str | None = None
+    next_hops: tuple[str, ...] = ()
+    sampling: str | None = None
+    ticket: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.reuse <= len(self.prefix.hashes):
+            raise InvalidRequest(
+                f"header {H.REUSE} must be 0..{len(self.prefix.hashes)} (blocks of {H.PREFIX} to reuse), got {self.reuse}"
+            )
+
+    def onward(self, reuse: int, next_hops: tuple[str, ...], *, model: str) -> PrefixRequest:
+        """What a hop passes on: the blocks it adopted as the most the next may reuse."""
+        return dataclasses.replace(self, reuse=reuse, next_hops=next_hops[1:], model=model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +249,7 @@ class AnswerKind(StrEnum):
     TOKEN = "token"  # the next token
     TOKENS = "tokens"  # a verify chunk: the drafts kept and one token of the tail's own
     REROUTED = "rerouted"  # a reroute without replay
+    CACHED = "cached"  # a prefix request: the positions every hop took from its prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +280,7 @@ class HopAnswer:
     def to_json(self) -> dict[str, Any]:
         hops = [h.to_json() for h in self.hops]
         kind = self.kind
-        if kind in (AnswerKind.ACCEPTED, AnswerKind.REPLAYED):
+        if kind in (AnswerKind.ACCEPTED, AnswerKind.REPLAYED, AnswerKind.CACHED):
             return {kind.value: self.count, "hops": hops}
         if kind is AnswerKind.REROUTED:
             return {
@@ -269,6 +317,8 @@ class HopAnswer:
             return cls(AnswerKind.ACCEPTED, entries, count=_need_count(raw, "accepted"))
         if "replayed" in raw:
             return cls(AnswerKind.REPLAYED, entries, count=_need_count(raw, "replayed"))
+        if "cached" in raw:
+            return cls(AnswerKind.CACHED, entries, count=_need_count(raw, "cached"))
         position = _need_count(raw, "position")
         if "rerouted" in raw:
             nxt = raw.get("next_hops")

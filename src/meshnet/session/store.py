@@ -183,6 +183,34 @@ class SessionStore(Generic[S]):
                     session.positions_processed += n
                     session.steps += 1
 
+    def adopt(self, sid: SessionId, position: int, swap: Callable[[S], S]) -> None:
+        """Give a fresh session (position 0) a state already holding ``position`` positions: ``swap``
+        takes its state and returns the new one (a prefix cache hit). Checked first like ``use``;
+        if ``swap`` raises, the session is as it was."""
+        with self._lock:
+            session = self._lookup_locked(sid)
+            if session.busy:
+                raise SessionBusy(f"session {sid} is computing; it adopts cached state only when fresh")
+            if session.position != 0:
+                raise PositionMismatch(f"session {sid} is at position {session.position}; only a fresh one adopts state")
+            if position > self.limits.max_positions:
+                raise ContextOverflow(
+                    f"{position} cached positions exceed a session's cap of {self.limits.max_positions} on this shard"
+                )
+            extra = self.limits.bytes_per_token * position
+            if self._bytes_locked() + extra > self.limits.budget_bytes:
+                raise StoreFull(self._full_message(extra), retry_after_s=5)
+            session.busy = True
+        new: S | None = None
+        try:
+            new = swap(session.state)
+        finally:
+            with self._lock:
+                session.busy = False
+                session.last_used = self._clock()
+                if new is not None:
+                    session.state, session.position = new, position
+
     def rewind(self, sid: SessionId, position: int) -> None:
         """Drop positions ``>= position`` (route repair resends a step a downstream hop may already hold)."""
         with self._lock:

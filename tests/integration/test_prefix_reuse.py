@@ -1,0 +1,80 @@
+"""Prefix caching on ``meshnet up`` through the official client: a conversation's next turns reuse
+their history from the nodes' prefix caches (``usage.prompt_tokens_details.cached_tokens``) and
+say exactly what ``meshnet serve`` — which prefills every turn cold — says; two conversations
+share a long system prompt's KV."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import Proc, admin_client
+
+pytestmark = pytest.mark.real
+
+SYSTEM = (
+    "You are a careful assistant for a hardware store. Facts you know: "
+    + "; ".join(f"aisle {i} holds {['nails', 'screws', 'paint', 'rope', 'glue', 'tape'][i % 6]} at ${i * 3 % 17}" for i in range(40))
+    + ". Answer briefly."
+)
+N_TOKENS = 24
+
+
+def turn(url: str, model: str, messages: list[dict[str, str]]) -> tuple[str, int]:
+    """The answer and the cached prompt tokens the response reports."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180) as client:
+        out = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=N_TOKENS)  # type: ignore[arg-type]
+    usage = out.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return out.choices[0].message.content or "", usage.prompt_tokens_details.cached_tokens or 0
+
+
+def test_each_turn_of_a_conversation_reuses_its_history_and_says_what_a_cold_prefill_says(
+    swarm: Proc, server: Proc, model_id: str
+) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the rope?"}]
+    cached = []
+    for question in ("How much is the glue?", "And the paint in aisle 2?", None):
+        answer, reused = turn(swarm.url, model_id, messages)
+        cold, _ = turn(server.url, model_id, messages)
+        assert answer == cold
+        cached.append(reused)
+        if question is None:
+            break
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+    # turn 1 may find the system prompt cached by another test's conversation; turns 2 and 3 find
+    # their whole history's blocks (128 tokens each) but the last partial one
+    assert cached[1] > cached[0] and cached[2] > cached[1], cached
+    assert cached[2] >= 3 * 128
+    with admin_client(swarm) as admin:
+        nodes = [n["url"] for n in httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]]
+        stats = [admin.get(f"{url}/v1/health").json()["prefix_cache"] for url in nodes]
+    assert all(s["hits"] >= 2 and s["reused_positions"] >= cached[1] + cached[2] for s in stats), stats
+
+
+def test_two_conversations_share_a_long_system_prompt(swarm: Proc, server: Proc, model_id: str) -> None:
+    system = SYSTEM.replace("hardware store", "garden centre")
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Is there rope?"}]
+    second = [{"role": "system", "content": system}, {"role": "user", "content": "What does aisle 7 hold?"}]
+    turn(swarm.url, model_id, first)
+    answer, reused = turn(swarm.url, model_id, second)
+    assert reused >= 2 * 128  # the system prompt's whole blocks
+    assert answer == turn(server.url, model_id, second)[0]
+
+
+def test_telemetry_says_how_much_of_the_prompt_came_from_the_caches(swarm: Proc, model_id: str) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the tape?"}]
+    turn(swarm.url, model_id, messages)
+    response = httpx.post(
+        f"{swarm.url}/v1/chat/completions",
+        json={"model": model_id, "messages": messages, "max_tokens": 4, "temperature": 0},
+        timeout=120,
+    )
+    assert response.status_code == 200
+    body = response.json()
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and body["meshnet"]["cached_tokens"] == cached
+    gid = response.headers["x-meshnet-generation-id"]
+    events = httpx.get(f"{swarm.url}/v1/generations/{gid}/events", timeout=30).text
+    assert f'"cached_tokens":{cached}' in events.replace(" ", "")
