@@ -123,6 +123,10 @@ def test_random_swarms_match_brute_force(seed: int):
     k = rng.choice([1, 2, 3, 5])
     exclude = {n.node_id for n in nodes if rng.random() < 0.1}
     span = rng.choice([None, None, (0, 6), (3, 9), (4, 12)])
+    if rng.random() < 0.5:  # a prompt some nodes hold leading blocks of (by filter or by hint)
+        prefix = tuple(i.to_bytes(8, "little") for i in range(rng.randint(1, 6)))
+        request = replace(request, prefix_block=rng.choice([1, 4, 128]), prefix=prefix)
+        nodes = [replace(n, prefix_held=frozenset(prefix[: rng.randint(0, len(prefix))])) for n in nodes]
     mine = [n for n in nodes if n.model == MODEL and n.node_id not in exclude]
     chains = []
     for total in {n.layers.total for n in mine}:
@@ -144,6 +148,7 @@ def test_random_swarms_match_brute_force(seed: int):
         assert not {n.node_id for n in c.nodes} & exclude
         assert c.estimated_s == route_cost_ns(c.nodes, request) / 1e9
         assert sum(c.breakdown.values()) == pytest.approx(c.estimated_s, rel=1e-9, abs=1e-6)
+        assert 0 <= c.cached_tokens <= max(0, request.prefill_tokens - 1)
     # The input order never matters, ties included.
     again = select_routes(list(reversed(nodes)), MODEL, request=request, exclude=exclude, span=span, k=k)
     assert [ids(c) for c in again] == [ids(c) for c in choices]

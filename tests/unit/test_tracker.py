@@ -297,6 +297,7 @@ UNADVERTISED = {
     "seam": None,
     "max_verify": 0,
     "trusted": False,  # an open swarm's nodes have no certificate, so no trusted tier
+    "holds_prefixes": False,
 }
 
 
@@ -385,11 +386,13 @@ def test_open_session_returns_a_route_covering_every_layer(client: TestClient, c
     assert response.status_code == 201
     session = response.json()
     assert set(session) == {
-        "session_id", "route_id", "model", "hops", "created", "trusted_only", "alternatives", "estimated_s"
+        "session_id", "route_id", "model", "hops", "created", "trusted_only", "alternatives", "estimated_s",
+        "cached_tokens",
     }  # fmt: skip
     assert session["trusted_only"] is False
     assert session["alternatives"] == []  # only one chain exists
     assert session["estimated_s"] > 0
+    assert session["cached_tokens"] == 0  # no prefix asked for
     assert session["session_id"].startswith("ses-")
     assert session["route_id"].startswith("rte-")
     assert session["model"] == MODEL
@@ -416,7 +419,7 @@ def test_a_session_is_sticky_across_a_tracker_restart(db_path: str):
             first.post("/v1/nodes", json=registration("a", "0:6"))
             first.post("/v1/nodes", json=registration("b", "6:12"))
             session = first.post("/v1/sessions", json={"model": MODEL}).json()
-            del session["alternatives"], session["estimated_s"]  # the choice's snapshot, not persisted
+            del session["alternatives"], session["estimated_s"], session["cached_tokens"]  # the choice's, not persisted
     finally:
         first_db.close()
     second_db = TrackerDB(db_path)  # a restarted tracker: no nodes yet, the same database

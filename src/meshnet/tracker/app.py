@@ -25,6 +25,7 @@ from meshnet.errors import Conflict, InvalidRequest, ModelMismatch
 from meshnet.httputil import EXCEPTION_HANDLERS, read_body, service_url
 from meshnet.layers import LayerRange
 from meshnet.models.families import family_of_model_type
+from meshnet.protocol.prefix import FILTER_BITS, PrefixFilter
 from meshnet.security.membership import (
     CA_PATH,
     JOIN_PATH,
@@ -98,6 +99,8 @@ class Registration(BaseModel):
     architecture: str | None = Field(None, min_length=1, max_length=64)  # GGUF general.architecture
     seam: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=1, max_length=4)  # per position
     max_verify: int = Field(0, ge=0, le=1024)  # drafted positions one verify chunk may add (0: no speculation)
+    # PrefixFilter.encode() of the prompt blocks in its prefix cache (2,732 characters); None: it holds none
+    prefix_filter: str | None = Field(None, max_length=FILTER_BITS // 4)
 
     @field_validator("url")
     @classmethod
@@ -202,7 +205,23 @@ def _node_json(node: NodeRecord) -> dict[str, Any]:
         "seam": list(node.seam) if node.seam is not None else None,
         "max_verify": node.max_verify,
         "trusted": node.trusted,
+        # Whether its latest heartbeat advertised prefix-cached blocks; the 2 KiB filter is the router's.
+        "holds_prefixes": node.prefix_filter is not None,
     }
+
+
+def _prefix_filter(text: str | None) -> PrefixFilter | None:
+    """The advertised filter; ``None`` when it holds nothing (routing then skips the node's lookups)."""
+    if text is None:
+        return None
+    try:
+        held = PrefixFilter.decode(text)
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"{exc}: send PrefixFilter.encode() of the blocks the node holds, or null when it holds none",
+            param="prefix_filter",
+        ) from None
+    return held or None
 
 
 def _check_same_model(node: NodeRecord, live: list[NodeRecord]) -> None:
@@ -280,6 +299,7 @@ def create_tracker_app(
             seam=tuple(reg.seam) if reg.seam is not None else None,
             max_verify=reg.max_verify,
             trusted=certified is not None and certified.trusted,
+            prefix_filter=_prefix_filter(reg.prefix_filter),
         )
         _check_same_model(node, tracker.live_nodes())
         live = {n.node_id: n for n in tracker.live_nodes()}

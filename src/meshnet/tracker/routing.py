@@ -7,11 +7,19 @@ at ``a``, each next node starts where the previous stopped, the last ends at ``b
 Among the chains that exist, the one with the lowest *estimated time* for the request wins
 (docs/tracker.md, "Route selection", derives every term)::
 
-    cost = Σ_node [ P·prefill_s/token + D·decode_s/token          (the node's own work, "own")
+    cost = Σ_node [ (P - C)·prefill_s/token + D·decode_s/token    (the node's own work, "own")
                     + queue_depth · own                            (load: waits behind its queue)
                     + (1 - r)/r · (own + REPAIR_S)                 (expected retry cost, r = reliability)
                     + cold penalty + no-KV-room penalty ]
          + Σ_hop (D + 1) · RTT(upstream → downstream)
+
+``C`` is the node's own *cached* positions: the leading blocks of the prompt it holds (its
+advertised ``PrefixFilter`` or the tracker's ``prefix_held`` hint, protocol.prefix), at most
+``P - 1`` (the last prompt position is always computed: its logits are needed). A chain reuses only
+what every hop holds, so ``RouteChoice.cached_tokens`` is the minimum over its nodes; charging each
+node its own ``C`` instead keeps the cost additive (the estimate is optimistic for a chain whose
+nodes hold different amounts). A Bloom false positive only makes a route look warmer: the nodes'
+own lookup finds the truth.
 
 Every term is per node or per consecutive pair, so the cost is additive along the chain and a
 dynamic programme over the nodes (state = a node: the hop cost depends on the pair) finds the
@@ -31,6 +39,7 @@ from typing import Any
 
 from meshnet.errors import Overloaded
 from meshnet.layers import LayerRange
+from meshnet.protocol.prefix import PrefixFilter, matched_blocks
 
 __all__ = [
     "COLD_READ_BYTES_PER_S",
@@ -122,14 +131,22 @@ class NodeRecord:
     # The trust tier of its member certificate, read by a private swarm's tracker from the TLS
     # handshake of its registration (never from what it claims); a node of an open swarm is untrusted.
     trusted: bool = False
+    # The prompt blocks in its prefix cache, as its latest heartbeat advertised them (None: none).
+    prefix_filter: PrefixFilter | None = field(default=None, hash=False, compare=False)
+    # Blocks the tracker knows it took since that heartbeat (a session through it closed): the
+    # next turn of a conversation, asked for right after the previous answer, finds its warm route.
+    prefix_held: frozenset[bytes] = field(default=frozenset(), hash=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """The request a route is chosen for: how many positions it prefills and decodes."""
+    """The request a route is chosen for: how many positions it prefills and decodes, and the chained
+    hashes of its prompt's leading ``prefix_block``-token blocks (protocol.prefix; empty: not known)."""
 
     prefill_tokens: int = 512
     decode_tokens: int = 256
+    prefix_block: int = 0
+    prefix: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +154,7 @@ class RouteChoice:
     nodes: tuple[NodeRecord, ...]
     estimated_s: float  # the estimated time of the request on this route
     breakdown: Mapping[str, float]  # prefill_s, decode_s, hop_latency_s and the penalties, summing to it
+    cached_tokens: int  # prompt positions every node of it holds: what the route may reuse
 
 
 def plan_route(nodes: Sequence[NodeRecord], model: str, total_layers: int | None = None) -> list[NodeRecord]:
@@ -285,7 +303,7 @@ def _node_terms(node: NodeRecord, request: RouteRequest) -> dict[str, float]:
     layers = len(node.layers)
     prefill_per = 1.0 / node.prefill_tps if node.prefill_tps > 0 else DEFAULT_PREFILL_S_PER_LAYER * layers
     decode_per = 1.0 / node.decode_tps if node.decode_tps > 0 else DEFAULT_DECODE_S_PER_LAYER * layers
-    prefill_s = request.prefill_tokens * prefill_per
+    prefill_s = (request.prefill_tokens - _cached_tokens(node, request)) * prefill_per
     decode_s = request.decode_tokens * decode_per
     own = prefill_s + decode_s
     reliability = min(1.0, max(_MIN_RELIABILITY, node.reliability))
@@ -303,6 +321,18 @@ def _node_terms(node: NodeRecord, request: RouteRequest) -> dict[str, float]:
         # kv_bytes_per_token 0 means the node did not say; it is not held against it.
         "kv_penalty_s": NO_KV_ROOM_PENALTY_S if node.kv_bytes_free < need else 0.0,
     }
+
+
+def _cached_tokens(node: NodeRecord, request: RouteRequest) -> int:
+    """The prompt positions ``node`` would not prefill: its leading blocks of the prompt, at most all
+    but the last position. Held by its filter or by the tracker's hint, whichever reaches further
+    (each is a run of leading blocks the node holds)."""
+    if not request.prefix or request.prefix_block < 1 or request.prefill_tokens < 2:
+        return 0
+    blocks = matched_blocks(request.prefix, node.prefix_held)
+    if node.prefix_filter is not None:
+        blocks = max(blocks, matched_blocks(request.prefix, node.prefix_filter))
+    return min(blocks * request.prefix_block, request.prefill_tokens - 1)
 
 
 def _cost_ns(node: NodeRecord, request: RouteRequest) -> int:
@@ -325,7 +355,8 @@ def _choice(chain: tuple[NodeRecord, ...], request: RouteRequest) -> RouteChoice
     hops_ns = [round(_hop_ms(up, down) * 1e6 * hop_runs) for up, down in itertools.pairwise(chain)]
     breakdown["hop_latency_s"] = sum(hops_ns) / 1e9
     total_ns += sum(hops_ns)
-    return RouteChoice(chain, total_ns / 1e9, MappingProxyType(breakdown))
+    cached = min(_cached_tokens(node, request) for node in chain)
+    return RouteChoice(chain, total_ns / 1e9, MappingProxyType(breakdown), cached)
 
 
 def route_cost_ns(chain: Sequence[NodeRecord], request: RouteRequest = RouteRequest()) -> int:

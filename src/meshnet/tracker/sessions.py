@@ -11,13 +11,19 @@
 A node reported failed is dropped from the live set at once (a dead node must not be handed to
 the next session while its heartbeat TTL runs out); if it is alive, its next heartbeat brings it
 back, with the failure in its reliability record.
+
+Cache-warm routing: a session opened with its prompt's ``prefix`` (protocol.prefix) is routed to
+the nodes that hold the most of it, and when the gateway closes it, its nodes count as holding
+those blocks (``PrefixHints``) until their own heartbeats advertise them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol, TypeVar
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Annotated, Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -28,6 +34,7 @@ from meshnet.errors import Conflict, Forbidden, InvalidRequest, NotFound, Overlo
 from meshnet.httputil import read_body
 from meshnet.ids import RouteId, SessionId, new_route_id, new_session_id
 from meshnet.layers import LayerRange
+from meshnet.protocol.prefix import HASH_BYTES, MAX_PREFIX_BLOCKS
 from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, repair_ticket, route_ticket
 from meshnet.security.membership import scope_member
 from meshnet.tracker.billing import FORMULA
@@ -35,7 +42,7 @@ from meshnet.tracker.db import BillingRow, TrackerDB, member
 from meshnet.tracker.repair import PinnedHop, equivalent_nodes, plan_repair
 from meshnet.tracker.routing import NodeRecord, RouteChoice, RouteRequest, select_routes
 
-__all__ = ["NodeRegistry", "SessionsApi", "parse_body"]
+__all__ = ["NodeRegistry", "PrefixHints", "SessionsApi", "parse_body"]
 
 NO_TRUSTED_ROUTE = "no_trusted_route"  # the 503's code when trusted nodes alone cannot make the route
 SESSION_IDLE_S = 3600.0  # an open session nobody repaired, billed or closed for this long is expired
@@ -47,6 +54,16 @@ class NodeRegistry(Protocol):
     def record_failure(self, node_id: str, reason: str) -> None: ...
 
     def suspend(self, node_id: str) -> None: ...
+
+
+class PromptPrefix(BaseModel):
+    """The chained hashes of a prompt's leading blocks (protocol.prefix ``block_hashes``)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    block: int = Field(ge=1, le=1 << 16)  # tokens per block: the gateway's prefill chunk
+    hashes: list[Annotated[str, Field(pattern=rf"^[0-9a-fA-F]{{{2 * HASH_BYTES}}}$")]] = Field(
+        max_length=MAX_PREFIX_BLOCKS
+    )
 
 
 class SessionRequest(BaseModel):
@@ -61,6 +78,8 @@ class SessionRequest(BaseModel):
     like_session: str | None = Field(None, min_length=1, max_length=64)
     # Only nodes whose certificate grants the trusted tier, on the route and in every repair of it.
     trusted_only: bool = Field(False, strict=True)
+    # The prompt's blocks: the route that holds the most of them prefills the least.
+    prefix: PromptPrefix | None = None
 
 
 class RepairRequest(BaseModel):
@@ -160,6 +179,74 @@ def _total_layers(session: dict[str, Any]) -> int:
     return int(session["hops"][-1]["layers"].partition(":")[2])
 
 
+# A closed session's blocks count as held by its nodes this long: by then their heartbeats (every 5 s)
+# advertise them in their own filters, or they evicted them.
+PREFIX_HINT_S = 60.0
+_HINTS_PER_NODE = 4096  # block hashes remembered per node; the oldest go first
+_PREFIXES_KEPT = 10_000  # open sessions whose prompt blocks are remembered (at most 4 KiB each)
+
+
+class PrefixHints:
+    """Prompt blocks nodes took since their last heartbeat, in memory only (a restart loses hints).
+
+    A node puts a session's prompt blocks into its prefix cache when the gateway closes the session;
+    its filter advertises them only with its next heartbeat. A conversation's next turn, asked for
+    right after the previous answer, would miss its warm route in between: so the tracker remembers
+    each open session's blocks, and on close counts them as held by the session's nodes for
+    ``PREFIX_HINT_S``. Block hashes are seeded with the block size, so blocks of different sizes
+    never match and the size need not be kept.
+    """
+
+    def __init__(self) -> None:
+        self._open: OrderedDict[str, bytes] = OrderedDict()  # session id -> its block hashes, concatenated
+        self._held: dict[str, OrderedDict[bytes, float]] = {}  # node id -> block hash -> held until
+
+    def opened(self, session_id: str, hashes: Sequence[bytes]) -> None:
+        if not hashes:
+            return
+        self._open[session_id] = b"".join(hashes)
+        while len(self._open) > _PREFIXES_KEPT:
+            self._open.popitem(last=False)
+
+    def closed(self, session_id: str, node_ids: Iterable[str]) -> None:
+        """The session ended normally: each of ``node_ids`` now holds its blocks."""
+        joined = self._open.pop(session_id, None)
+        if joined is None:
+            return
+        self._expire()
+        hashes = [joined[i : i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
+        until = time.time() + PREFIX_HINT_S
+        for node_id in node_ids:
+            held = self._held.setdefault(node_id, OrderedDict())
+            for h in hashes:
+                held[h] = until
+                held.move_to_end(h)  # kept in expiry order: the oldest are dropped first
+            while len(held) > _HINTS_PER_NODE:
+                held.popitem(last=False)
+
+    def apply(self, nodes: Sequence[NodeRecord], prefix: Sequence[bytes]) -> list[NodeRecord]:
+        """``nodes``, each with ``prefix_held`` set to the blocks of ``prefix`` it took lately."""
+        self._expire()
+        if not prefix or not self._held:
+            return list(nodes)
+        now = time.time()
+        out = []
+        for node in nodes:
+            held = self._held.get(node.node_id)
+            mine = frozenset(h for h in prefix if held.get(h, now) > now) if held else frozenset()
+            out.append(replace(node, prefix_held=mine) if mine else node)
+        return out
+
+    def _expire(self) -> None:
+        now = time.time()
+        for node_id in list(self._held):
+            held = self._held[node_id]
+            while held and next(iter(held.values())) <= now:
+                held.popitem(last=False)
+            if not held:
+                del self._held[node_id]
+
+
 # How long a route or repair ticket opens sessions for: a node checks it when the session opens
 # (and on a reroute), never per token, so a short life costs nothing.
 TICKET_TTL_S = 300.0
@@ -182,6 +269,7 @@ class SessionsApi:
         # Open sessions one member (a private swarm's gateway, by its certificate) may hold; None: no limit.
         self.max_sessions_per_client = max_sessions_per_client
         self._reported: dict[tuple[str, str], None] = {}  # insertion-ordered: the oldest go first
+        self.hints = PrefixHints()
 
     def load(self, session_id: str) -> dict[str, Any]:
         session = self.db.load_session(session_id)
@@ -197,15 +285,18 @@ class SessionsApi:
         expected = RouteRequest(
             prefill_tokens=defaults.prefill_tokens if req.prefill_tokens is None else req.prefill_tokens,
             decode_tokens=defaults.decode_tokens if req.max_tokens is None else req.max_tokens,
+            prefix_block=0 if req.prefix is None else req.prefix.block,
+            prefix=() if req.prefix is None else tuple(bytes.fromhex(h) for h in req.prefix.hashes),
         )
         live, why_not = self._eligible(req.trusted_only, req.model)
+        live = self.hints.apply(live, expected.prefix)
         try:
             choices = self._choose(req, expected, live)
         except Overloaded as exc:
             if not why_not:
                 raise
             raise Overloaded(f"{exc.message}; {why_not}", retry_after_s=5, code=NO_TRUSTED_ROUTE) from None
-        session = {
+        session: dict[str, Any] = {
             "session_id": new_session_id(),
             "route_id": new_route_id(),
             "model": req.model,
@@ -214,8 +305,13 @@ class SessionsApi:
             "trusted_only": req.trusted_only,
         }
         self.db.save_session({**session, "owner": _caller(request)})
+        self.hints.opened(session["session_id"], expected.prefix)
         # Not persisted: the alternatives are a snapshot for the caller to fall back on right away.
-        extra = {"alternatives": [hops_json(c.nodes) for c in choices[1:]], "estimated_s": choices[0].estimated_s}
+        extra = {
+            "alternatives": [hops_json(c.nodes) for c in choices[1:]],
+            "estimated_s": choices[0].estimated_s,
+            "cached_tokens": choices[0].cached_tokens,
+        }
         if self.signer is not None:
             extra["ticket"] = self.signer.sign(self._ticket(session))
         return JSONResponse({**session, **extra}, status_code=201)
@@ -283,6 +379,8 @@ class SessionsApi:
         _check_owner(request, session, "close")
         if not self.db.end_session(sid, "closed", "closed by the gateway"):
             raise NotFound(f"session {sid} is already {session['status']}")
+        # The nodes cached its prompt blocks before they answered the gateway's own DELETE.
+        self.hints.closed(sid, (h["node_id"] for h in session["hops"]))
         return JSONResponse({"deleted": sid})
 
     async def repair(self, request: Request) -> Response:
