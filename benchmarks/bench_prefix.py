@@ -85,7 +85,9 @@ def run() -> Section:
     ratio = median(warm_s) / median(turn1_s)
     section.add("turn 1: prompt tokens", f"{prompt}")
     section.add("turn 1 TTFT (cold prefill)", f"{median(turn1_s):.3f} s")
-    section.add("turn 2 TTFT, history from the prefix caches", f"{median(warm_s):.3f} s ({median(cached):.0f} tokens cached)")
+    section.add(
+        "turn 2 TTFT, history from the prefix caches", f"{median(warm_s):.3f} s ({median(cached):.0f} tokens cached)"
+    )
     section.add("turn 2 TTFT, nothing cached (baseline)", f"{median(cold_s):.3f} s")
     section.add("turn 2 ÷ turn 1", f"{ratio:.3f}", "≤ 0.2", ratio <= 0.2)
     section.add("turn 2 cached ÷ turn 2 cold", f"{median(warm_s) / median(cold_s):.3f}")

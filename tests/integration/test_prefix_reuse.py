@@ -1,66 +1,82 @@
 """Prefix caching on ``meshnet up`` through the official client: a conversation's next turns reuse
 their history from the nodes' prefix caches (``usage.prompt_tokens_details.cached_tokens``) and
-say exactly what ``meshnet serve`` — which prefills every turn cold — says; two conversations
-share a long system prompt's KV."""
+say exactly what a cold prefill says — a second gateway on the same nodes with ``--prefix-cache
+off``, which prefills every turn from scratch; two conversations share a long system prompt's KV."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.procs import Proc, admin_client
+from tests.procs import Proc, admin_client, join_member, meshnet_process, tracker_url
 
 pytestmark = pytest.mark.real
 
 SYSTEM = (
     "You are a careful assistant for a hardware store. Facts you know: "
-    + "; ".join(f"aisle {i} holds {['nails', 'screws', 'paint', 'rope', 'glue', 'tape'][i % 6]} at ${i * 3 % 17}" for i in range(40))
+    + "; ".join(
+        f"aisle {i} holds {['nails', 'screws', 'paint', 'rope', 'glue', 'tape'][i % 6]} at ${i * 3 % 17}"
+        for i in range(40)
+    )
     + ". Answer briefly."
 )
 N_TOKENS = 24
 
 
-def turn(url: str, model: str, messages: list[dict[str, str]]) -> tuple[str, int]:
-    """The answer and the cached prompt tokens the response reports."""
+@pytest.fixture(scope="module")
+def cold(swarm: Proc) -> Iterator[Proc]:
+    """A gateway on the same swarm that reuses nothing (and leaves nothing in the caches)."""
+    member = ["--swarm-dir", str(join_member(swarm, "gateway", "cold-gateway"))]
+    args = ["gateway", "--tracker", tracker_url(swarm), "--port", "0", "--prefix-cache", "off", *member]
+    with meshnet_process(args) as proc:
+        yield proc
+
+
+def turn(url: str, model: str, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+    """The answer, the prompt tokens and the cached prompt tokens the response reports."""
     with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180) as client:
         out = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=N_TOKENS)  # type: ignore[arg-type]
     usage = out.usage
     assert usage is not None and usage.prompt_tokens_details is not None
-    return out.choices[0].message.content or "", usage.prompt_tokens_details.cached_tokens or 0
+    return out.choices[0].message.content or "", usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
 
 
 def test_each_turn_of_a_conversation_reuses_its_history_and_says_what_a_cold_prefill_says(
-    swarm: Proc, server: Proc, model_id: str
+    swarm: Proc, cold: Proc, model_id: str
 ) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the rope?"}]
-    cached = []
-    for question in ("How much is the glue?", "And the paint in aisle 2?", None):
-        answer, reused = turn(swarm.url, model_id, messages)
-        cold, _ = turn(server.url, model_id, messages)
-        assert answer == cold
+    prompts, cached = [], []
+    for question in ("How much is the glue, and how much is the tape in aisle 5?", "And the paint in aisle 2?", None):
+        answer, prompt, reused = turn(swarm.url, model_id, messages)
+        again, _, none = turn(cold.url, model_id, messages)
+        assert answer == again and none == 0
+        prompts.append(prompt)
         cached.append(reused)
         if question is None:
             break
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
-    # turn 1 may find the system prompt cached by another test's conversation; turns 2 and 3 find
-    # their whole history's blocks (128 tokens each) but the last partial one
-    assert cached[1] > cached[0] and cached[2] > cached[1], cached
-    assert cached[2] >= 3 * 128
+    # each turn reuses every whole 128-token block of the one before it (turn 1 finds nothing: its
+    # system prompt is this test's own)
+    assert cached[0] == 0
+    assert [cached[1], cached[2]] == [128 * (prompts[0] // 128), 128 * (prompts[1] // 128)], (prompts, cached)
+    assert cached[1] > 0
     with admin_client(swarm) as admin:
         nodes = [n["url"] for n in httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]]
         stats = [admin.get(f"{url}/v1/health").json()["prefix_cache"] for url in nodes]
     assert all(s["hits"] >= 2 and s["reused_positions"] >= cached[1] + cached[2] for s in stats), stats
 
 
-def test_two_conversations_share_a_long_system_prompt(swarm: Proc, server: Proc, model_id: str) -> None:
+def test_two_conversations_share_a_long_system_prompt(swarm: Proc, cold: Proc, model_id: str) -> None:
     system = SYSTEM.replace("hardware store", "garden centre")
     first = [{"role": "system", "content": system}, {"role": "user", "content": "Is there rope?"}]
     second = [{"role": "system", "content": system}, {"role": "user", "content": "What does aisle 7 hold?"}]
     turn(swarm.url, model_id, first)
-    answer, reused = turn(swarm.url, model_id, second)
+    answer, _, reused = turn(swarm.url, model_id, second)
     assert reused >= 2 * 128  # the system prompt's whole blocks
-    assert answer == turn(server.url, model_id, second)[0]
+    assert answer == turn(cold.url, model_id, second)[0]
 
 
 def test_telemetry_says_how_much_of_the_prompt_came_from_the_caches(swarm: Proc, model_id: str) -> None:

@@ -90,11 +90,13 @@ def test_least_recently_used_entries_go_first_and_an_entry_over_the_budget_is_re
 
 def test_a_prefix_header_round_trips_and_a_bad_one_is_a_clear_400() -> None:
     claim = PrefixClaim(BLOCK, tuple(block_hashes(SYSTEM, BLOCK)))
-    request = PrefixRequest(SessionId("s"), claim, 2, "r1", model="mix", next_hops=("http://b",), sampling='{"seed": 1}')
+    request = PrefixRequest(
+        SessionId("s"), claim, 2, "r1", model="mix", next_hops=("http://b",), sampling='{"seed": 1}'
+    )
     path, headers = http_binding.encode_prefix(request)
     assert path == "/v1/sessions/s/prefix"
     assert http_binding.decode_prefix(SessionId("s"), headers) == request
-    with pytest.raises(InvalidRequest, match="X-Meshnet-Reuse must be 0..3"):
+    with pytest.raises(InvalidRequest, match=r"X-Meshnet-Reuse must be 0\.\.3"):
         http_binding.decode_prefix(SessionId("s"), {**headers, "X-Meshnet-Reuse": "4"})
     with pytest.raises(InvalidRequest, match="X-Meshnet-Prefix"):
         http_binding.decode_prefix(SessionId("s"), {**headers, "X-Meshnet-Prefix": "4:zz"})
@@ -118,7 +120,9 @@ class Gateway:
         claim = PrefixClaim(BLOCK, tuple(block_hashes(prompt, BLOCK)))
         ledger = ChunkLedger(sends=False)
         for begin in range(0, len(prompt), BLOCK):
-            ledger.record(len(prompt[begin : begin + BLOCK]), np.asarray(prompt[begin : begin + BLOCK], "<i4").tobytes())
+            ledger.record(
+                len(prompt[begin : begin + BLOCK]), np.asarray(prompt[begin : begin + BLOCK], "<i4").tobytes()
+            )
         head = self.route[0]
         start = 0
         if reuse:
@@ -265,7 +269,8 @@ def test_a_broken_session_and_blocks_computed_in_other_chunks_are_never_cached()
         for begin, end in ((0, 6), (6, 12)):
             req = HopRequest(
                 Verb.PREFILL, sid, begin, end - begin, ids_payload(SYSTEM[begin:end]), model="mix", route_id="r1",
-                next_hops=tuple(ROUTE[1:]) if begin == 0 else None, sample=end == 12, prefix=claim if not begin else None,
+                next_hops=tuple(ROUTE[1:]) if begin == 0 else None, sample=end == 12,
+                prefix=claim if not begin else None,
             )  # fmt: skip
             await swarm.send(ROUTE[0], req)
         await head.delete(sid)

@@ -94,6 +94,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         n_ctx=cap,
         max_concurrency=args.max_concurrency,
         prefill_chunk=args.prefill_chunk,
+        prefix_cache=args.prefix_cache == "on",
         timeout_s=args.hop_timeout,
         speculative=args.speculative,
         draft_tokens=args.draft_tokens,

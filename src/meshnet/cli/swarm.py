@@ -124,6 +124,14 @@ def add_swarm_commands(sub: Any) -> None:
     gateway.add_argument("--ctx", type=int, default=2048, help="context cap per generation (default 2048)")
     gateway.add_argument("--max-concurrency", type=int, default=4, help="generations in flight (default 4)")
     gateway.add_argument("--prefill-chunk", type=int, default=128, help="tokens per prefill chunk (default 128)")
+    gateway.add_argument(
+        "--prefix-cache",
+        choices=("on", "off"),
+        default="on",
+        help="on (default): a generation reuses the KV of its prompt's leading blocks from the route's prefix "
+        "caches, and leaves its own there when it ends; off: it prefills every token, and the nodes keep nothing "
+        "of its prompt once its session is closed",
+    )
     gateway.add_argument("--max-queue", type=int, default=64)
     gateway.add_argument(
         "--max-body-mb", type=float, default=16.0, help="largest API request body accepted (MiB, default 16)"

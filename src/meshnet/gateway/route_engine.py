@@ -147,6 +147,7 @@ class RouteEngine:
         n_ctx: int,
         max_concurrency: int = 4,
         prefill_chunk: int = 128,
+        prefix_cache: bool = True,
         timeout_s: float = 120.0,
         max_retries: int = 3,
         outbox: BillingOutbox | None = None,
@@ -174,6 +175,7 @@ class RouteEngine:
         self.n_ctx = n_ctx
         self.max_concurrency = max_concurrency
         self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache  # reuse (and leave) prompt blocks in the hops' prefix caches
         self.max_retries = max_retries
         self.timeout_s = timeout_s  # the innermost hop's wait for its next hop; outer waits nest above it
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
@@ -228,7 +230,7 @@ class RouteEngine:
         its blocks let the tracker prefer a route whose prefix caches hold them."""
         trusted_only = trusted_only or self.trusted_only
         body: dict[str, Any] = {"model": self.info.model_id, "total_layers": self.info.n_layers}
-        hashes = block_hashes(prompt, self.prefill_chunk)
+        hashes = block_hashes(prompt, self.prefill_chunk) if self.prefix_cache else []
         if hashes:
             body["prefix"] = {"block": self.prefill_chunk, "hashes": [h.hex() for h in hashes]}
         if exclude:
@@ -273,7 +275,7 @@ class RouteEngine:
             raise InvalidRequest("the prompt is empty after tokenization")
         run = _Run(plan, json.dumps(dataclasses.asdict(sampler.params)), Usage(), ChunkLedger(sends=False))
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
-        hashes = block_hashes(tokens, self.prefill_chunk)
+        hashes = block_hashes(tokens, self.prefill_chunk) if self.prefix_cache else []
         run.prefix = PrefixClaim(self.prefill_chunk, tuple(hashes)) if hashes else None
         for begin in range(0, len(tokens), self.prefill_chunk):
             run.add(tokens[begin : begin + self.prefill_chunk])
@@ -612,8 +614,8 @@ class RouteEngine:
             raise EngineError(f"positions {start}..{len(tokens)} do not end on chunks of this generation")
         sizes = run.ledger.sizes()[: ends.index(len(tokens)) + 1]
         skip = ends.index(start) + 1 if start else 0
-        for begin, chunks in pack_chunks(sizes[skip:], self.prefill_chunk):
-            begin += start
+        for offset, chunks in pack_chunks(sizes[skip:], self.prefill_chunk):
+            begin = start + offset
             end = begin + sum(chunks)
             first = begin == 0  # the first request names the route and the tail's sampling
             yield end, HopRequest(

@@ -100,11 +100,6 @@ def _node_app(shard: ShardBackend, config: NodeConfig, revoked: RevokedSerials) 
         answer = await node.reroute(http_binding.decode_reroute(sid, request.headers))
         return JSONResponse(answer.to_json())
 
-    async def prefix(request: Request) -> Response:
-        sid = SessionId(request.path_params["session_id"])
-        answer = await node.prefix(http_binding.decode_prefix(sid, request.headers), client=_quota_client(request.scope))
-        return JSONResponse(answer.to_json())
-
     async def session(request: Request) -> Response:
         return JSONResponse(node.session_state(SessionId(request.path_params["session_id"])))
 
@@ -141,7 +136,7 @@ def _node_app(shard: ShardBackend, config: NodeConfig, revoked: RevokedSerials) 
         Route("/v1/sessions/{session_id}/decode-step", hop_endpoint(Verb.DECODE), methods=["POST"]),
         Route("/v1/sessions/{session_id}/verify", hop_endpoint(Verb.VERIFY), methods=["POST"]),
         Route("/v1/sessions/{session_id}/reroute", reroute, methods=["POST"]),
-        Route("/v1/sessions/{session_id}/prefix", prefix, methods=["POST"]),
+        Route("/v1/sessions/{session_id}/prefix", _prefix_endpoint(node), methods=["POST"]),
         Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
         Route("/v1/sessions/{session_id}", session, methods=["GET"]),
         WebSocketRoute(CHANNEL_PATH, decode_channel),
@@ -166,6 +161,17 @@ def _channel_sender(dialer: channel.Dialer) -> ChannelSend:
         await dialer.send(hop, encode_frame(Kind.STEP, header, body), timeout_s)
 
     return send
+
+
+def _prefix_endpoint(node: NodeService) -> Any:
+    async def prefix(request: Request) -> Response:
+        sid = SessionId(request.path_params["session_id"])
+        answer = await node.prefix(
+            http_binding.decode_prefix(sid, request.headers), client=_quota_client(request.scope)
+        )
+        return JSONResponse(answer.to_json())
+
+    return prefix
 
 
 def _health(node: NodeService) -> dict[str, Any]:

@@ -273,7 +273,7 @@ class NodeService:
         if request.verb is Verb.DECODE and not request.replay:
             self.metrics.decode_step(compute_ms / 1000, time.perf_counter() - began)
 
-    async def _forward(self, s: NodeSession, request: HopRequest) -> HopAnswer:
+    async def _forward(self, s: NodeSession, request: HopRequest | PrefixRequest) -> HopAnswer:
         """Send ``request`` to the session's next hop; a failure breaks the session here."""
         try:
             timeout = hop_timeout_s(self.config.hop_timeout_s, len(s.next_hops))
@@ -332,7 +332,8 @@ class NodeService:
         if self._bound(sid) is not None:
             raise Conflict(f"session {sid} is already open here; a prefix request is a session's first request")
         claim = request.prefix
-        s = self._open(sid, request.route_id, request.sampling, request.next_hops, request.ticket, client, claim)
+        s = self._open(sid, route_id=request.route_id, sampling=request.sampling, next_hops=request.next_hops,
+                       ticket=request.ticket, client=client, prefix=claim)  # fmt: skip
         s.busy = True
         try:
             blocks = await self._adopt(s, claim, request.reuse)
@@ -343,8 +344,7 @@ class NodeService:
             held = answer.count
             if answer.kind is not AnswerKind.CACHED or held % claim.block or held > blocks * claim.block:
                 error = HopFailed(
-                    f"next hop {s.next_hops[0]} answered a prefix request of {blocks} blocks with {answer.kind} "
-                    f"{held}",
+                    f"next hop {s.next_hops[0]} answered a prefix request of {blocks} blocks with {answer.kind} {held}",
                     failed_hop=s.next_hops[0],
                 )
                 s.break_with(error)
@@ -617,15 +617,16 @@ class NodeService:
                     "expired; start a fresh prefill"
                 )
             return self._open(
-                sid, request.route_id, request.sampling, request.next_hops or (), request.ticket, client, request.prefix
-            )
+                sid, route_id=request.route_id, sampling=request.sampling, next_hops=request.next_hops or (),
+                ticket=request.ticket, client=client, prefix=request.prefix,
+            )  # fmt: skip
         if request.route_id is not None and request.route_id != s.route_id:
             raise Conflict(f"session {sid} is pinned to route {s.route_id}, not {request.route_id}")
         s.check_open()
         return s
 
     def _open(
-        self, sid: SessionId, route_id: str | None, sampling: str | None, next_hops: tuple[str, ...],
+        self, sid: SessionId, *, route_id: str | None, sampling: str | None, next_hops: tuple[str, ...],
         ticket: str | None, client: str | None, prefix: PrefixClaim | None,
     ) -> NodeSession:  # fmt: skip
         """Open a session here from its first request's binding (route, next hops, the tail's sampling)."""

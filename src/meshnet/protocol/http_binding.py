@@ -2,10 +2,11 @@
 
 ``encode_request`` / ``decode_request`` map a ``HopRequest`` to ``POST /v1/sessions/{id}/{verb}``
 headers and a raw body and back; ``encode_reroute`` / ``decode_reroute`` do the same for
-``.../reroute`` and ``encode_prefix`` / ``decode_prefix`` for ``.../prefix``; answers travel as JSON (``HopAnswer.to_json`` / ``answer_from_response``), and an
-error answer becomes the ``MeshnetError`` it means to the sender (``error_from_response``). The
-decode channel (``node.channel``) carries the same headers and body inside its frames, so this is
-the only place that reads or writes an ``X-Meshnet-*`` hop header.
+``.../reroute`` and ``encode_prefix`` / ``decode_prefix`` for ``.../prefix``; answers travel as
+JSON (``HopAnswer.to_json`` / ``answer_from_response``), and an error answer becomes the
+``MeshnetError`` it means to the sender (``error_from_response``). The decode channel
+(``node.channel``) carries the same headers and body inside its frames, so this is the only place
+that reads or writes an ``X-Meshnet-*`` hop header.
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ def decode_prefix(session: SessionId, headers: Mapping[str, str]) -> PrefixReque
         raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
     raw = headers.get(H.REUSE, "")
     if not (raw.isascii() and raw.isdigit()):
-        raise InvalidRequest(f"header {H.REUSE} must be the most blocks to reuse (0..{len(prefix.hashes)}), got {raw!r}")
+        raise InvalidRequest(
+            f"header {H.REUSE} must be the most blocks to reuse (0..{len(prefix.hashes)}), got {raw!r}"
+        )
     return PrefixRequest(
         session=session,
         prefix=prefix,

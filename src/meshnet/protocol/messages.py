@@ -170,8 +170,9 @@ class PrefixRequest:
 
     def __post_init__(self) -> None:
         if not 0 <= self.reuse <= len(self.prefix.hashes):
+            most = len(self.prefix.hashes)
             raise InvalidRequest(
-                f"header {H.REUSE} must be 0..{len(self.prefix.hashes)} (blocks of {H.PREFIX} to reuse), got {self.reuse}"
+                f"header {H.REUSE} must be 0..{most} (blocks of {H.PREFIX} to reuse), got {self.reuse}"
             )
 
     def onward(self, reuse: int, next_hops: tuple[str, ...], *, model: str) -> PrefixRequest:

@@ -192,7 +192,9 @@ class SessionStore(Generic[S]):
             if session.busy:
                 raise SessionBusy(f"session {sid} is computing; it adopts cached state only when fresh")
             if session.position != 0:
-                raise PositionMismatch(f"session {sid} is at position {session.position}; only a fresh one adopts state")
+                raise PositionMismatch(
+                    f"session {sid} is at position {session.position}; only a fresh one adopts state"
+                )
             if position > self.limits.max_positions:
                 raise ContextOverflow(
                     f"{position} cached positions exceed a session's cap of {self.limits.max_positions} on this shard"
