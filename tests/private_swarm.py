@@ -60,28 +60,34 @@ def start_tracker(root: Path) -> contextlib.AbstractContextManager[Proc]:
     return meshnet_process(["tracker", "--swarm", str(root / "swarm"), "--port", "0", "--db", f"sqlite:///{root}/t.db"])
 
 
-def start_node(root: Path, member_id: str, layers: str, tracker: str) -> contextlib.AbstractContextManager[Proc]:
+def start_node(
+    root: Path, member_id: str, layers: str, tracker: str, args: Sequence[str] = NODE_ARGS
+) -> contextlib.AbstractContextManager[Proc]:
     node = ["node", "--layers", layers, "--swarm-dir", str(root / member_id), "--tracker", tracker]
-    return meshnet_process([*node, "--port", "0", *NODE_ARGS])
+    return meshnet_process([*node, "--port", "0", *args])
 
 
 @contextlib.contextmanager
 def private_swarm(
-    root: Path, nodes: Sequence[tuple[str, str]] = HALVES, *, gateway: bool = True
-) -> Iterator[PrivateSwarm]:
-    """A tracker with ``--swarm``, ``nodes`` (member id, layers) and, with ``gateway``, a gateway ``gw``."""
+    root: Path, nodes: Sequence[tuple[str, str]] = HALVES, *, gateway: bool = True, trusted: bool = False,
+    node_args: Sequence[str] = NODE_ARGS, gateway_args: Sequence[str] = (),
+) -> Iterator[PrivateSwarm]:  # fmt: skip
+    """A tracker with ``--swarm``, ``nodes`` (member id, layers; of the trusted tier with ``trusted``)
+    and, with ``gateway``, a gateway ``gw``."""
     assert meshnet_cli("swarm", "init", str(root / "swarm")).returncode == 0
     with contextlib.ExitStack() as stack:
         tracker = stack.enter_context(start_tracker(root))
         assert tracker.url.startswith("https://127.0.0.1:")
         for member_id, _ in nodes:
-            join(root / "swarm", "node", member_id, root / member_id)
-        procs = [stack.enter_context(start_node(root, mid, layers, tracker.url)) for mid, layers in nodes]
+            join(root / "swarm", "node", member_id, root / member_id, trusted=trusted)
+        procs = [stack.enter_context(start_node(root, mid, layers, tracker.url, node_args)) for mid, layers in nodes]
         urls = wait_nodes(tracker.url, root / "swarm" / "admin", {mid for mid, _ in nodes})
         gw = None
         if gateway:
             join(root / "swarm", "gateway", "gw", root / "gw")
             gw = stack.enter_context(
-                meshnet_process(["gateway", "--swarm-dir", str(root / "gw"), "--tracker", tracker.url, "--port", "0"])
+                meshnet_process(
+                    ["gateway", "--swarm-dir", str(root / "gw"), "--tracker", tracker.url, "--port", "0", *gateway_args]
+                )
             )
         yield PrivateSwarm(root, tracker, urls, gw, procs)

@@ -88,10 +88,11 @@ def meshnet_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProce
     return subprocess.run([*MESHNET, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
-def join(swarm: Path, role: str, member_id: str, into: Path) -> Path:
-    """Invite ``member_id`` as ``role`` into the swarm at ``swarm`` and join it into ``into`` (its
-    credentials directory)."""
-    invite = meshnet_cli("swarm", "invite", "--dir", str(swarm), "--role", role, "--id", member_id)
+def join(swarm: Path, role: str, member_id: str, into: Path, *, trusted: bool = False) -> Path:
+    """Invite ``member_id`` as ``role`` (of the trusted tier with ``trusted``) into the swarm at
+    ``swarm`` and join it into ``into`` (its credentials directory)."""
+    tier = ["--trusted"] if trusted else []
+    invite = meshnet_cli("swarm", "invite", "--dir", str(swarm), "--role", role, "--id", member_id, *tier)
     assert invite.returncode == 0, invite.stderr
     joined = meshnet_cli("swarm", "join", invite.stdout.strip(), "--dir", str(into))
     assert joined.returncode == 0, joined.stderr

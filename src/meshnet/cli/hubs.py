@@ -95,6 +95,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         prefill_chunk=args.prefill_chunk,
         prefix_cache=args.prefix_cache == "on",
+        kv_snapshots=args.kv_snapshots == "on",
         timeout_s=args.hop_timeout,
         speculative=args.speculative,
         draft_tokens=args.draft_tokens,

@@ -132,6 +132,14 @@ def add_swarm_commands(sub: Any) -> None:
         "caches, and leaves its own there when it ends; off: it prefills every token, and the nodes keep nothing "
         "of its prompt once its session is closed",
     )
+    gateway.add_argument(
+        "--kv-snapshots",
+        choices=("on", "off"),
+        default="on",
+        help="on (default): in a private swarm, after a prompt of 256 tokens or more each hop copies its KV to a "
+        "trusted standby node of the same layers, so a repair after a node dies replays only what came after; "
+        "off: repair always replays the whole context",
+    )
     gateway.add_argument("--max-queue", type=int, default=64)
     gateway.add_argument(
         "--max-body-mb", type=float, default=16.0, help="largest API request body accepted (MiB, default 16)"

@@ -87,6 +87,7 @@ from meshnet.protocol.messages import (
     PrefixClaim,
     PrefixRequest,
     RerouteRequest,
+    RestoreRequest,
     Verb,
 )
 from meshnet.protocol.prefix import block_hashes
@@ -97,7 +98,9 @@ from meshnet.sampling import Alternatives, Sampler
 __all__ = ["RouteEngine", "Tokenizer"]
 
 _log = logging.getLogger("meshnet.gateway")
-_ROUTES_COSTED = 256  # routes whose walk times the drafter remembers
+_ROUTES_COSTED = 256
+# A prompt shorter than this is not snapshotted: replaying it costs less than moving its KV.
+SNAPSHOT_MIN_POSITIONS = 256  # routes whose walk times the drafter remembers
 _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
 
 
@@ -132,6 +135,9 @@ class _Run:
     prefix: PrefixClaim | None = None  # the prompt's blocks, for the hops' prefix caches
     cached: int = 0  # prompt positions the route took from its prefix caches (not computed)
     cold: bool = False  # reuse was refused once (the cached KV did not match the prompt): prefill everything
+    # KV snapshots (node.snapshots): hop node id -> (its standby's node id, the positions snapshotted)
+    standbys: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    snapshotted: bool = False
 
     def add(self, tokens: Sequence[int]) -> None:
         """``tokens`` become the route's next chunk (a prompt chunk, or one decode step)."""
@@ -148,6 +154,7 @@ class RouteEngine:
         max_concurrency: int = 4,
         prefill_chunk: int = 128,
         prefix_cache: bool = True,
+        kv_snapshots: bool = True,
         timeout_s: float = 120.0,
         max_retries: int = 3,
         outbox: BillingOutbox | None = None,
@@ -176,6 +183,7 @@ class RouteEngine:
         self.max_concurrency = max_concurrency
         self.prefill_chunk = prefill_chunk
         self.prefix_cache = prefix_cache  # reuse (and leave) prompt blocks in the hops' prefix caches
+        self.kv_snapshots = kv_snapshots  # hops snapshot their KV to standbys after a long prompt's prefill
         self.max_retries = max_retries
         self.timeout_s = timeout_s  # the innermost hop's wait for its next hop; outer waits nest above it
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
@@ -304,6 +312,12 @@ class RouteEngine:
                         drafter.extend([token])
                 if full:
                     break
+                if not run.snapshotted:
+                    run.snapshotted = True
+                    try:
+                        self._snapshot(run, len(tokens) - 1)
+                    except MeshnetError as exc:  # a tracker that cannot answer now: repair replays everything
+                        _log.info("no KV snapshots for session %s: %s", run.plan.session_id, exc.message)
                 drafts = self._drafts(drafter, run.plan, len(tokens))
                 answer = yield from self._decode_with_repair(run, tokens, drafts, cancel)
             outcome = "completed"
@@ -447,10 +461,61 @@ class RouteEngine:
             yield RouteChange("repair", error.message, failed.node, run.plan, run.retries, replayed, _since(began))
             return answer
 
+    def _snapshot(self, run: _Run, held: int) -> None:
+        """After a long prompt's prefill, every hop that has a standby (a trusted node of the same
+        layers the tracker names, only in a private swarm) snapshots its KV to it; a repair then
+        restores there and replays only the positions after ``held``. Best effort: a hop without
+        a standby, or a snapshot that fails, leaves repair by replay."""
+        plan = run.plan
+        if not self.kv_snapshots or plan.ticket is None or held < SNAPSHOT_MIN_POSITIONS:
+            return
+        response = self._tracker("POST", f"/v1/sessions/{plan.session_id}/standbys", json={})
+        if response.status_code >= 400:
+            _log.info("no KV snapshots for session %s: %s", plan.session_id, error_message(response))
+            return
+        by_index = dict(enumerate(plan.hops))
+        for standby in response.json().get("standbys", []):
+            hop = by_index.get(standby.get("index"))
+            ticket = standby.get("ticket")
+            if hop is None or not isinstance(ticket, str):
+                continue
+            try:
+                answer = self._client().post(f"{hop.url}/v1/sessions/{plan.session_id}/snapshot",
+                                             headers={H.TICKET: ticket}, timeout=self.timeout_s)  # fmt: skip
+            except httpx.HTTPError as exc:
+                _log.info("hop %s took no KV snapshot: %s", hop.node, exc)
+                continue
+            try:
+                taken = answer.json().get("snapshot") if answer.status_code == 202 else None
+            except (ValueError, AttributeError):
+                taken = None
+            if isinstance(taken, int):
+                run.standbys[hop.node] = (str(standby.get("node_id")), taken)
+            else:
+                _log.info("hop %s took no KV snapshot: %s", hop.node, error_message(answer))
+
+    def _restore(self, run: _Run, hop: Hop) -> int:
+        """Open the session on a repair's replacement from the KV snapshot it holds as a standby;
+        the positions it took (0: it holds none, and the replay starts from the beginning)."""
+        plan = run.plan
+        restore = RestoreRequest(plan.session_id, plan.route_id, model=self.info.model_id, sampling=run.sampling,
+                                 ticket=plan.ticket)  # fmt: skip
+        path, headers = http_binding.encode_restore(restore)
+        try:
+            answer = self._post(plan, hop.url, path, b"", headers, below=1)
+        except MeshnetError as exc:
+            _log.info("standby %s restored no snapshot (%s): replaying everything", hop.node, exc.message)
+            return 0
+        return answer.count if answer.kind is AnswerKind.RESTORED else 0
+
     def _repair(self, run: _Run, failed: Hop, error: HopFailed, tokens: list[int]) -> tuple[HopAnswer, int]:
-        """Ask the tracker for replacement hops, rebuild them from the upstream's seam log, resend the step."""
+        """Ask the tracker for replacement hops, rebuild them from the upstream's seam log (after the
+        positions a standby's KV snapshot gives the replacement), resend the step."""
         position = len(tokens) - 1
-        body = {"failed_node": failed.node, "reason": error.message, "position": position}
+        body: dict[str, Any] = {"failed_node": failed.node, "reason": error.message, "position": position}
+        standby = run.standbys.pop(failed.node, None)
+        if standby is not None:
+            body["prefer"] = standby[0]
         response = self._tracker("POST", f"/v1/sessions/{run.plan.session_id}/repair", json=body)
         if response.status_code >= 400:
             raise BadGateway(f"{error.message}; no route repair: {error_message(response)}")
@@ -463,13 +528,14 @@ class RouteEngine:
         first, count = int(data["replaced"]["first"]), int(data["replaced"]["count"])
         new_hops = run.plan.hops
         sid = run.plan.session_id
+        restored = self._restore(run, new_hops[first]) if data.get("preferred") is True and count == 1 else 0
         if first == 0:  # the head failed: the gateway is the upstream and replays token ids
-            answer = self._replay_tokens(run, tokens, count)
+            answer = self._replay_tokens(run, tokens, count, start=restored)
         else:
             upstream = new_hops[first - 1]
             below = len(new_hops) - first + 1
-            chunks = 1 + position // 256  # the upstream replays its log in requests of up to 256 positions
-            reroute = self._reroute(run, first - 1, count, position)
+            chunks = 1 + (position - restored) // 256  # the upstream replays its log in requests of up to 256
+            reroute = dataclasses.replace(self._reroute(run, first - 1, count, position), replay_from=restored)
             answer = self._post_reroute(run.plan, upstream.url, reroute, below=below, scale=chunks)
             above: list[HopEntry] = []
             for i in range(first - 2, -1, -1):  # the hops above it broke the session too: clear them
@@ -479,14 +545,14 @@ class RouteEngine:
             answer = answer.after(*above)
         self._check_tokens(answer, run.plan)
         verify_hops(run.ledger, run.plan.hops, answer.hops)  # the repaired route holds what the old one did
-        run.usage.add(new_hops[first : first + count], prefill=position)
+        run.usage.add(new_hops[first : first + count], prefill=position - restored)
         run.usage.add(new_hops, decode=1)
         kept = {h.url for h in new_hops}
         for hop in old.hops:  # hops cut out of the route (but alive) free the session now, not at TTL
             if hop.url not in kept and hop.node != failed.node:
                 with contextlib.suppress(httpx.HTTPError):
                     self._client().delete(f"{hop.url}/v1/sessions/{sid}", headers=_ticketed(old), timeout=5.0)
-        return answer, position
+        return answer, position - restored
 
     def _reroute(self, run: _Run, index: int, replay: int, step: int) -> RerouteRequest:
         """A reroute for the step at position ``step``: the hop drops anything past it (drafts) first."""
@@ -495,10 +561,11 @@ class RouteEngine:
         return RerouteRequest(plan.session_id, hops, plan.route_id, model=self.info.model_id, replay=replay,
                               sampling=run.sampling, step=step, ticket=plan.ticket)  # fmt: skip
 
-    def _replay_tokens(self, run: _Run, tokens: list[int], count: int) -> HopAnswer:
-        """Rebuild a new head (and ``count - 1`` hops after it) from the token ids, then resend the step."""
+    def _replay_tokens(self, run: _Run, tokens: list[int], count: int, *, start: int = 0) -> HopAnswer:
+        """Rebuild a new head (and ``count - 1`` hops after it) from the token ids after ``start`` (the
+        positions a restored snapshot gave it), then resend the step."""
         plan, position = run.plan, len(tokens) - 1
-        for _, request in self._chunk_requests(run, tokens[:position]):
+        for _, request in self._chunk_requests(run, tokens[:position], start=start):
             self._send(plan, dataclasses.replace(request, replay=count))
         step = HopRequest(Verb.DECODE, plan.session_id, position, 1, _ids_payload(tokens[position:]),
                           model=self.info.model_id, route_id=plan.route_id, rewind=True)  # fmt: skip

@@ -137,6 +137,7 @@ def _node_app(shard: ShardBackend, config: NodeConfig, revoked: RevokedSerials) 
         Route("/v1/sessions/{session_id}/verify", hop_endpoint(Verb.VERIFY), methods=["POST"]),
         Route("/v1/sessions/{session_id}/reroute", reroute, methods=["POST"]),
         Route("/v1/sessions/{session_id}/prefix", _prefix_endpoint(node), methods=["POST"]),
+        *_snapshot_routes(node),
         Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
         Route("/v1/sessions/{session_id}", session, methods=["GET"]),
         WebSocketRoute(CHANNEL_PATH, decode_channel),
@@ -172,6 +173,32 @@ def _prefix_endpoint(node: NodeService) -> Any:
         return JSONResponse(answer.to_json())
 
     return prefix
+
+
+def _snapshot_routes(node: NodeService) -> list[Route]:
+    """KV snapshots (node.snapshots): take one and push it to a standby, keep one, restore one."""
+
+    async def snapshot(request: Request) -> Response:
+        sid = SessionId(request.path_params["session_id"])
+        return JSONResponse(await node.snapshot(sid, request.headers.get(H.TICKET)), status_code=202)
+
+    async def receive(request: Request) -> Response:
+        check_declared_length(request, node.config.max_body_bytes, "this node")
+        body = await read_body(request, node.config.max_body_bytes, "this node")
+        sid = SessionId(request.path_params["session_id"])
+        return JSONResponse(await node.receive_snapshot(sid, request.headers.get(H.TICKET), body))
+
+    async def restore(request: Request) -> Response:
+        sid = SessionId(request.path_params["session_id"])
+        restoring = http_binding.decode_restore(sid, request.headers)
+        answer = await node.restore(restoring, client=_quota_client(request.scope))
+        return JSONResponse(answer.to_json())
+
+    return [
+        Route("/v1/sessions/{session_id}/snapshot", snapshot, methods=["POST"]),
+        Route("/v1/sessions/{session_id}/restore", restore, methods=["POST"]),
+        Route("/v1/snapshots/{session_id}", receive, methods=["POST"]),
+    ]
 
 
 def _health(node: NodeService) -> dict[str, Any]:

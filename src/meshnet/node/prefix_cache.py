@@ -16,7 +16,9 @@ gateway checks them against its own token ids before it streams a token: a wrong
 is a refused reuse and a cold prefill, never wrong text.
 
 Bounded: entries live within ``budget_bytes`` (``--prefix-cache-mb``), least recently used evicted
-first; an entry whose blocks another entry extends is dropped (the longer one serves both). Not
+first; an entry whose blocks another entry extends is dropped (the longer one serves both). The
+same budget and the same LRU order hold the KV snapshots this node keeps as another hop's standby
+(``node.snapshots``, ``hold`` / ``take``): all the KV a node keeps beside its live sessions. Not
 thread-safe: the node uses it from its event loop only.
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from meshnet.node.snapshots import SessionSnapshot
 from meshnet.protocol.prefix import PrefixFilter
 
 __all__ = ["CachedPrefix", "PrefixCache"]
@@ -71,14 +74,16 @@ class PrefixCache:
         if budget_bytes < 0:
             raise ValueError("a prefix cache budget is never negative")
         self.budget_bytes = budget_bytes
-        self._entries: collections.OrderedDict[bytes, CachedPrefix] = collections.OrderedDict()  # LRU first
+        # prefix entries by their last block hash, standby snapshots by _snapshot_key; LRU first
+        self._entries: collections.OrderedDict[bytes, CachedPrefix | SessionSnapshot] = collections.OrderedDict()
         self._where: dict[bytes, bytes] = {}  # block hash -> key of an entry holding it
         self._filter: PrefixFilter | None = None
         self.used = 0
         self.stats = CacheStats()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """Prefix entries held (snapshots not counted)."""
+        return sum(isinstance(e, CachedPrefix) for e in self._entries.values())
 
     def lookup(self, block: int, hashes: tuple[bytes, ...], limit: int) -> tuple[CachedPrefix, int] | None:
         """The entry holding the most leading blocks of ``hashes`` (at most ``limit``), and how many."""
@@ -92,7 +97,9 @@ class PrefixCache:
             return None
         key = self._where[hashes[count - 1]]
         entry = self._entries[key]
-        if entry.block != block:  # a hash seeds its block size: never, short of a collision
+        if (
+            not isinstance(entry, CachedPrefix) or entry.block != block
+        ):  # a hash seeds its block size: never, short of a collision
             self.stats.misses += 1
             return None
         self._entries.move_to_end(key)
@@ -119,9 +126,7 @@ class PrefixCache:
         covered = [k for k, e in self._entries.items() if k == key or k in entry.hashes]
         for k in covered:  # entries this one extends (or replaces): it serves their prefixes too
             self._drop(k)
-        while self.used + entry.nbytes > self.budget_bytes:
-            self._drop(next(iter(self._entries)))
-            self.stats.evicted += 1
+        self._make_room(entry.nbytes)
         self._entries[key] = entry
         self.used += entry.nbytes
         for h in entry.hashes:
@@ -129,6 +134,32 @@ class PrefixCache:
         self._filter = None
         self.stats.stored += 1
         return True
+
+    def hold(self, snapshot: SessionSnapshot) -> bool:
+        """Keep a standby snapshot (replacing an older one of its session); False if it cannot fit."""
+        key = _snapshot_key(snapshot.session)
+        if key in self._entries:
+            self._drop(key)
+        if snapshot.nbytes > self.budget_bytes:
+            return False
+        self._make_room(snapshot.nbytes)
+        self._entries[key] = snapshot
+        self.used += snapshot.nbytes
+        return True
+
+    def take(self, session: str) -> SessionSnapshot | None:
+        """The snapshot held for ``session``, no longer held."""
+        key = _snapshot_key(session)
+        entry = self._entries.get(key)
+        if not isinstance(entry, SessionSnapshot):
+            return None
+        self._drop(key)
+        return entry
+
+    def sweep(self, now: float) -> None:
+        """Drop the snapshots nobody restored before they expired (their sessions ended whole)."""
+        for key in [k for k, e in self._entries.items() if isinstance(e, SessionSnapshot) and e.expires_at < now]:
+            self._drop(key)
 
     def clear(self) -> None:
         for key in list(self._entries):
@@ -143,7 +174,8 @@ class PrefixCache:
     def describe(self) -> dict[str, int]:
         s = self.stats
         return {
-            "entries": len(self._entries),
+            "entries": len(self),
+            "snapshots": len(self._entries) - len(self),
             "bytes": self.used,
             "budget_bytes": self.budget_bytes,
             "blocks": len(self._where),
@@ -154,14 +186,26 @@ class PrefixCache:
             "evicted": s.evicted,
         }
 
+    def _make_room(self, nbytes: int) -> None:
+        while self.used + nbytes > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+            self.stats.evicted += 1
+
     def _drop(self, key: bytes) -> None:
         entry = self._entries.pop(key)
         self.used -= entry.nbytes
+        if not isinstance(entry, CachedPrefix):
+            return
         for h in entry.hashes:
             if self._where.get(h) == key:
                 del self._where[h]
         # a hash this entry shared with another (a common system prompt) now points at that one
         for other_key, other in self._entries.items():
-            for h in other.hashes:
-                self._where.setdefault(h, other_key)
+            if isinstance(other, CachedPrefix):
+                for h in other.hashes:
+                    self._where.setdefault(h, other_key)
         self._filter = None
+
+
+def _snapshot_key(session: str) -> bytes:
+    return b"snapshot:" + session.encode()

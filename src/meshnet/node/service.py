@@ -41,6 +41,11 @@ the session ends, the blocks this hop computed in canonical chunks stay in the p
 route holds: each hop adopts what it can (at most what the hop before it adopted), passes the
 count on, and drops back to what the tail answers.
 
+KV snapshots (``node.snapshots``): ``snapshot`` takes a session's KV, ledger and seam log here and
+pushes them to the standby a tracker-signed ticket names; ``receive_snapshot`` keeps one as a
+standby; ``restore`` opens a repair's session from it, and ``reroute`` with ``replay_from`` then
+replays only the positions after it.
+
 Concurrency: one request per session at a time (a second gets 409); compute is serialized by
 the shard backend; everything else runs on the event loop.
 """
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import ssl
 import time
@@ -70,6 +76,7 @@ from meshnet.errors import (
     SessionBusy,
     SessionGone,
     SessionNotFound,
+    StoreFull,
     Unauthorized,
 )
 from meshnet.ids import SessionId
@@ -80,6 +87,7 @@ from meshnet.node.checks import check_drafts, check_model, check_next_hops, samp
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.prefix_cache import CachedPrefix, PrefixCache
 from meshnet.node.session import NodeSession, SeamLogs
+from meshnet.node.snapshots import SessionSnapshot
 from meshnet.node.transport import HopTransport
 from meshnet.protocol import headers as H
 from meshnet.protocol.ledger import ChunkLedger, pack_chunks
@@ -92,6 +100,7 @@ from meshnet.protocol.messages import (
     PrefixClaim,
     PrefixRequest,
     RerouteRequest,
+    RestoreRequest,
     Verb,
 )
 from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, TicketKind, TicketVerifier
@@ -156,6 +165,7 @@ class NodeService:
         self.traffic = Traffic()  # queue depth and measured speed, for the tracker (node.advert)
         self.logs = SeamLogs(config.seam_log_bytes)
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
+        self._pushes: set[asyncio.Task[None]] = set()  # snapshots on their way to standbys
         # One record per session: the store's, with this node's binding attached (``_bound``); a
         # session that ends in the store (closed, expired) gives back its seam log with it.
         shard.store.on_end = self._ended
@@ -426,6 +436,124 @@ class NodeService:
         cache.add(entry)
         self.metrics.prefix_bytes.set(cache.used)
 
+    # -- KV snapshots (node.snapshots) -----------------------------------------------------------
+    async def snapshot(self, sid: SessionId, ticket: str | None) -> dict[str, Any]:
+        """Take this hop's KV of a session and push it to the standby that ``ticket`` names: a
+        tracker-signed repair ticket of the contingency "this hop fails and the standby replaces
+        it" (``POST /v1/sessions/{id}/standbys``: the tracker names trusted, same-layer,
+        bit-identical nodes only). Answered once the snapshot is taken; it travels in the background."""
+        verifier = self._snapshot_tickets()
+        s = self._existing(sid)
+        signed = verifier.verify(ticket, session_id=sid, route_id=s.route_id, kind=REPAIR)
+        assert signed.repair_from is not None  # a repair ticket names its replaced hop
+        standby = signed.hops[signed.repair_from]
+        if standby.layers != str(self.info.layers) or standby.node_id == self.config.node_id:
+            raise Unauthorized(
+                f"the ticket's standby {standby.node_id} (layers {standby.layers}) cannot hold this node's layers "
+                f"{self.info.layers}; ask the tracker for this hop's standby (POST /v1/sessions/{sid}/standbys)",
+                param=H.TICKET,
+                code=CODE_MISMATCH,
+            )
+        if s.busy:
+            raise SessionBusy(f"session {sid} has a request in flight on this node; snapshot it between steps")
+        s.check_open()
+        s.busy = True
+        try:
+            taken = await self._take_snapshot(s)
+        finally:
+            s.busy = False
+        assert ticket is not None
+        task = asyncio.ensure_future(self._push(standby.url, sid, ticket, taken))
+        self._pushes.add(task)
+        task.add_done_callback(self._pushes.discard)
+        return {"snapshot": taken.position, "to": standby.node_id}
+
+    async def _take_snapshot(self, s: NodeSession) -> SessionSnapshot:
+        sid = s.session
+        loop = asyncio.get_running_loop()
+        position = self.shard.store.get(sid).position
+        if s.ledger.position != position or position == 0:
+            raise Conflict(f"session {sid} has no complete record of its {position} positions here to snapshot")
+        kv = await loop.run_in_executor(None, lambda: self.shard.snapshot(sid))
+        complete = s.log is not None and bool(s.log_dtype)
+        return SessionSnapshot(
+            sid, str(self.info.layers), position, kv, tuple(s.ledger.ends), tuple(s.ledger.inputs),
+            tuple(s.ledger.outputs), bytes(s.log) if complete and s.log is not None else None, s.log_dtype,
+            bytes(s.ids_log), tuple(s.ids_seen),
+        )  # fmt: skip
+
+    async def _push(self, url: str, sid: SessionId, ticket: str, taken: SessionSnapshot) -> None:
+        try:
+            await self.transport.push_snapshot(url, sid, ticket, taken.encode(), timeout_s=self.config.hop_timeout_s)
+        except MeshnetError as exc:
+            _log.warning("KV snapshot of session %s at %d positions did not reach standby %s: %s", sid,
+                         taken.position, url, exc.message)  # fmt: skip
+
+    async def receive_snapshot(self, sid: SessionId, ticket: str | None, body: bytes) -> dict[str, Any]:
+        """Keep a KV snapshot as the standby ``ticket`` names this node as (its replaced hop)."""
+        verifier = self._snapshot_tickets()
+        me = self.config.node_id
+        signed = verifier.verify(ticket, session_id=sid, node_id=me, kind=REPAIR)
+        if signed.index_of(me) != signed.repair_from:
+            raise Unauthorized(f"the ticket does not name node {me} as the standby of session {sid}",
+                               param=H.TICKET, code=CODE_MISMATCH)  # fmt: skip
+        taken = SessionSnapshot.decode(body)
+        if taken.session != sid or taken.layers != str(self.info.layers):
+            raise InvalidRequest(
+                f"the snapshot is of session {taken.session}, layers {taken.layers}; this is session {sid} on a "
+                f"node of layers {self.info.layers}"
+            )
+        cache = self.prefix_cache
+        expires = time.time() + self.shard.store.limits.idle_ttl_s
+        if cache is None or not cache.hold(dataclasses.replace(taken, expires_at=expires)):
+            raise StoreFull(
+                f"this node keeps {0 if cache is None else cache.budget_bytes} bytes of KV beside its sessions "
+                f"(--prefix-cache-mb); a {taken.nbytes}-byte snapshot does not fit",
+                retry_after_s=5,
+            )
+        return {"held": taken.position, "session": sid}
+
+    async def restore(self, request: RestoreRequest, *, client: str | None = None) -> HopAnswer:
+        """Open a route repair's session here from the snapshot this node holds as the failed hop's
+        standby; the positions it holds (``RESTORED``). The upstream then replays only the rest."""
+        verifier = self._snapshot_tickets()
+        check_model(self.info, request.model)
+        sid, me = request.session, self.config.node_id
+        if self._bound(sid) is not None:
+            raise Conflict(f"session {sid} is already open here")
+        signed = verifier.verify(request.ticket, session_id=sid, route_id=request.route_id, node_id=me, kind=REPAIR)
+        self._check_quota(client)
+        s = self._binding(sid, request.route_id, request.sampling, signed.onward_urls(me), client)
+        cache = self.prefix_cache
+        taken = cache.take(sid) if cache is not None else None
+        if taken is None:
+            raise SessionNotFound(f"no KV snapshot of session {sid} on this node (never pushed here, or expired)")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, lambda: self.shard.restore(sid, taken.kv))
+        except MeshnetError:
+            if cache is not None:
+                cache.hold(taken)  # still this session's, for a retry
+            raise
+        self.shard.store.get(sid).attached = s
+        s.ledger.ends, s.ledger.inputs = list(taken.ends), list(taken.inputs)
+        s.ledger.outputs = list(taken.outputs) if s.ledger.sends else []
+        if taken.log is not None:
+            self.logs.adopt(s, taken.log, taken.log_dtype, taken.ids_log)
+        else:
+            self.logs.drop(s)
+        s.ids_seen = list(taken.ids_seen)
+        return HopAnswer(AnswerKind.RESTORED, (self._entry(s),), count=taken.position)
+
+    def _snapshot_tickets(self) -> TicketVerifier:
+        if self.config.tickets is None:
+            raise Conflict(
+                "KV snapshots go only to trusted nodes, and only a private swarm has them (meshnet swarm init; "
+                "nodes invited with --trusted): this node serves an open swarm",
+                code="no_trusted_nodes",
+            )
+        return self.config.tickets
+
     # -- repair, rewind, delete ------------------------------------------------------------------
     async def rewind(self, s: NodeSession, position: int) -> None:
         """Drop this node's positions from ``position`` on (KV, ledger, seam log)."""
@@ -503,7 +631,16 @@ class NodeService:
                 ticket=request.ticket if first else None,
             )  # fmt: skip
 
-        for begin, chunks in pack_chunks(sizes[:-1], self.config.replay_chunk):
+        since = request.replay_from
+        if since and (since not in s.ledger.ends or since >= position):
+            raise Conflict(
+                f"session {sid} holds no chunk boundary at {since} below its newest position {position} here: "
+                "the replacement must restore a snapshot of this session's own chunks",
+                code="no_seam_log",
+            )
+        skip = s.ledger.ends.index(since) + 1 if since else 0
+        for offset, chunks in pack_chunks(sizes[skip:-1], self.config.replay_chunk):
+            begin = since + offset
             end = begin + sum(chunks)
             await self._forward(
                 s, replayed(Verb.PREFILL, begin, end, chunks=tuple(chunks) if len(chunks) > 1 else None)
@@ -556,8 +693,11 @@ class NodeService:
         }
 
     def sweep(self) -> None:
-        """Expire idle sessions: their KV, and with it what this node kept beside it (``_ended``)."""
+        """Expire idle sessions: their KV, and with it what this node kept beside it (``_ended``); and
+        the standby snapshots nobody restored."""
         self.shard.store.expire_idle()
+        if self.prefix_cache is not None:
+            self.prefix_cache.sweep(time.time())
 
     def _ended(self, session: Session[Any]) -> None:
         if isinstance(session.attached, NodeSession):
@@ -633,17 +773,25 @@ class NodeService:
         self._check_quota(client)
         if not route_id:
             raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
+        hops = self._ticketed_hops(ticket, sid, route_id, next_hops, kind=None)
+        s = self._binding(sid, route_id, sampling, hops, client)
+        s.prefix = prefix
+        self.shard.open_session(sid)
+        self.shard.store.get(sid).attached = s
+        return s
+
+    def _binding(
+        self, sid: SessionId, route_id: str, sampling: str | None, hops: tuple[str, ...], client: str | None
+    ) -> NodeSession:
+        """A new session's record here: its route, next hops (checked) and the tail's sampler."""
         tail = self.info.layers.is_tail
         params = sampling_params(sampling)
-        hops = self._ticketed_hops(ticket, sid, route_id, next_hops, kind=None)
         hops = check_next_hops(self.info, self.config.node_id, hops)
         sampler = Sampler(params, self.shard.grammar(params.grammar) if params.grammar else None) if tail else None
         s = NodeSession(sid, route_id, hops, sampler, ChunkLedger(not tail), carry_ids=params.needs_history)
-        s.client, s.prefix = client, prefix
+        s.client = client
         if tail or self.config.seam_log_bytes <= 0:
             s.log = None
-        self.shard.open_session(sid)
-        self.shard.store.get(sid).attached = s
         return s
 
     def _check_quota(self, client: str | None) -> None:

@@ -36,6 +36,10 @@ class HopTransport(Protocol):
         """Free the session on ``hop`` (and down the chain from it); failures are ignored. ``ticket``:
         the session's route ticket, which a node of a private swarm wants on a ``DELETE``."""
 
+    async def push_snapshot(self, hop: str, session: SessionId, ticket: str, body: bytes, *, timeout_s: float) -> None:
+        """Hand a KV snapshot (``node.snapshots``) to the standby at ``hop``; raises ``HopFailed``
+        naming it, or the error it answered."""
+
     async def aclose(self) -> None: ...
 
 
@@ -60,6 +64,17 @@ class HttpTransport:
         headers = {} if ticket is None else {H.TICKET: ticket}
         with contextlib.suppress(httpx.HTTPError):
             await self.client.delete(f"{hop}/v1/sessions/{session}", headers=headers)
+
+    async def push_snapshot(self, hop: str, session: SessionId, ticket: str, body: bytes, *, timeout_s: float) -> None:
+        headers = {H.TICKET: ticket, "Content-Type": http_binding.OCTETS}
+        try:
+            response = await self.client.post(
+                f"{hop}/v1/snapshots/{session}", content=body, headers=headers, timeout=httpx.Timeout(timeout_s)
+            )
+        except httpx.HTTPError as exc:
+            raise HopFailed(f"standby {hop} failed: {type(exc).__name__}: {exc}", failed_hop=hop) from None
+        if response.status_code >= 400:
+            raise http_binding.error_from_response(response, hop, sender_is_head=False)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -96,6 +111,15 @@ class LocalTransport:
         if service is not None:
             with contextlib.suppress(MeshnetError):
                 await service.delete(session, ticket)
+
+    async def push_snapshot(self, hop: str, session: SessionId, ticket: str, body: bytes, *, timeout_s: float) -> None:
+        service = self.services.get(hop)
+        if service is None:
+            raise HopFailed(f"standby {hop} failed: ConnectError: nothing listens there", failed_hop=hop)
+        try:
+            await service.receive_snapshot(session, ticket, body)
+        except MeshnetError as exc:
+            raise remote_error(exc, sender=hop, sender_is_head=False) from None
 
     async def aclose(self) -> None:
         self.services.clear()

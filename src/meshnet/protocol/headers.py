@@ -16,6 +16,7 @@ __all__ = [
     "POSITION",
     "PREFIX",
     "REPLAY",
+    "REPLAY_FROM",
     "REUSE",
     "REWIND",
     "ROUTE_ID",
@@ -52,3 +53,5 @@ CHUNKS = "X-Meshnet-Chunks"  # prefill: how to split the body into compute calls
 # prefix caching: a session's prompt blocks ("BLOCK:HASH,HASH,...", protocol.prefix), on its first request
 PREFIX = "X-Meshnet-Prefix"
 REUSE = "X-Meshnet-Reuse"  # POST .../prefix: the most leading blocks the receiver may take from its cache
+# reroute: the replacement restored a KV snapshot of this many positions; replay only those after it
+REPLAY_FROM = "X-Meshnet-Replay-From"

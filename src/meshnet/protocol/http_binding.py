@@ -20,7 +20,16 @@ from meshnet.httputil import error_field, error_message
 from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol.ledger import format_chunks, parse_chunks
-from meshnet.protocol.messages import HopAnswer, HopRequest, Payload, PrefixClaim, PrefixRequest, RerouteRequest, Verb
+from meshnet.protocol.messages import (
+    HopAnswer,
+    HopRequest,
+    Payload,
+    PrefixClaim,
+    PrefixRequest,
+    RerouteRequest,
+    RestoreRequest,
+    Verb,
+)
 from meshnet.protocol.prefix import format_prefix, parse_prefix
 from meshnet.protocol.wire import format_shape, parse_range, read_frame, split_token_ids
 
@@ -29,9 +38,11 @@ __all__ = [
     "decode_prefix",
     "decode_request",
     "decode_reroute",
+    "decode_restore",
     "encode_prefix",
     "encode_request",
     "encode_reroute",
+    "encode_restore",
     "encode_step",
     "error_from_response",
     "request_path",
@@ -184,6 +195,8 @@ def encode_reroute(request: RerouteRequest) -> tuple[str, dict[str, str]]:
         headers[H.POSITION] = str(request.step)
     if request.ticket is not None:
         headers[H.TICKET] = request.ticket
+    if request.replay_from:
+        headers[H.REPLAY_FROM] = str(request.replay_from)
     return request_path(request.session, "reroute"), headers
 
 
@@ -192,6 +205,9 @@ def decode_reroute(session: SessionId, headers: Mapping[str, str]) -> RerouteReq
     raw = headers.get(H.REPLAY, "0")
     if not (raw.isascii() and raw.isdigit()):
         raise InvalidRequest(f"header {H.REPLAY} must be 0..{len(hops)} (hops to rebuild), got {raw!r}")
+    since = headers.get(H.REPLAY_FROM, "0")
+    if not (since.isascii() and since.isdigit()):
+        raise InvalidRequest(f"header {H.REPLAY_FROM} must be the positions the restored hop holds, got {since!r}")
     return RerouteRequest(
         session=session,
         next_hops=hops,
@@ -201,7 +217,28 @@ def decode_reroute(session: SessionId, headers: Mapping[str, str]) -> RerouteReq
         sampling=headers.get(H.SAMPLING) or None,
         step=_position(headers) if headers.get(H.POSITION) is not None else None,
         ticket=headers.get(H.TICKET),
+        replay_from=int(since),
     )
+
+
+def encode_restore(request: RestoreRequest) -> tuple[str, dict[str, str]]:
+    """``(path, headers)`` of a restore request (it has no body)."""
+    headers = {H.ROUTE_ID: request.route_id}
+    if request.model is not None:
+        headers[H.MODEL] = request.model
+    if request.sampling:
+        headers[H.SAMPLING] = request.sampling
+    if request.ticket is not None:
+        headers[H.TICKET] = request.ticket
+    return request_path(request.session, "restore"), headers
+
+
+def decode_restore(session: SessionId, headers: Mapping[str, str]) -> RestoreRequest:
+    route_id = headers.get(H.ROUTE_ID)
+    if not route_id:
+        raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
+    return RestoreRequest(session, route_id, model=headers.get(H.MODEL), sampling=headers.get(H.SAMPLING) or None,
+                          ticket=headers.get(H.TICKET))  # fmt: skip
 
 
 def answer_from_response(response: httpx.Response, sender: str) -> HopAnswer:

@@ -47,6 +47,7 @@ __all__ = [
     "PrefixClaim",
     "PrefixRequest",
     "RerouteRequest",
+    "RestoreRequest",
     "Verb",
     "remote_error",
 ]
@@ -181,6 +182,19 @@ class PrefixRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class RestoreRequest:
+    """Open a session on a route repair's replacement from the KV snapshot it holds as the failed
+    hop's standby (``node.snapshots``); the answer (``RESTORED``) says how many positions it holds.
+    It carries what a session's first request carries (route, sampling, the repair ticket)."""
+
+    session: SessionId
+    route_id: str
+    model: str | None = None
+    sampling: str | None = None
+    ticket: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RerouteRequest:
     """Point a session at new next hops; ``replay`` > 0 rebuilds them from the seam log and resends
     the interrupted step at ``step`` (route repair, docs/protocol.md)."""
@@ -193,8 +207,14 @@ class RerouteRequest:
     sampling: str | None = None
     step: int | None = None
     ticket: str | None = None  # in a private swarm: the tracker's repair ticket
+    # the replacement restored a KV snapshot of this many positions: replay only the positions after it
+    replay_from: int = 0
 
     def __post_init__(self) -> None:
+        if self.replay_from < 0 or (self.replay_from and self.replay != 1):
+            raise InvalidRequest(
+                f"header {H.REPLAY_FROM} names the positions one restored hop holds: it needs {H.REPLAY}: 1"
+            )
         if not 0 <= self.replay <= len(self.next_hops):
             raise InvalidRequest(
                 f"header {H.REPLAY} must be 0..{len(self.next_hops)} (hops to rebuild), got {self.replay!r}"
@@ -251,6 +271,7 @@ class AnswerKind(StrEnum):
     TOKENS = "tokens"  # a verify chunk: the drafts kept and one token of the tail's own
     REROUTED = "rerouted"  # a reroute without replay
     CACHED = "cached"  # a prefix request: the positions every hop took from its prefix cache
+    RESTORED = "restored"  # a restore: the positions a replacement took from a KV snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +302,7 @@ class HopAnswer:
     def to_json(self) -> dict[str, Any]:
         hops = [h.to_json() for h in self.hops]
         kind = self.kind
-        if kind in (AnswerKind.ACCEPTED, AnswerKind.REPLAYED, AnswerKind.CACHED):
+        if kind in (AnswerKind.ACCEPTED, AnswerKind.REPLAYED, AnswerKind.CACHED, AnswerKind.RESTORED):
             return {kind.value: self.count, "hops": hops}
         if kind is AnswerKind.REROUTED:
             return {
@@ -320,6 +341,8 @@ class HopAnswer:
             return cls(AnswerKind.REPLAYED, entries, count=_need_count(raw, "replayed"))
         if "cached" in raw:
             return cls(AnswerKind.CACHED, entries, count=_need_count(raw, "cached"))
+        if "restored" in raw:
+            return cls(AnswerKind.RESTORED, entries, count=_need_count(raw, "restored"))
         position = _need_count(raw, "position")
         if "rerouted" in raw:
             nxt = raw.get("next_hops")
