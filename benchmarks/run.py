@@ -31,6 +31,7 @@ BENCHES = {
     "routing": "bench_routing",
     "repair": "bench_repair",
     "prefix": "bench_prefix",
+    "snapshot": "bench_snapshot",
     "artifacts": "bench_artifacts",
     "chaos": "bench_chaos",
     "families": "bench_families",
