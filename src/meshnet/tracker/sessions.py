@@ -3,7 +3,11 @@
 - ``POST /v1/sessions`` pins the best route (``exclude`` avoids nodes that just failed);
   ``GET``/``DELETE /v1/sessions/{id}``; ``GET /v1/sessions`` lists the open ones.
 - ``POST /v1/sessions/{id}/repair`` — a hop failed mid-decode: records the failure, picks the
-  replacement run of hops (``tracker.repair``) and re-pins the session to the repaired route.
+  replacement run of hops (``tracker.repair``, or the standby the gateway names in ``prefer`` when
+  it qualifies) and re-pins the session to the repaired route.
+- ``POST /v1/sessions/{id}/standbys`` — a private swarm's KV snapshot standbys: per hop, a trusted
+  node off the route that holds the same layers and computes them bit-identically, with the signed
+  repair ticket of the contingency "that hop fails and the standby replaces it".
 - ``POST /v1/nodes/{id}/failures`` — a hop failed outside a repair (e.g. during prefill).
 - ``POST /v1/billing`` records a finished session's per-node work in one transaction
   (idempotent); ``GET /v1/billing`` reads records and totals.
@@ -39,12 +43,13 @@ from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, repai
 from meshnet.security.membership import scope_member
 from meshnet.tracker.billing import FORMULA
 from meshnet.tracker.db import BillingRow, TrackerDB, member
-from meshnet.tracker.repair import PinnedHop, equivalent_nodes, plan_repair
+from meshnet.tracker.repair import PinnedHop, Repair, equivalent_nodes, plan_repair
 from meshnet.tracker.routing import NodeRecord, RouteChoice, RouteRequest, select_routes
 
 __all__ = ["NodeRegistry", "PrefixHints", "SessionsApi", "parse_body"]
 
 NO_TRUSTED_ROUTE = "no_trusted_route"  # the 503's code when trusted nodes alone cannot make the route
+NO_TRUSTED_NODES = "no_trusted_nodes"  # the 409's code when an open swarm is asked for standbys
 SESSION_IDLE_S = 3600.0  # an open session nobody repaired, billed or closed for this long is expired
 
 
@@ -87,6 +92,16 @@ class RepairRequest(BaseModel):
     failed_node: str = Field(min_length=1, max_length=128)
     reason: str = Field("", max_length=4096)
     position: int = Field(0, ge=0)  # positions the session holds: what the replacements must replay
+    # The standby that holds a KV snapshot of the failed hop (POST /v1/sessions/{id}/standbys): it
+    # replaces exactly that hop when it still qualifies, and replays only the positions after the
+    # snapshot; a stale preference is not an error, the repair searches as without one.
+    prefer: str | None = Field(None, min_length=1, max_length=128)
+
+
+class StandbyRequest(BaseModel):
+    """No fields yet: the standbys of a session follow from its pinned route alone."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class FailureReport(BaseModel):
@@ -171,6 +186,43 @@ def _check_owner(request: Request, session: dict[str, Any], what: str) -> None:
         f"session {session['session_id']} was opened by {owner!r}; {member.role} {member.member_id!r} may not "
         f"{what} it",
         param="session_id",
+    )
+
+
+def _preferred_repair(
+    pinned: Sequence[PinnedHop], failed: str, prefer: str | None, live: Sequence[NodeRecord], model: str
+) -> Repair | None:
+    """The repair that puts the gateway's standby ``prefer`` in place of exactly the failed hop, or
+    ``None`` when it does not qualify (gone, suspended, on the route, other layers or numerics).
+
+    The standby holds a snapshot of the failed hop's KV, so it replays only the positions after the
+    snapshot instead of all of them. It qualifies only as a replacement ``plan_repair`` itself could
+    pick: a live, eligible node of the model, off the route, holding exactly the failed hop's layers
+    and computing them bit-identically. The preference only chooses among valid repairs.
+    """
+    if prefer is None or prefer == failed or prefer in {h.node_id for h in pinned}:
+        return None
+    index = next(i for i, hop in enumerate(pinned) if hop.node_id == failed)
+    hop = pinned[index]
+    node = next((n for n in live if n.node_id == prefer), None)
+    if node is None or node.model != model or node.layers != hop.layers or not equivalent_nodes([hop], [node]):
+        return None
+    return Repair(first=index, removed=1, nodes=(node,))
+
+
+def _why_no_standby(hop: PinnedHop, same: Sequence[NodeRecord], trusted: Sequence[NodeRecord]) -> str:
+    """Why hop ``hop`` has no standby, given the live off-route nodes holding exactly its layers
+    (``same``) and the trusted ones among them."""
+    if not same:
+        return f"no other live node serves exactly layers {hop.layers} (hop {hop.node_id})"
+    if not trusted:
+        return (
+            f"none of the {len(same)} other live nodes serving layers {hop.layers} (hop {hop.node_id}) is trusted "
+            "(meshnet swarm invite --trusted)"
+        )
+    return (
+        f"none of the {len(trusted)} other trusted nodes serving layers {hop.layers} (hop {hop.node_id}) computes "
+        "them bit-identically (same library, processor, threads and wire dtype)"
     )
 
 
@@ -396,21 +448,87 @@ class SessionsApi:
         self.registry.record_failure(req.failed_node, req.reason or "failed during decode")
         self.registry.suspend(req.failed_node)
         live, why_not = self._eligible(bool(session.get("trusted_only")), session["model"])
-        try:
-            fix = plan_repair(pinned, req.failed_node, live, session["model"], request=RouteRequest(req.position, 256))
-        except Overloaded as exc:
-            if not why_not:
-                raise
-            raise Overloaded(f"{exc.message}; {why_not}", retry_after_s=5, code=NO_TRUSTED_ROUTE) from None
+        fix = _preferred_repair(pinned, req.failed_node, req.prefer, live, session["model"])
+        preferred = fix is not None
+        if fix is None:
+            expected = RouteRequest(req.position, 256)
+            try:
+                fix = plan_repair(pinned, req.failed_node, live, session["model"], request=expected)
+            except Overloaded as exc:
+                if not why_not:
+                    raise
+                raise Overloaded(f"{exc.message}; {why_not}", retry_after_s=5, code=NO_TRUSTED_ROUTE) from None
         hops = [*session["hops"][: fix.first], *hops_json(fix.nodes), *session["hops"][fix.first + fix.removed :]]
         self.db.repin_session(sid, hops)
         replaced = {"first": fix.first, "count": len(fix.nodes), "removed": fix.removed}
-        answer = {"session_id": sid, "route_id": session["route_id"], "hops": hops, "replaced": replaced}
+        answer = {
+            "session_id": sid,
+            "route_id": session["route_id"],
+            "hops": hops,
+            "replaced": replaced,
+            "preferred": preferred,  # the gateway's standby took the failed hop's place: it restores its snapshot
+        }
         if self.signer is not None:  # the nodes before the replaced ones accept the reroute with it
-            new = self._ticket(session, hops=hops)
-            fixed = repair_ticket(self._ticket(session), new.hops, repair_from=fix.first, ttl_s=TICKET_TTL_S)
-            answer["ticket"] = self.signer.sign(fixed)
+            answer["ticket"] = self._repair_ticket(session, hops, fix.first)
         return JSONResponse(answer)
+
+    async def standbys(self, request: Request) -> Response:
+        """Where each hop of an open session should keep a snapshot of its KV, so that when the hop
+        fails its standby takes over from the snapshot and replays only the positions after it.
+
+        A standby holds exactly the hop's layers, computes them bit-identically (``equivalent_nodes``:
+        a restored snapshot must be the very KV the hop had, or the text changes), is off the route
+        and is *trusted*: a snapshot is the session's whole KV for those layers, so it goes only to
+        nodes whose certificate grants the trusted tier, which only a private swarm has. Two hops of
+        one route never hold the same layers, so a node stands by for at most one hop. Nothing is
+        stored: the answer is advice for the gateway, re-asked as the swarm changes; each standby
+        carries the signed repair ticket of "this hop fails and the standby replaces it", which
+        lets it take the snapshot (and, once that happens, the reroute).
+        """
+        sid = request.path_params["session_id"]
+        parse_body(StandbyRequest, await read_body(request, MAX_BODY_BYTES, "the tracker") or b"{}")
+        if self.signer is None:
+            raise Conflict(
+                "KV snapshots go only to trusted nodes, and only a private swarm has them: this tracker serves an "
+                "open swarm; create one with meshnet swarm init, run the tracker with --swarm DIR and invite the "
+                "standby nodes with meshnet swarm invite --trusted",
+                code=NO_TRUSTED_NODES,
+            )
+        session = self.load(sid)
+        _check_owner(request, session, "plan standbys for")
+        if session["status"] != "open":
+            raise Conflict(f"session {sid} is {session['status']}; only an open session's KV has standbys")
+        pinned = pinned_hops(session)
+        on_route = {h.node_id for h in pinned}
+        serving = [n for n in self.registry.live_nodes() if n.model == session["model"] and n.node_id not in on_route]
+        chosen: list[dict[str, Any]] = []
+        missing: list[str] = []
+        for index, hop in enumerate(pinned):
+            same = [n for n in serving if n.layers == hop.layers]
+            trusted = [n for n in same if n.trusted]
+            fits = sorted(equivalent_nodes([hop], trusted), key=lambda n: (-n.kv_bytes_free, n.node_id))
+            if not fits:
+                missing.append(_why_no_standby(hop, same, trusted))
+                continue
+            node = fits[0]
+            hops = [*session["hops"][:index], *hops_json([node]), *session["hops"][index + 1 :]]
+            chosen.append(
+                {
+                    "index": index,
+                    "node_id": node.node_id,
+                    "url": node.url,
+                    "layers": str(node.layers),
+                    "ticket": self._repair_ticket(session, hops, index),
+                }
+            )
+        why_not = f"{'; '.join(missing)}." if missing else None
+        return JSONResponse({"standbys": chosen, "why_not": why_not})
+
+    def _repair_ticket(self, session: dict[str, Any], hops: list[dict[str, Any]], first: int) -> str:
+        """The signed repair ticket of ``session``'s route becoming ``hops`` from hop ``first`` on."""
+        assert self.signer is not None
+        new = self._ticket(session, hops=hops)
+        return self.signer.sign(repair_ticket(self._ticket(session), new.hops, repair_from=first, ttl_s=TICKET_TTL_S))
 
     async def report_failure(self, request: Request) -> Response:
         """A hop failed outside a repair. Only a node on the named open session's route can be reported,
@@ -481,6 +599,7 @@ class SessionsApi:
             Route("/v1/sessions/{session_id}", self.get_session, methods=["GET"]),
             Route("/v1/sessions/{session_id}", self.close_session, methods=["DELETE"]),
             Route("/v1/sessions/{session_id}/repair", self.repair, methods=["POST"]),
+            Route("/v1/sessions/{session_id}/standbys", self.standbys, methods=["POST"]),
             Route("/v1/nodes/{node_id}/failures", self.report_failure, methods=["POST"]),
             Route("/v1/billing", self.record_billing, methods=["POST"]),
             Route("/v1/billing", self.read_billing, methods=["GET"]),
