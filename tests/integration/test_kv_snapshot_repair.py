@@ -9,7 +9,6 @@ import json
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -84,9 +83,8 @@ def test_a_killed_middle_is_repaired_from_its_snapshot_and_the_text_is_unchanged
 
 def test_snapshot_endpoints_refuse_callers_without_the_trackers_ticket(swarm: PrivateSwarm) -> None:
     with member_client(swarm.admin) as admin:
-        url = next(iter(u for n, u in swarm.nodes.items() if n == "tail"))
+        url = swarm.nodes["tail"]
         refused = admin.post(f"{url}/v1/snapshots/ses-x", content=b"MNSS")
         assert refused.status_code == 401 and "ticket" in refused.json()["error"]["message"]
         refused = admin.post(f"{url}/v1/sessions/ses-x/restore", headers={"X-Meshnet-Route-Id": "r"})
         assert refused.status_code == 401
-    assert Path(swarm.dir).is_dir()

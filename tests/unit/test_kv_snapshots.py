@@ -174,3 +174,20 @@ def test_a_snapshot_round_trips_and_a_damaged_one_is_a_clear_400() -> None:
     ):
         with pytest.raises(InvalidRequest, match=why):
             SessionSnapshot.decode(broken)
+
+
+def test_a_session_that_ends_whole_has_its_standbys_drop_the_snapshot() -> None:
+    signer = TicketSigner.generate()
+    swarm = build(signer)
+
+    async def main() -> None:
+        await opened(swarm, signer, 2)
+        middle = service(swarm, "middle")
+        await middle.snapshot(SID, standby_ticket(signer, 1, "mid2"))
+        await pushed(middle)
+        standby = service(swarm, "mid2").prefix_cache
+        assert standby is not None and standby.describe()["snapshots"] == 1
+        await service(swarm, "head").delete(SID, signer.sign(route()))
+        assert standby.describe()["snapshots"] == 0 and standby.used == 0
+
+    asyncio.run(main())

@@ -194,8 +194,14 @@ def _snapshot_routes(node: NodeService) -> list[Route]:
         answer = await node.restore(restoring, client=_quota_client(request.scope))
         return JSONResponse(answer.to_json())
 
+    async def drop(request: Request) -> Response:
+        sid = SessionId(request.path_params["session_id"])
+        await node.drop_snapshot(sid, request.headers.get(H.TICKET))
+        return JSONResponse({"dropped": sid})
+
     return [
         Route("/v1/sessions/{session_id}/snapshot", snapshot, methods=["POST"]),
+        Route("/v1/snapshots/{session_id}", drop, methods=["DELETE"]),
         Route("/v1/sessions/{session_id}/restore", restore, methods=["POST"]),
         Route("/v1/snapshots/{session_id}", receive, methods=["POST"]),
     ]

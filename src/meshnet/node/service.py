@@ -463,6 +463,7 @@ class NodeService:
         finally:
             s.busy = False
         assert ticket is not None
+        s.standby = (standby.url, ticket)
         task = asyncio.ensure_future(self._push(standby.url, sid, ticket, taken))
         self._pushes.add(task)
         task.add_done_callback(self._pushes.discard)
@@ -544,6 +545,13 @@ class NodeService:
             self.logs.drop(s)
         s.ids_seen = list(taken.ids_seen)
         return HopAnswer(AnswerKind.RESTORED, (self._entry(s),), count=taken.position)
+
+    async def drop_snapshot(self, sid: SessionId, ticket: str | None) -> None:
+        """The session ended whole: forget the snapshot this node holds as its standby."""
+        verifier = self._snapshot_tickets()
+        verifier.verify(ticket, session_id=sid, node_id=self.config.node_id, kind=REPAIR, current=False)
+        if self.prefix_cache is not None:
+            self.prefix_cache.take(sid)
 
     def _snapshot_tickets(self) -> TicketVerifier:
         if self.config.tickets is None:
@@ -674,10 +682,12 @@ class NodeService:
             with contextlib.suppress(SessionGone, SessionNotFound):
                 self.shard.close_session(sid)
 
+        ends = [end_here()]
         if s.next_hops:  # the next hops keep theirs meanwhile
-            await asyncio.gather(end_here(), self.transport.delete(s.next_hops[0], sid, ticket))
-        else:
-            await end_here()
+            ends.append(self.transport.delete(s.next_hops[0], sid, ticket))
+        if s.standby is not None:  # its snapshot is of no more use
+            ends.append(self.transport.drop_snapshot(s.standby[0], sid, s.standby[1]))
+        await asyncio.gather(*ends)
 
     def session_state(self, sid: SessionId) -> dict[str, Any]:
         """``GET /v1/sessions/{id}``: what this node holds of a session (a gateway asks it to find

@@ -48,6 +48,7 @@ class NodeSession:
     seq: int | None = None  # the newest decode-channel step this node computed for the session
     client: str | None = None  # the swarm member that opened it here (per-client quotas), if known
     prefix: PrefixClaim | None = None  # its prompt's blocks, for the prefix cache (node.prefix_cache)
+    standby: tuple[str, str] | None = None  # (URL, ticket) of the standby its KV snapshot went to
 
     def check_open(self) -> None:
         if self.broken:

@@ -40,6 +40,10 @@ class HopTransport(Protocol):
         """Hand a KV snapshot (``node.snapshots``) to the standby at ``hop``; raises ``HopFailed``
         naming it, or the error it answered."""
 
+    async def drop_snapshot(self, hop: str, session: SessionId, ticket: str) -> None:
+        """Tell the standby at ``hop`` that the session ended: its snapshot is of no more use. Failures
+        are ignored (the standby drops it at the session's idle TTL)."""
+
     async def aclose(self) -> None: ...
 
 
@@ -75,6 +79,10 @@ class HttpTransport:
             raise HopFailed(f"standby {hop} failed: {type(exc).__name__}: {exc}", failed_hop=hop) from None
         if response.status_code >= 400:
             raise http_binding.error_from_response(response, hop, sender_is_head=False)
+
+    async def drop_snapshot(self, hop: str, session: SessionId, ticket: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self.client.delete(f"{hop}/v1/snapshots/{session}", headers={H.TICKET: ticket})
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -120,6 +128,12 @@ class LocalTransport:
             await service.receive_snapshot(session, ticket, body)
         except MeshnetError as exc:
             raise remote_error(exc, sender=hop, sender_is_head=False) from None
+
+    async def drop_snapshot(self, hop: str, session: SessionId, ticket: str) -> None:
+        service = self.services.get(hop)
+        if service is not None:
+            with contextlib.suppress(MeshnetError):
+                await service.drop_snapshot(session, ticket)
 
     async def aclose(self) -> None:
         self.services.clear()
