@@ -26,7 +26,7 @@ from tests.procs import join, meshnet_process
 from benchmarks.common import Section, median
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-PROMPT = " ".join(f"Fact {i}: the river flows north in spring and the bridge {i} is stone." for i in range(120))
+PROMPT = " ".join(f"Fact {i}: the river flows north in spring and the bridge {i} is stone." for i in range(110))
 KILL_AFTER = 4
 AFTER_KILL = 24
 ROUNDS = 2
@@ -68,7 +68,17 @@ def run() -> Section:
         gateways = {}
         for mode in ("on", "off"):
             credentials = join(swarm.dir, "gateway", f"gw-{mode}", root / f"gw-{mode}")
-            args = ["gateway", "--swarm-dir", str(credentials), "--tracker", swarm.tracker.url, "--port", "0"]
+            args = [
+                "gateway",
+                "--swarm-dir",
+                str(credentials),
+                "--tracker",
+                swarm.tracker.url,
+                "--port",
+                "0",
+                "--ctx",
+                "4096",
+            ]
             gateways[mode] = stack.enter_context(meshnet_process([*args, "--kv-snapshots", mode]))
         procs = {mid: proc for (mid, _), proc in zip(nodes, swarm.procs, strict=True)}
         _stream(gateways["off"].url, "bench-warm", None)

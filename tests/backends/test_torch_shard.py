@@ -150,6 +150,40 @@ def test_snapshot_close_restore_into_fresh_shards_continues_identically(
     assert out == reference[:24]
 
 
+def test_a_session_adopting_cached_blocks_gets_the_logits_of_a_cold_prefill(
+    chain: list[TorchShard], prompt: list[int]
+) -> None:
+    """The prefix cache on PyTorch shards (node.prefix_cache): full-attention K/V rows are cut back
+    to a block boundary (``DynamicLayer.crop``), so a session that decoded past its prompt leaves
+    KV a later session adopts; the rest, prefilled in the same aligned chunks, gives a cold
+    prefill's logits exactly."""
+    block = 8
+    first, later = prompt[:28], prompt[:30]
+    sid, new, cold = SessionId("torch-turn1"), SessionId("torch-turn2"), SessionId("torch-cold")
+    for shard in chain:
+        shard.open_session(sid)
+    logits = prefill_chain(chain, sid, first, chunk=block)
+    for position in range(len(first), len(first) + 3):
+        logits = decode_chain(chain, sid, position, int(np.argmax(logits)))
+    blobs = []
+    for shard in chain:
+        shard.rewind(sid, 3 * block)
+        blobs.append(shard.snapshot(sid))
+        shard.close_session(sid)
+    try:
+        for shard, blob in zip(chain, blobs, strict=True):
+            shard.open_session(new)
+            shard.adopt(new, blob, 2 * block)
+            shard.open_session(cold)
+        warm = prefill_chain(chain, new, later[2 * block :], chunk=block, start=2 * block)
+        assert np.array_equal(warm, prefill_chain(chain, cold, later, chunk=block))
+    finally:
+        for shard in chain:
+            for s in (new, cold):
+                if s in shard.store.ids():
+                    shard.close_session(s)
+
+
 def test_kv_bytes_grow_by_the_formula(chain: list[TorchShard], prompt: list[int]) -> None:
     for shard in chain:
         kv = shard.info.kv

@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
-from tests.procs import Proc, admin_client, join_member, meshnet_process, tracker_url
+from tests.procs import Proc, admin_client, join_member, member_client, meshnet_process, tracker_url
 
 pytestmark = pytest.mark.real
 
@@ -94,3 +95,59 @@ def test_telemetry_says_how_much_of_the_prompt_came_from_the_caches(swarm: Proc,
     gid = response.headers["x-meshnet-generation-id"]
     events = httpx.get(f"{swarm.url}/v1/generations/{gid}/events", timeout=30).text
     assert f'"cached_tokens":{cached}' in events.replace(" ", "")
+
+
+def test_a_poisoned_cache_entry_is_refused_by_its_digests_and_replaced(swarm: Proc, cold: Proc, model_id: str) -> None:
+    """A member gateway computes one prompt's KV but names another prompt's blocks, so the nodes
+    keep the wrong KV under the right hashes. The next request for the named prompt finds those
+    blocks on every hop (their hit counters move), but the digests of what they were computed from
+    are not the digests of its token ids: the gateway refuses them, prefills cold — the text is the
+    cold gateway's, no token reported cached — and that session's blocks replace the bad entry."""
+    from meshnet.artifacts.bundled import bundled_gguf
+    from meshnet.backends.llama_vocab import LlamaVocab
+    from meshnet.protocol import http_binding
+    from meshnet.protocol.messages import HopRequest, Payload, PrefixClaim, Verb
+    from meshnet.protocol.prefix import block_hashes
+    from meshnet.protocol.wire import encode_tensor
+
+    text = "Stock list. " + " ".join(f"Item {i} costs {i * 3 % 17} coins." for i in range(50))
+    decoy = text.replace("coins", "beads")
+    vocab = LlamaVocab(bundled_gguf())
+    real, fake = vocab.tokenize(text, add_special=True), vocab.tokenize(decoy, add_special=True)
+    vocab.close()
+    blocks = min(len(real), len(fake)) // 128
+    assert blocks >= 2
+    claim = PrefixClaim(128, tuple(block_hashes(real, 128)[:blocks]))
+    hashes = {"block": 128, "hashes": [h.hex() for h in claim.hashes]}
+    with member_client(join_member(swarm, "gateway", "poisoner")) as poisoner:
+        tracker = tracker_url(swarm)
+        opened = poisoner.post(f"{tracker}/v1/sessions", json={"model": model_id, "prefix": hashes}).json()
+        sid, urls, ticket = opened["session_id"], [h["url"] for h in opened["hops"]], opened["ticket"]
+        for begin in range(0, blocks * 128, 128):
+            ids = encode_tensor(np.asarray([fake[begin : begin + 128]], dtype=np.int32), "int32")
+            request = HopRequest(
+                Verb.PREFILL, sid, begin, 128, Payload(ids), model=model_id, route_id=opened["route_id"],
+                next_hops=tuple(urls[1:]) if begin == 0 else None, sample=begin + 128 == blocks * 128,
+                ticket=ticket if begin == 0 else None, prefix=claim if begin == 0 else None,
+            )  # fmt: skip
+            path, headers, body = http_binding.encode_request(request)
+            assert poisoner.post(f"{urls[0]}{path}", content=body, headers=headers).status_code in (200, 202)
+        assert poisoner.delete(f"{urls[0]}/v1/sessions/{sid}", headers={"X-Meshnet-Ticket": ticket}).status_code == 200
+        assert poisoner.delete(f"{tracker}/v1/sessions/{sid}").status_code == 200
+    with admin_client(swarm) as admin:
+        hits = [admin.get(f"{url}/v1/health").json()["prefix_cache"]["hits"] for url in urls]
+        first = complete(swarm.url, model_id, text)
+        after = [admin.get(f"{url}/v1/health").json()["prefix_cache"]["hits"] for url in urls]
+    assert first[1] == len(real), "the test's token ids must be the gateway's"
+    assert all(b > a for a, b in zip(hits, after, strict=True)), (hits, after)  # the bad blocks were found
+    assert first[2] == 0 and first[0] == complete(cold.url, model_id, text)[0]
+    second = complete(swarm.url, model_id, text)
+    assert second[2] == 128 * ((len(real) - 1) // 128) and second[0] == first[0]
+
+
+def complete(url: str, model: str, prompt: str) -> tuple[str, int, int]:
+    """A greedy completion's text, prompt tokens and cached prompt tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    out = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    usage = out["usage"]
+    return out["choices"][0]["text"], usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]

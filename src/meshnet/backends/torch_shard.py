@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from meshnet.backends import torch_cache
 from meshnet.backends.grammar import TokenGrammar
@@ -193,8 +194,17 @@ class TorchShard(ShardBase[TorchSession]):
             torch_cache.rollback(state.cache, state.undo[1])  # a failed forward may have written part of it
             state.position, state.undo = position, None
         elif state.position != position:
-            # Only the chunk being computed can be undone; the store never asks for more.
-            raise EngineError(f"cannot rewind a PyTorch shard session from {state.position} to {position}")
+            # Full attention keeps one K/V row per position: drop the rows past ``position``. Other cache
+            # layers (sliding windows that dropped rows, compressed or recurrent states) cannot go back.
+            own = state.cache.own
+            if not 0 <= position < state.position or any(type(layer) is not DynamicLayer for layer in own):
+                raise EngineError(
+                    f"cannot rewind a PyTorch shard session from {state.position} to {position}: its layers keep "
+                    "sliding-window, compressed or recurrent state, which only the chunk being computed can undo"
+                )
+            for layer in own:
+                layer.crop(position - state.position)
+            state.position, state.undo = position, None
 
     def _forward(
         self, state: TorchSession, start: int, tokens: I32 | None, hidden: F32 | None, all_logits: bool = False
