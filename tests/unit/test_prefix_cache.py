@@ -7,6 +7,7 @@ entry changes the tokens, and each test compares whole token sequences against a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -71,6 +72,24 @@ def test_two_conversations_sharing_a_system_prompt_both_find_it_and_eviction_kee
     cache._drop(found[0].hashes[-1])  # whichever held the index: the other still serves the system prompt
     again = cache.lookup(BLOCK, system, limit=3)
     assert again is not None and again[1] == 3
+
+
+def test_an_entry_computed_from_other_inputs_than_its_hashes_say_is_replaced_by_an_honest_one() -> None:
+    """A member that names one prompt's blocks while computing another's leaves KV under the wrong
+    hashes; the digests differ from an honest session's, which replaces it (and a longer honest
+    entry sharing only a system prompt with it is kept)."""
+    cache = PrefixCache(10_000)
+    honest = entry(SYSTEM)
+    poisoned = dataclasses.replace(honest, inputs=(b"x" * 16,) * 3)
+    cache.add(poisoned)
+    assert not cache.agrees(honest.hashes, honest.inputs, honest.outputs)
+    assert cache.agrees(poisoned.hashes, poisoned.inputs, poisoned.outputs)
+    cache.add(honest)
+    assert cache.agrees(honest.hashes, honest.inputs, honest.outputs)
+    found = cache.lookup(BLOCK, honest.hashes, limit=3)
+    assert found is not None and found[0] is honest and len(cache) == 1
+    cache.add(entry([*SYSTEM[:4], 1, 1, 1, 1]))  # shares block 0 with it, with the same digest: both stay
+    assert len(cache) == 2
 
 
 def test_least_recently_used_entries_go_first_and_an_entry_over_the_budget_is_refused() -> None:

@@ -116,10 +116,24 @@ class PrefixCache:
         self._entries.move_to_end(key)
         return True
 
+    def agrees(self, hashes: tuple[bytes, ...], inputs: tuple[bytes, ...], outputs: tuple[bytes, ...]) -> bool:
+        """Whether an entry holds all of ``hashes`` with these ledger digests after each block (it
+        becomes the most recently used): a session that computed the blocks itself need not keep them
+        again. A held entry whose digests differ is a bad one (``add`` replaces it)."""
+        key = self._where.get(hashes[-1]) if hashes else None
+        entry = None if key is None else self._entries.get(key)
+        n = len(hashes)
+        if not isinstance(entry, CachedPrefix) or entry.inputs[:n] != inputs or entry.outputs[:n] != outputs:
+            return False
+        return self.touch(hashes)
+
     def add(self, entry: CachedPrefix) -> bool:
         """Keep ``entry`` (evicting the least recently used ones to fit); False if it cannot fit at all."""
         if not entry.hashes or entry.nbytes > self.budget_bytes:
             return False
+        for k, held in list(self._entries.items()):  # what was computed from other inputs is not these blocks
+            if isinstance(held, CachedPrefix) and _disagree(held, entry):
+                self._drop(k)
         key = entry.hashes[-1]
         if self._where.get(key, key) != key:  # a longer entry already holds all of it
             return self.touch(entry.hashes)
@@ -205,6 +219,17 @@ class PrefixCache:
                 for h in other.hashes:
                     self._where.setdefault(h, other_key)
         self._filter = None
+
+
+def _disagree(a: CachedPrefix, b: CachedPrefix) -> bool:
+    """Whether two entries hold a common block (a common prefix) with different ledger digests: one
+    of them was computed from other inputs than its hashes say (a member that named the wrong blocks)."""
+    for i, (x, y) in enumerate(zip(a.hashes, b.hashes, strict=False)):
+        if x != y:
+            return False
+        if a.inputs[i] != b.inputs[i] or a.outputs[i : i + 1] != b.outputs[i : i + 1]:
+            return True
+    return False
 
 
 def _snapshot_key(session: str) -> bytes:

@@ -408,7 +408,8 @@ class NodeService:
                 break  # not the chunk a cold prefill computes this block in
             blocks += 1
         hashes = claim.hashes[:blocks]
-        if not hashes or cache.touch(hashes):
+        inputs, outputs = tuple(s.ledger.inputs[:blocks]), tuple(s.ledger.outputs[:blocks])
+        if not hashes or cache.agrees(hashes, inputs, outputs):
             return
         sid, positions = s.session, blocks * claim.block
         held = self.shard.store.get(sid).position
@@ -431,8 +432,7 @@ class NodeService:
             return
         if blob is None:
             return
-        entry = CachedPrefix(claim.block, hashes, blob, tuple(s.ledger.inputs[:blocks]),
-                             tuple(s.ledger.outputs[:blocks]), log, s.log_dtype, ids)  # fmt: skip
+        entry = CachedPrefix(claim.block, hashes, blob, inputs, outputs, log, s.log_dtype, ids)
         cache.add(entry)
         self.metrics.prefix_bytes.set(cache.used)
 
