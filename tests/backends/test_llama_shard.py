@@ -203,12 +203,15 @@ def test_a_session_adopting_cached_blocks_computes_the_bits_of_a_cold_prefill(
         shard.rewind(sid, kept)
         blobs.append(shard.snapshot(sid))
         shard.close_session(sid)
+    fillers = [SessionId(f"filler-{i}") for i in range(KW["config"].max_sessions - 2)]
     try:
         for shard, blob in zip(chain, blobs, strict=True):
             shard.open_session(new)
+            shard.open_session(ref)
+            for filler in fillers:  # every llama.cpp sequence taken: the KV goes into the session's own
+                shard.open_session(filler)
             shard.adopt(new, blob, block)  # one block fewer than kept: the snapshot is cut on adoption
             assert shard.store.get(new).position == block
-            shard.open_session(ref)
         warm = prefill_chain(chain, new, later[block:], chunk=block, start=block)
         cold = prefill_chain(chain, ref, later, chunk=block)
         assert np.array_equal(warm, cold)
@@ -220,6 +223,7 @@ def test_a_session_adopting_cached_blocks_computes_the_bits_of_a_cold_prefill(
         # adoption only into a fresh session, and never past the snapshot
         with pytest.raises(PositionMismatch):
             chain[0].adopt(new, blobs[0], block)
+        chain[0].close_session(fillers[0])
         chain[0].open_session(SessionId("past"))
         with pytest.raises(InvalidRequest, match="cannot give"):
             chain[0].adopt(SessionId("past"), blobs[0], 3 * block)
@@ -227,7 +231,7 @@ def test_a_session_adopting_cached_blocks_computes_the_bits_of_a_cold_prefill(
         chain[0].close_session(SessionId("past"))
     finally:
         for shard in chain:
-            for s in (new, ref):
+            for s in (new, ref, *fillers):
                 if s in shard.store.ids():
                     shard.close_session(s)
 

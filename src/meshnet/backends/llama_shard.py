@@ -606,6 +606,14 @@ class LlamaShard(ShardBase[int]):
             raise InvalidRequest("llama.cpp rejected the KV snapshot (corrupt, or from another model/context)")
         return seq
 
+    def _load_into(self, state: int, body: bytes, position: int) -> bool:
+        """Into the session's own sequence: llama.cpp clears it first, and again if the data is refused."""
+        buf = (ctypes.c_uint8 * len(body)).from_buffer_copy(body)
+        if int(self._ll.llama_state_seq_set_data(self._ctx, buf, len(body), state)) == 0:
+            self._ll.llama_memory_seq_rm(self._mem, state, -1, -1)
+            raise InvalidRequest("llama.cpp rejected the KV snapshot (corrupt, or from another model/context)")
+        return True
+
     def kv_state_bytes(self, sid: SessionId) -> int:
         """Bytes llama.cpp serializes for a session (KV data plus a small header)."""
         with self._compute:

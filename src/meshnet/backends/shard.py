@@ -350,6 +350,14 @@ class ShardBase(abc.ABC, Generic[S]):
 
         def swap(old: S) -> S:
             with self._compute:
+                if self._load_into(old, body, held):
+                    if position < held:
+                        try:
+                            self._truncate_state(old, position)
+                        except BaseException:
+                            self._truncate_state(old, 0)  # fresh again
+                            raise
+                    return old
                 new = self._load_state(sid, body, held)
                 try:
                     if position < held:
@@ -398,6 +406,12 @@ class ShardBase(abc.ABC, Generic[S]):
 
     @abc.abstractmethod
     def _load_state(self, sid: SessionId, body: bytes, position: int) -> S: ...
+
+    def _load_into(self, state: S, body: bytes, position: int) -> bool:
+        """Load a snapshot body into a fresh session's own ``state`` where the backend can, leaving it
+        fresh if that fails; False where it cannot, and ``adopt`` loads a new state beside it (which
+        needs room for one more)."""
+        return False
 
     # -- validation --------------------------------------------------------------------------
     def _check_inputs(self, tokens: I32 | None, hidden: F32 | None) -> tuple[I32 | None, F32 | None, int]:

@@ -98,9 +98,9 @@ from meshnet.sampling import Alternatives, Sampler
 __all__ = ["RouteEngine", "Tokenizer"]
 
 _log = logging.getLogger("meshnet.gateway")
-_ROUTES_COSTED = 256
+_ROUTES_COSTED = 256  # routes whose walk times the drafter remembers
 # A prompt shorter than this is not snapshotted: replaying it costs less than moving its KV.
-SNAPSHOT_MIN_POSITIONS = 256  # routes whose walk times the drafter remembers
+SNAPSHOT_MIN_POSITIONS = 256
 _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
 
 

@@ -675,7 +675,8 @@ class NodeService:
         async def end_here() -> None:
             s.busy = True  # nothing else runs on it while its prompt blocks go into the prefix cache
             try:
-                await self._keep_prefix(s)
+                with contextlib.suppress(SessionGone, SessionNotFound):  # expired meanwhile: nothing to keep
+                    await self._keep_prefix(s)
             finally:
                 s.busy = False
             # expired meanwhile: the delete still travels down the chain
