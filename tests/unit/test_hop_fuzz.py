@@ -1,8 +1,9 @@
-"""A seeded fuzzer over the hop protocol: valid prefill, decode, verify and reroute requests to a
-node's HTTP surface (``create_node_app`` over a fake shard), with their headers and bodies
-mutated. Every answer must be a 2xx (a mutant that stayed valid) or a 4xx in OpenAI's error shape
-— never a 5xx — and after the run the node must continue a session it held with the very tokens
-an untouched node gives."""
+"""A seeded fuzzer over the hop protocol: valid prefill, decode, verify, reroute and prefix
+requests — and session snapshots — to a node's HTTP surface (``create_node_app`` over a fake shard
+here; a real ``meshnet node`` process in tests/integration/test_hop_fuzz_real.py), with their
+headers and bodies mutated. Every answer must be a 2xx (a mutant that stayed valid) or a 4xx in
+OpenAI's error shape — never a 5xx — and after the run the node must continue a session it held
+with the very tokens an untouched node gives."""
 
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ import random
 import struct
 import time
 from collections.abc import Callable
+from typing import Any
 
+import httpx
 import numpy as np
 from starlette.testclient import TestClient
 
 from meshnet.ids import SessionId
 from meshnet.node.app import create_node_app
 from meshnet.node.service import NodeConfig
-from meshnet.protocol.http_binding import encode_request, encode_reroute
-from meshnet.protocol.messages import HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.http_binding import encode_prefix, encode_request, encode_reroute
+from meshnet.protocol.messages import HopRequest, Payload, PrefixClaim, PrefixRequest, RerouteRequest, Verb
+from meshnet.protocol.prefix import block_hashes
 from meshnet.protocol.wire import encode_tensor
 from tests.unit.test_node_service import PROMPT, MixShard
 
@@ -36,9 +40,9 @@ def _ids(tokens: list[int]) -> Payload:
     return Payload(encode_tensor(np.array([tokens], dtype=np.int32), "int32"))
 
 
-def _prefill(sid: str, tokens: list[int] = PROMPT) -> HopRequest:
-    return HopRequest(Verb.PREFILL, SessionId(sid), 0, len(tokens), _ids(tokens), model="mix", route_id="r1",
-                      next_hops=(), sample=True)  # fmt: skip
+def _prefill(sid: str, model: str, tokens: list[int] = PROMPT) -> HopRequest:
+    return HopRequest(Verb.PREFILL, SessionId(sid), 0, len(tokens), _ids(tokens), model=model, route_id="r1",
+                      next_hops=(), sample=True, prefix=PrefixClaim(4, tuple(block_hashes(tokens, 4))))  # fmt: skip
 
 
 def _step(sid: str, token: int, position: int, drafts: tuple[int, ...] = ()) -> HopRequest:
@@ -85,29 +89,40 @@ def _mutate_body(rng: random.Random, body: bytes) -> bytes:
     return body
 
 
-def _cases(rng: random.Random, n: int) -> list[tuple[str, Callable[[TestClient, str], Request]]]:
-    def prefill(_: TestClient, sid: str) -> Request:
-        return encode_request(_prefill(sid))
+def _cases(rng: random.Random, n: int, model: str) -> list[tuple[str, Callable[[Any, str], Request]]]:
+    def prefill(_: Any, sid: str) -> Request:
+        return encode_request(_prefill(sid, model))
 
-    def opened_then(verb: str) -> Callable[[TestClient, str], Request]:
-        def make(client: TestClient, sid: str) -> Request:
-            path, headers, body = encode_request(_prefill(sid))
+    def prefix(_: Any, sid: str) -> Request:
+        claim = PrefixClaim(4, tuple(block_hashes(PROMPT, 4)))
+        path, headers = encode_prefix(PrefixRequest(SessionId(sid), claim, 2, "r1", model=model))
+        return path, headers, b""
+
+    def snapshot(_: Any, sid: str) -> Request:  # an open swarm keeps none: 409, whatever comes
+        return f"/v1/snapshots/{sid}", {"X-Meshnet-Ticket": "mnt1.x.y"}, b"MNSS" + os.urandom(rng.randint(0, 64))
+
+    def opened_then(verb: str) -> Callable[[Any, str], Request]:
+        def make(client: Any, sid: str) -> Request:
+            path, headers, body = encode_request(_prefill(sid, model))
             answer = client.post(path, headers=headers, content=body)
             assert answer.status_code == 200, answer.text
             token, position = int(answer.json()["token"]), len(PROMPT)
             if verb == "reroute":
                 path, headers = encode_reroute(RerouteRequest(SessionId(sid), (), "r1", step=position))
                 return path, headers, b""
+            if verb == "restore":
+                return f"/v1/sessions/{sid}-again/restore", {"X-Meshnet-Route-Id": "r1"}, b""
             return encode_request(_step(sid, token, position, (1, 2) if verb == "verify" else ()))
 
         return make
 
-    kinds = {"prefill": prefill, **{v: opened_then(v) for v in ("decode", "verify", "reroute")}}
+    kinds = {"prefill": prefill, "prefix": prefix, "snapshot": snapshot}
+    kinds |= {v: opened_then(v) for v in ("decode", "verify", "reroute", "restore")}
     return [(kind, kinds[kind]) for kind in (rng.choice(list(kinds)) for _ in range(n))]
 
 
-def _generate(client: TestClient, sid: str, n: int) -> list[int]:
-    path, headers, body = encode_request(_prefill(sid))
+def _generate(client: Any, sid: str, n: int, model: str) -> list[int]:
+    path, headers, body = encode_request(_prefill(sid, model))
     tokens = [int(client.post(path, headers=headers, content=body).json()["token"])]
     for _ in range(n):
         path, headers, body = encode_request(_step(sid, tokens[-1], len(PROMPT) + len(tokens) - 1))
@@ -115,34 +130,46 @@ def _generate(client: TestClient, sid: str, n: int) -> list[int]:
     return tokens
 
 
-def test_mutated_hop_requests_are_4xx_never_5xx_and_the_node_goes_on() -> None:
+def fuzz(client: Any, model: str, *, cases: int = CASES, budget_s: float = BUDGET_S) -> dict[int, int]:
+    """Run the seeded cases against the node ``client`` reaches (a ``TestClient`` or an ``httpx.Client``
+    with its ``base_url``); how many answers of each class (2xx, 4xx) came back."""
     rng = random.Random(SEED)
+    want = _generate(client, "reference", 6, model)
+    client.delete("/v1/sessions/reference")
+    live = _generate(client, "live", 2, model)  # a session that must go on unchanged after the run
+    deadline, seen = time.monotonic() + budget_s, {2: 0, 4: 0}
+    for i, (kind, make) in enumerate(_cases(rng, cases, model)):
+        if time.monotonic() > deadline:
+            break
+        sid = f"fuzz-{i}"
+        path, headers, body = make(client, sid)
+        sent = _mutate_headers(rng, headers) if rng.random() < 0.7 else headers
+        body = _mutate_body(rng, body) if kind not in ("reroute", "prefix", "restore") and rng.random() < 0.6 else body
+        try:
+            answer = client.post(path, headers=sent, content=body)
+        except httpx.LocalProtocolError:  # over a real socket the client itself refuses an illegal header
+            client.delete(f"/v1/sessions/{sid}")
+            continue
+        context = f"seed {SEED} case {i} ({kind}): {sent} body {body[:64]!r}"
+        assert answer.status_code < 500, f"{context} -> {answer.status_code} {answer.text}"
+        if answer.status_code >= 400:
+            error = answer.json()["error"]
+            assert {"message", "type", "param", "code"} <= set(error) and error["message"], context
+        seen[answer.status_code // 100] += 1
+        client.delete(f"/v1/sessions/{sid}")
+    assert client.get("/v1/health").status_code == 200
+    for _ in range(4):
+        path, headers, body = encode_request(_step("live", live[-1], len(PROMPT) + len(live) - 1))
+        answer = client.post(path, headers=headers, content=body)
+        assert answer.status_code == 200, answer.text
+        live.append(int(answer.json()["token"]))
+    assert live == want
+    client.delete("/v1/sessions/live")
+    return seen
+
+
+def test_mutated_hop_requests_are_4xx_never_5xx_and_the_node_goes_on() -> None:
     config = NodeConfig(node_id="n", url="http://n:1", max_body_bytes=64 * 1024)
     with TestClient(create_node_app(MixShard("0:12"), config), raise_server_exceptions=False) as client:
-        want = _generate(client, "reference", 6)
-        client.delete("/v1/sessions/reference")
-        live = _generate(client, "live", 2)  # a session that must go on unchanged after the run
-        deadline, seen = time.monotonic() + BUDGET_S, {2: 0, 4: 0}
-        for i, (kind, make) in enumerate(_cases(rng, CASES)):
-            if time.monotonic() > deadline:
-                break
-            sid = f"fuzz-{i}"
-            path, headers, body = make(client, sid)
-            sent = _mutate_headers(rng, headers) if rng.random() < 0.7 else headers
-            body = _mutate_body(rng, body) if kind != "reroute" and rng.random() < 0.6 else body
-            answer = client.post(path, headers=sent, content=body)
-            context = f"seed {SEED} case {i} ({kind}): {sent} body {body[:64]!r}"
-            assert answer.status_code < 500, f"{context} -> {answer.status_code} {answer.text}"
-            if answer.status_code >= 400:
-                error = answer.json()["error"]
-                assert {"message", "type", "param", "code"} <= set(error) and error["message"], context
-            seen[answer.status_code // 100] += 1
-            client.delete(f"/v1/sessions/{sid}")
-        assert seen[4] > CASES // 4, seen  # the mutants mostly broke the request
-        assert client.get("/v1/health").status_code == 200
-        for _ in range(4):
-            path, headers, body = encode_request(_step("live", live[-1], len(PROMPT) + len(live) - 1))
-            answer = client.post(path, headers=headers, content=body)
-            assert answer.status_code == 200, answer.text
-            live.append(int(answer.json()["token"]))
-        assert live == want
+        seen = fuzz(client, "mix")
+    assert seen[4] > CASES // 4, seen  # the mutants mostly broke the request

@@ -99,8 +99,10 @@ __all__ = ["RouteEngine", "Tokenizer"]
 
 _log = logging.getLogger("meshnet.gateway")
 _ROUTES_COSTED = 256  # routes whose walk times the drafter remembers
-# A prompt shorter than this is not snapshotted: replaying it costs less than moving its KV.
+# A context shorter than this is not snapshotted: replaying it costs less than moving its KV; after
+# the first snapshot (right after the prompt's prefill), a fresh one every SNAPSHOT_EVERY positions.
 SNAPSHOT_MIN_POSITIONS = 256
+SNAPSHOT_EVERY = 1024
 _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
 
 
@@ -137,7 +139,7 @@ class _Run:
     cold: bool = False  # reuse was refused once (the cached KV did not match the prompt): prefill everything
     # KV snapshots (node.snapshots): hop node id -> (its standby's node id, the positions snapshotted)
     standbys: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
-    snapshotted: bool = False
+    snapshot_at: int = 0  # the positions the hops' latest snapshots hold (0: none taken)
 
     def add(self, tokens: Sequence[int]) -> None:
         """``tokens`` become the route's next chunk (a prompt chunk, or one decode step)."""
@@ -312,12 +314,7 @@ class RouteEngine:
                         drafter.extend([token])
                 if full:
                     break
-                if not run.snapshotted:
-                    run.snapshotted = True
-                    try:
-                        self._snapshot(run, len(tokens) - 1)
-                    except MeshnetError as exc:  # a tracker that cannot answer now: repair replays everything
-                        _log.info("no KV snapshots for session %s: %s", run.plan.session_id, exc.message)
+                self._snapshot_when_due(run, len(tokens) - 1)  # the route holds every token but the newest
                 drafts = self._drafts(drafter, run.plan, len(tokens))
                 answer = yield from self._decode_with_repair(run, tokens, drafts, cancel)
             outcome = "completed"
@@ -461,13 +458,24 @@ class RouteEngine:
             yield RouteChange("repair", error.message, failed.node, run.plan, run.retries, replayed, _since(began))
             return answer
 
+    def _snapshot_when_due(self, run: _Run, held: int) -> None:
+        due = held - run.snapshot_at >= (SNAPSHOT_EVERY if run.snapshot_at else SNAPSHOT_MIN_POSITIONS)
+        if not due or run.surplus:  # (hops still holding rejected drafts would snapshot them too)
+            return
+        run.snapshot_at = held
+        try:
+            self._snapshot(run, held)
+        except MeshnetError as exc:  # a tracker that cannot answer now: repair replays everything
+            _log.info("no KV snapshots for session %s: %s", run.plan.session_id, exc.message)
+
     def _snapshot(self, run: _Run, held: int) -> None:
-        """After a long prompt's prefill, every hop that has a standby (a trusted node of the same
-        layers the tracker names, only in a private swarm) snapshots its KV to it; a repair then
-        restores there and replays only the positions after ``held``. Best effort: a hop without
-        a standby, or a snapshot that fails, leaves repair by replay."""
+        """After a long prompt's prefill (and every ``SNAPSHOT_EVERY`` positions after), every hop
+        that has a standby (a trusted node of the same layers the tracker names, only in a private
+        swarm) snapshots its KV to it, replacing the one before; a repair then restores there and
+        replays only the positions after ``held``. Best effort: a hop without a standby, or a
+        snapshot that fails, leaves repair by replay."""
         plan = run.plan
-        if not self.kv_snapshots or plan.ticket is None or held < SNAPSHOT_MIN_POSITIONS:
+        if not self.kv_snapshots or plan.ticket is None:
             return
         response = self._tracker("POST", f"/v1/sessions/{plan.session_id}/standbys", json={})
         if response.status_code >= 400:
@@ -489,8 +497,8 @@ class RouteEngine:
                 taken = answer.json().get("snapshot") if answer.status_code == 202 else None
             except (ValueError, AttributeError):
                 taken = None
-            if isinstance(taken, int):
-                run.standbys[hop.node] = (str(standby.get("node_id")), taken)
+            if taken == held:
+                run.standbys[hop.node] = (str(standby.get("node_id")), held)
             else:
                 _log.info("hop %s took no KV snapshot: %s", hop.node, error_message(answer))
 
@@ -581,6 +589,7 @@ class RouteEngine:
         )  # fmt: skip
         run.usage = Usage()
         run.cached = 0
+        run.standbys, run.snapshot_at = {}, 0  # the old session's snapshots are of no use to the new one
 
     def _failed_hop(self, run: _Run, error: HopFailed) -> Hop:
         """The hop ``error`` names, counted against the retry budget."""
