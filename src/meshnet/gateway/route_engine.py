@@ -103,6 +103,9 @@ _ROUTES_COSTED = 256  # routes whose walk times the drafter remembers
 # the first snapshot (right after the prompt's prefill), a fresh one every SNAPSHOT_EVERY positions.
 SNAPSHOT_MIN_POSITIONS = 256
 SNAPSHOT_EVERY = 1024
+# How long a finished generation waits for its route to free the session (and keep its prompt
+# blocks) before the stream ends: milliseconds on a healthy route.
+CLOSE_WAIT_S = 2.0
 _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
 
 
@@ -219,9 +222,9 @@ class RouteEngine:
             self._local.client = client
         return client
 
-    def _tracker(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _tracker(self, method: str, path: str, *, timeout_s: float = 30.0, **kwargs: Any) -> httpx.Response:
         try:
-            return self._client().request(method, f"{self.tracker_url}{path}", timeout=30.0, **kwargs)
+            return self._client().request(method, f"{self.tracker_url}{path}", timeout=timeout_s, **kwargs)
         except httpx.HTTPError as exc:
             raise Overloaded(f"the tracker at {self.tracker_url} is unreachable: {exc}", retry_after_s=5) from None
 
@@ -273,7 +276,7 @@ class RouteEngine:
 
     def release(self, plan: RoutePlan) -> None:
         with contextlib.suppress(MeshnetError):  # best effort: the tracker expires it otherwise
-            self._tracker("DELETE", f"/v1/sessions/{plan.session_id}")
+            self._tracker("DELETE", f"/v1/sessions/{plan.session_id}", timeout_s=CLOSE_WAIT_S)
 
     # -- generation --------------------------------------------------------------------------
     def generate(
@@ -739,10 +742,13 @@ class RouteEngine:
             raise HopFailed(f"the tail {tail.node} answered a malformed step ({exc})", failed_hop=tail.url) from None
 
     def _close(self, plan: RoutePlan) -> None:
-        """Free the session's KV on every hop (the head forwards the delete) and on the tracker."""
-        with contextlib.suppress(httpx.HTTPError):  # an unreachable node frees it by its idle TTL
+        """Free the session's KV on every hop (the head forwards the delete; each hop keeps its prompt
+        blocks first) and on the tracker. The stream ends only after this (``run_worker``), so the
+        wait is short: a hop that does not answer in ``CLOSE_WAIT_S`` (stopped, or keeping a huge
+        prompt) goes on by itself, and an unreachable one frees the session at its idle TTL."""
+        with contextlib.suppress(httpx.HTTPError):
             url = f"{plan.hops[0].url}/v1/sessions/{plan.session_id}"
-            self._client().delete(url, headers=_ticketed(plan), timeout=10.0)
+            self._client().delete(url, headers=_ticketed(plan), timeout=CLOSE_WAIT_S)
         self.release(plan)
 
     def close(self) -> None:
