@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from meshnet.gateway.billing_outbox import BillingOutbox, Usage
 from meshnet.layers import LayerRange
 from meshnet.routes import Hop, RoutePlan
 from meshnet.tracker.app import create_tracker_app
+from meshnet.tracker.billing import MAX_DECODE_S
 from meshnet.tracker.db import TrackerDB
 from tests.asgi import serve_in_thread
 
@@ -68,3 +70,25 @@ def test_an_unreadable_spool_file_is_set_aside_and_a_cut_write_removed(tmp_path:
         outbox.close(flush_s=0.1)
     time.sleep(0.05)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ses-bad.bad"]
+
+
+def test_the_report_carries_the_decode_seconds_the_usage_counted(tmp_path: Path) -> None:
+    hops = (Hop("a", "http://a.local:7000", LayerRange.parse("0:15", 30)),
+            Hop("b", "http://b.local:7000", LayerRange.parse("15:30", 30)))  # fmt: skip
+    decoded, prefilled, long = Usage(), Usage(), Usage()
+    decoded.add(hops, prefill=12, decode=5)
+    for seconds in (0.25, 0.5, -1.0):  # a clock that went backwards counts nothing
+        decoded.decoded(seconds)
+    assert decoded.decode_s == 0.75
+    prefilled.add(hops, prefill=12)
+    prefilled.decoded(0.5)  # no decode positions: the seconds judge nothing, and are not sent
+    long.add(hops, decode=5)
+    long.decoded(2 * MAX_DECODE_S)  # the tracker refuses more than MAX_DECODE_S: sent capped
+    outbox = BillingOutbox(_dead_url(), spool_dir=tmp_path)
+    for name, usage in (("decoded", decoded), ("prefilled", prefilled), ("long", long)):
+        outbox.submit(RoutePlan(f"ses-{name}", "rte-1", hops), usage, "completed")
+    outbox.close(flush_s=0.1)
+    sent = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert sent["ses-decoded"]["decode_s"] == 0.75
+    assert "decode_s" not in sent["ses-prefilled"]
+    assert sent["ses-long"]["decode_s"] == MAX_DECODE_S

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import time
 from dataclasses import replace
@@ -11,6 +12,7 @@ import pytest
 
 from meshnet.errors import Overloaded
 from meshnet.layers import LayerRange
+from meshnet.tracker.plausibility import MAX_FLOPS, MAX_MEMORY_BANDWIDTH_BYTES_PER_S, speed_ceilings
 from meshnet.tracker.routing import (
     DEFAULT_HOP_LATENCY_MS,
     NO_KV_ROOM_PENALTY_S,
@@ -105,6 +107,9 @@ def _random_swarm(rng: random.Random) -> list[NodeRecord]:
                 kv_bytes_free=rng.choice([10**9, 10**9, 1000]),
                 weight_bytes=rng.choice([0, 2**28]),
                 model=MODEL if rng.random() < 0.95 else "other",
+                decode_tps_ceiling=rng.choice([math.inf, math.inf, 10.0]),
+                prefill_tps_ceiling=rng.choice([math.inf, math.inf, 300.0]),
+                decode_floor_s=rng.choice([0.0, 0.0, 0.001, 0.05]),
             )
         )
     # Some measured latencies, including to URLs of nodes that are not next hops, and duplicates.
@@ -287,3 +292,48 @@ def test_large_swarms_select_quickly(count: int):
     elapsed = time.perf_counter() - began
     assert choices and all(tiles(c.nodes, 0, total) for c in choices)
     assert elapsed < 0.5  # ~20 ms at 1,000 nodes on one core; the margin is for a loaded CI machine
+
+
+# -- plausible speeds (tracker.plausibility) --------------------------------------------------
+
+
+def test_ceilings_cap_an_absurd_claim_and_leave_an_honest_one():
+    # 70B parameters at ~4.5 bits in 80 layers: an honest single accelerator of 2026 decodes it at
+    # tens of positions/s and prefills a few thousand; the ceilings are orders of magnitude above.
+    prefill_cap, decode_cap = speed_ceilings(40 * 10**9, 80)
+    assert decode_cap == pytest.approx(MAX_MEMORY_BANDWIDTH_BYTES_PER_S / 40e9) == pytest.approx(1250.0)
+    assert prefill_cap == pytest.approx(MAX_FLOPS / (2 * 40e9 / 4)) == pytest.approx(5e6)
+    capped = {"prefill_tps_ceiling": prefill_cap, "decode_tps_ceiling": decode_cap}
+    honest = node("honest", "0:12", prefill=3000.0, decode=40.0, **capped)
+    assert (honest.prefill_tps_used, honest.decode_tps_used) == (3000.0, 40.0)
+    liar = node("liar", "0:12", prefill=1e7, decode=1e6, **capped)
+    assert (liar.prefill_tps_used, liar.decode_tps_used) == (prefill_cap, decode_cap)
+    [choice] = select_routes([liar], MODEL, request=RouteRequest(prefill_tokens=100, decode_tokens=50))
+    assert choice.breakdown["decode_s"] == pytest.approx(50 / decode_cap)
+    assert choice.breakdown["prefill_s"] == pytest.approx(100 / prefill_cap)
+    # Unmeasured speeds stay unmeasured (0: the per-layer default), whatever the ceiling.
+    assert node("new", "0:12", prefill=0.0, decode=0.0, **capped).decode_tps_used == 0.0
+
+
+def test_an_unsaid_or_implausibly_small_weight_size_counts_as_a_floor_per_layer():
+    assert speed_ceilings(0, 12) == speed_ceilings(100, 12) == speed_ceilings(12 << 20, 12)
+    assert speed_ceilings(0, 12)[1] == pytest.approx(MAX_MEMORY_BANDWIDTH_BYTES_PER_S / (12 << 20))
+    assert speed_ceilings(13 << 20, 12)[1] < speed_ceilings(0, 12)[1]  # a real size above the floor counts
+    assert all(0 < c < math.inf for c in speed_ceilings(2**50, 1))
+
+
+def test_an_observed_floor_charges_a_liar_its_real_speed_prefill_included():
+    liar = node("liar", "0:6", prefill=1e6, decode=1e6)
+    honest = node("honest", "0:6", prefill=1000.0, decode=50.0)
+    tail = node("t", "6:12")
+    assert best([liar, honest, tail]) == ["liar", "t"]
+    floored = replace(liar, decode_floor_s=0.1)  # its routes took 0.1 s per position for its layers
+    assert best([floored, honest, tail]) == ["honest", "t"]
+    # A prompt-heavy request too: its prefill claim is scaled by the factor its decode claim was off by.
+    assert best([floored, honest, tail], request=RouteRequest(prefill_tokens=4096, decode_tokens=1)) == ["honest", "t"]
+    whole = node("whole", "0:12", prefill=1e6, decode=1e6, decode_floor_s=0.1)
+    [alone] = select_routes([whole], MODEL, request=RouteRequest(prefill_tokens=100, decode_tokens=10))
+    assert alone.breakdown["decode_s"] == pytest.approx(10 * 0.1)
+    assert alone.breakdown["prefill_s"] == pytest.approx(100 * 1e-6 * (0.1 / 1e-6))
+    # A floor below what the node claims changes nothing.
+    assert route_cost_ns([replace(honest, decode_floor_s=0.01), tail]) == route_cost_ns([honest, tail])

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import types
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +15,19 @@ import pytest
 from starlette.testclient import TestClient
 
 import meshnet.tracker.app as tracker_app
+import meshnet.tracker.plausibility as plausibility
 import meshnet.tracker.sessions as tracker_sessions
 from meshnet.errors import Overloaded
 from meshnet.layers import LayerRange
 from meshnet.tracker.app import NODE_TTL_S, create_tracker_app
-from meshnet.tracker.db import TrackerDB
+from meshnet.tracker.db import BillingRow, TrackerDB
+from meshnet.tracker.plausibility import (
+    FLOOR_HALF_LIFE_S,
+    FLOOR_TTL_S,
+    MAX_FLOOR_S,
+    MAX_MEMORY_BANDWIDTH_BYTES_PER_S,
+    SpeedChecks,
+)
 from meshnet.tracker.routing import NodeRecord, plan_route
 
 MODEL = "m"
@@ -233,6 +243,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     fake = types.SimpleNamespace(time=lambda: now[0])
     monkeypatch.setattr(tracker_app, "time", fake)
     monkeypatch.setattr(tracker_sessions, "time", fake)
+    monkeypatch.setattr(plausibility, "time", fake)
     return now
 
 
@@ -282,6 +293,10 @@ UNADVERTISED = {
     },
     "prefill_tps": 0.0,
     "decode_tps": 0.0,
+    "prefill_tps_used": 0.0,
+    "decode_tps_used": 0.0,
+    "capped": False,
+    "decode_floor_s": None,
     "queue_depth": 0,
     "kv_bytes_per_token": 0,
     "latency_ms": {},
@@ -565,3 +580,158 @@ def test_a_live_node_id_cannot_be_taken_over_from_another_address(client: TestCl
     moved = client.post("/v1/nodes", json=registration("honest", "0:12", url="http://127.0.0.1:9/"))
     assert moved.status_code == 200
     assert client.get("/v1/nodes").json()["nodes"][0]["url"] == "http://127.0.0.1:9"
+
+
+# -- plausible speeds: ceilings at registration, floors from billing reports (tracker.plausibility) --
+
+
+def test_an_absurd_speed_is_capped_for_routing_and_listed_next_to_the_advertised_one(client: TestClient):
+    weights = 4 * 10**9  # a decode step reads them all: no node decodes them 12,500 times a second
+    body = registration("liar", "0:12", decode_tps=1e6, prefill_tps=1000.0, weight_bytes=weights)
+    assert client.post("/v1/nodes", json=body).status_code == 201  # capped, not refused
+    client.post(
+        "/v1/nodes", json=registration("honest", "0:12", decode_tps=100.0, prefill_tps=1000.0, weight_bytes=weights)
+    )
+    nodes = {n["node_id"]: n for n in client.get("/v1/nodes").json()["nodes"]}
+    liar, honest = nodes["liar"], nodes["honest"]
+    assert liar["decode_tps"] == 1e6 and liar["capped"] is True
+    assert liar["decode_tps_used"] == pytest.approx(MAX_MEMORY_BANDWIDTH_BYTES_PER_S / weights) == pytest.approx(12_500)
+    assert liar["prefill_tps_used"] == 1000.0
+    assert (honest["decode_tps_used"], honest["prefill_tps_used"], honest["capped"]) == (100.0, 1000.0, False)
+    assert liar["decode_floor_s"] is None and honest["decode_floor_s"] is None
+
+
+def _swarm(client: TestClient) -> None:
+    """A head, a liar claiming 10^6 decode positions/s for layers 6:12, and an honest tail for them."""
+    for node_id, layers, tps in (("h", "0:6", 100.0), ("liar", "6:12", 1e6), ("honest", "6:12", 50.0)):
+        body = registration(node_id, layers, decode_tps=tps, prefill_tps=1000.0, kv_bytes_free=1 << 30)
+        assert client.post("/v1/nodes", json=body).status_code in (200, 201)
+
+
+def _route(client: TestClient) -> dict[str, Any]:
+    response = client.post("/v1/sessions", json={"model": MODEL, "total_layers": 12})
+    assert response.status_code == 201, response.text
+    return dict(response.json())
+
+
+def _report(session: dict[str, Any], *, steps: int = 100, **fields: Any) -> dict[str, Any]:
+    records = [{"node_id": h["node_id"], "layers": h["layers"], "prefill_tokens": 10, "decode_tokens": steps}
+               for h in session["hops"]]  # fmt: skip
+    return {"session_id": session["session_id"], "route_id": session["route_id"], "records": records, **fields}
+
+
+def _floors(client: TestClient) -> dict[str, float | None]:
+    return {n["node_id"]: n["decode_floor_s"] for n in client.get("/v1/nodes").json()["nodes"]}
+
+
+def _hops(session: dict[str, Any]) -> list[str]:
+    return [h["node_id"] for h in session["hops"]]
+
+
+def test_a_plausible_decode_time_changes_nothing(client: TestClient, clock: list[float]):
+    _swarm(client)
+    session = _route(client)
+    assert _hops(session) == ["h", "liar"]
+    # Claimed per step: 1/100 + 1/10^6 + the 5 ms default hop = 15 ms; 40 ms is within 3x + 20 ms + 10 ms a node.
+    answer = client.post("/v1/billing", json=_report(session, decode_s=100 * 0.04))
+    assert answer.status_code == 201, answer.text
+    check = answer.json()["speed_check"]
+    assert check["plausible"] is True and check["steps"] == 100
+    assert check["observed_step_s"] == pytest.approx(0.04) and check["claimed_step_s"] == pytest.approx(0.015001)
+    assert check["plausible_step_s"] == pytest.approx(3 * 0.015001 + 0.02 + 2 * 0.01)
+    assert check["decode_floor_s"] == {"h": 0.0, "liar": 0.0}
+    assert _floors(client) == {"h": None, "liar": None, "honest": None}
+    assert _hops(_route(client)) == ["h", "liar"]
+    # A report without decode_s (an older gateway) is not judged.
+    answer = client.post("/v1/billing", json=_report(_route(client)))
+    assert answer.status_code == 201 and "speed_check" not in answer.json()
+
+
+def test_an_implausible_decode_time_floors_the_route_and_a_chain_without_the_liar_wins(
+    client: TestClient, clock: list[float]
+):
+    _swarm(client)
+    session = _route(client)
+    assert _hops(session) == ["h", "liar"]  # it claims the fastest tail
+    answer = client.post("/v1/billing", json=_report(session, decode_s=100 * 0.2))  # 0.2 s a step, not 0.015
+    assert answer.status_code == 201, answer.text
+    check = answer.json()["speed_check"]
+    assert check["plausible"] is False
+    share = (0.2 - 0.005) * 6 / 12  # the step less its hop, by layer share
+    assert check["decode_floor_s"] == {"h": pytest.approx(share), "liar": pytest.approx(share)}
+    assert _floors(client) == {"h": pytest.approx(share), "liar": pytest.approx(share), "honest": None}
+    assert _hops(_route(client)) == ["h", "honest"]  # the request the honest tail lost before
+    # A resent report (the gateway lost the answer) is a duplicate and judged no second time.
+    again = client.post("/v1/billing", json=_report(session, decode_s=100 * 5.0))
+    assert again.status_code == 200 and again.json()["duplicate"] is True and "speed_check" not in again.json()
+    assert _floors(client)["liar"] == pytest.approx(share)
+
+
+def test_floors_decay_halve_on_an_honest_report_and_expire(client: TestClient, clock: list[float]):
+    _swarm(client)
+    client.post("/v1/billing", json=_report(_route(client), decode_s=100 * 0.2))
+    share = (0.2 - 0.005) / 2
+    clock[0] += FLOOR_HALF_LIFE_S
+    _swarm(client)  # the heartbeats that keep them alive
+    assert _floors(client) == {"h": pytest.approx(share / 2), "liar": pytest.approx(share / 2), "honest": None}
+    # The head's claim holds up on a route without the liar: its floor halves at once.
+    session = _route(client)
+    assert _hops(session) == ["h", "honest"]
+    answer = client.post("/v1/billing", json=_report(session, decode_s=100 * 0.035))
+    assert answer.json()["speed_check"]["plausible"] is True
+    assert _floors(client) == {"h": pytest.approx(share / 4), "liar": pytest.approx(share / 2), "honest": None}
+    clock[0] += FLOOR_TTL_S + 1
+    _swarm(client)
+    assert _floors(client) == {"h": None, "liar": None, "honest": None}
+    # Forgotten, the liar wins again; judged against its claim, not its floor, it is floored again.
+    session = _route(client)
+    assert _hops(session) == ["h", "liar"]
+    client.post("/v1/billing", json=_report(session, decode_s=100 * 0.2))
+    assert _floors(client)["liar"] == pytest.approx(share)
+
+
+def test_a_gateway_reporting_absurd_times_floors_its_route_only_within_bounds(client: TestClient, clock: list[float]):
+    _swarm(client)
+    session = _route(client)
+    answer = client.post("/v1/billing", json=_report(session, decode_s=1e7))  # the most decode_s allowed
+    assert answer.json()["speed_check"]["decode_floor_s"] == {"h": MAX_FLOOR_S, "liar": MAX_FLOOR_S}
+    assert _floors(client)["honest"] is None  # off its route: untouched
+    # Too few decode steps to time: not judged.
+    answer = client.post("/v1/billing", json=_report(_route(client), steps=3, decode_s=1e7))
+    assert answer.status_code == 201 and "speed_check" not in answer.json()
+
+
+@pytest.mark.parametrize("raw", ["-1", "NaN", "Infinity", "1e300", "10000001", '"12.5"', "true", "[1]", "{}"])
+def test_a_bad_decode_s_is_a_400_naming_it_and_records_nothing(client: TestClient, raw: str):
+    _swarm(client)
+    session = _route(client)
+    body = json.dumps(_report(session))[:-1] + f', "decode_s": {raw}}}'
+    error = assert_error(client.post("/v1/billing", content=body), 400, "invalid_request_error", param="decode_s")
+    assert "decode_s" in error["message"]
+    assert client.get("/v1/billing").json()["totals"]["records"] == 0
+    assert client.get(f"/v1/sessions/{session['session_id']}").json()["status"] == "open"
+    assert _floors(client) == {"h": None, "liar": None, "honest": None}
+    answer = client.post("/v1/billing", json=_report(session, decode_s=100 * 0.2))  # the fixed report still counts
+    assert answer.status_code == 201 and answer.json()["speed_check"]["plausible"] is False
+
+
+def _rows(steps: int, *hops: tuple[str, int]) -> list[BillingRow]:
+    return [BillingRow(node_id, f"?:{n}", n, 0, steps) for node_id, n in hops]
+
+
+def test_claims_are_the_ones_routing_saw_and_a_repair_adds_its_replacements():
+    checks = SpeedChecks()
+    fast = replace(rec("fast", "0:12"), decode_tps=1e6)
+    checks.route_chosen("s1", [fast])
+    assert checks.judge("unknown", _rows(100, ("fast", 12)), 12, 10.0) is None  # no snapshot: not judged
+    verdict = checks.judge("s1", _rows(100, ("fast", 12)), 12, 10.0)
+    assert verdict is not None and not verdict.plausible and verdict.claimed_step_s == pytest.approx(1e-6)
+    assert checks.judge("s1", _rows(100, ("fast", 12)), 12, 10.0) is None  # judged once
+    # What it claims later is not what routing chose it by: the snapshot stands.
+    checks.route_chosen("s2", [fast])
+    # A repair: the replacement's claim (10 positions/s) joins the route's.
+    checks.route_repaired("s2", ["slow"], [replace(fast, node_id="slow", decode_tps=10.0)])
+    verdict = checks.judge("s2", _rows(50, ("fast", 12)) + _rows(50, ("slow", 12)), 12, 100 * 0.05)
+    assert verdict is not None and verdict.steps == 100
+    assert verdict.claimed_step_s == pytest.approx((50 * 1e-6 + 50 * 0.1) / 100)
+    assert verdict.plausible

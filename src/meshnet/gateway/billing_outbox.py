@@ -37,6 +37,7 @@ import httpx
 from meshnet.fsutil import PRIVATE_MODE, write_atomic
 from meshnet.httputil import error_message
 from meshnet.routes import Hop, RoutePlan
+from meshnet.tracker.billing import MAX_DECODE_S
 
 __all__ = ["BillingOutbox", "Usage", "default_spool_dir"]
 
@@ -52,15 +53,27 @@ class _NodeUsage:
 
 @dataclass
 class Usage:
-    """Positions each node of a session computed, by node id."""
+    """Positions each node of a session computed, by node id, and the seconds its decode steps took.
+
+    ``decode_s`` is the sum of the wall times of the session's decode steps that succeeded, each
+    from sending the step to having its answer checked; a step that failed and the repair after it
+    are not in it (a repair is not the route's speed). The tracker compares it with the speeds the
+    route's nodes advertised (tracker.plausibility): a route much slower than its nodes claimed
+    gets floors on what routing charges them.
+    """
 
     nodes: dict[str, _NodeUsage] = field(default_factory=dict)
+    decode_s: float = 0.0
 
     def add(self, hops: Iterable[Hop], *, prefill: int = 0, decode: int = 0) -> None:
         for hop in hops:
             entry = self.nodes.setdefault(hop.node, _NodeUsage(str(hop.layers)))
             entry.prefill_tokens += prefill
             entry.decode_tokens += decode
+
+    def decoded(self, seconds: float) -> None:
+        """One decode step took ``seconds`` (a clock that went backwards counts 0)."""
+        self.decode_s += max(0.0, seconds)
 
     def records(self) -> list[dict[str, Any]]:
         return [
@@ -109,7 +122,10 @@ class BillingOutbox:
         records = usage.records()
         if not records:
             return  # nothing was computed (e.g. refused before prefill)
-        body = {"session_id": plan.session_id, "route_id": plan.route_id, "outcome": outcome, "records": records}
+        body: dict[str, Any] = {"session_id": plan.session_id, "route_id": plan.route_id, "records": records}
+        body["outcome"] = outcome
+        if usage.decode_s > 0 and any(r["decode_tokens"] for r in records):
+            body["decode_s"] = round(min(usage.decode_s, MAX_DECODE_S), 6)  # the tracker refuses more
         self._enqueue({**body, "_created": time.time()}, spooled=False)
 
     def _enqueue(self, item: dict[str, Any], *, spooled: bool) -> None:

@@ -397,7 +397,9 @@ class RouteEngine:
         except HopFailed as exc:
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
             return (yield from self._recover(run, tokens, exc, cancel))
-        self._walk_costs(run.plan).observe(len(chunk), _since(began))
+        took = _since(began)
+        self._walk_costs(run.plan).observe(len(chunk), took)
+        run.usage.decoded(took)  # the tracker checks the route's advertised speeds by it
         kept = _kept(answer, position, len(chunk))
         if direct:  # every entry describes the whole chunk: the hops drop drafts lazily
             verify_hops(run.ledger, run.plan.hops, answer.hops)

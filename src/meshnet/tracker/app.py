@@ -38,6 +38,7 @@ from meshnet.security.membership import (
 )
 from meshnet.security.revocation import REVOKED_PATH
 from meshnet.tracker.db import TrackerDB
+from meshnet.tracker.plausibility import SpeedChecks, speed_ceilings
 from meshnet.tracker.reliability import Reliability
 from meshnet.tracker.routing import Hardware, NodeRecord
 from meshnet.tracker.sessions import MAX_BODY_BYTES, SessionsApi, parse_body
@@ -190,6 +191,12 @@ def _node_json(node: NodeRecord) -> dict[str, Any]:
         "hardware": asdict(node.hardware),
         "prefill_tps": node.prefill_tps,
         "decode_tps": node.decode_tps,
+        # What routes use: the advertised speeds capped at their physical ceilings ("capped": either
+        # was), and the observed floor on its seconds per decode position (null: none; tracker.plausibility).
+        "prefill_tps_used": node.prefill_tps_used,
+        "decode_tps_used": node.decode_tps_used,
+        "capped": node.prefill_tps_used < node.prefill_tps or node.decode_tps_used < node.decode_tps,
+        "decode_floor_s": node.decode_floor_s or None,
         "queue_depth": node.queue_depth,
         "kv_bytes_per_token": node.kv_bytes_per_token,
         "latency_ms": dict(node.latency_ms),
@@ -260,6 +267,7 @@ def create_tracker_app(
     certificates), and takes a registration only from the node it names. ``client_tls`` is the
     context its own requests to nodes go out with (the takeover probe)."""
     tracker = _Tracker(db, None if swarm is None else swarm.revoked_ids)
+    speeds = SpeedChecks()  # observed floors: GET /v1/nodes shows them, the sessions API keeps them
 
     async def register(request: Request) -> Response:
         reg = parse_body(Registration, await read_body(request, MAX_BODY_BYTES, "the tracker"))
@@ -273,6 +281,9 @@ def create_tracker_app(
             layers = LayerRange.parse(reg.layers, reg.total_layers)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="layers") from None
+        # Not refused: an honest node never reaches its ceilings, and a node that claims more only
+        # gets routed as if it had claimed them (GET /v1/nodes shows both).
+        prefill_ceiling, decode_ceiling = speed_ceilings(reg.weight_bytes, len(layers))
         node = NodeRecord(
             node_id=reg.node_id,
             url=reg.url,
@@ -285,6 +296,8 @@ def create_tracker_app(
             hardware=Hardware(**reg.hardware.model_dump()),
             prefill_tps=reg.prefill_tps,
             decode_tps=reg.decode_tps,
+            prefill_tps_ceiling=prefill_ceiling,
+            decode_tps_ceiling=decode_ceiling,
             queue_depth=reg.queue_depth,
             kv_bytes_per_token=reg.kv_bytes_per_token,
             latency_ms={url.rstrip("/"): ms for url, ms in reg.latency_ms.items()},
@@ -331,7 +344,7 @@ def create_tracker_app(
             return False
 
     async def list_nodes(_: Request) -> Response:
-        return JSONResponse({"nodes": [_node_json(n) for n in tracker.live_nodes()]})
+        return JSONResponse({"nodes": [_node_json(n) for n in speeds.apply(tracker.live_nodes())]})
 
     async def artifact_peers(request: Request) -> Response:
         """Nodes seeding files of a published model (by manifest digest): where a new node fetches from."""
@@ -374,6 +387,7 @@ def create_tracker_app(
                 db,
                 signer=None if swarm is None else swarm.signer,
                 max_sessions_per_client=max_sessions_per_client,
+                speeds=speeds,
             ).routes(),
             *(membership if swarm is not None else []),
         ],

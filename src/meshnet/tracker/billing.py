@@ -20,6 +20,7 @@ __all__ = [
     "DECODE_WEIGHT",
     "FORMULA",
     "LAYER_TOKENS_PER_UNIT",
+    "MAX_DECODE_S",
     "PREFILL_WEIGHT",
     "BillingEstimate",
     "bill",
@@ -29,6 +30,9 @@ __all__ = [
 PREFILL_WEIGHT = 1.0
 DECODE_WEIGHT = 2.0
 LAYER_TOKENS_PER_UNIT = 1000.0
+# The most decode seconds one billing report may carry (``decode_s``, tracker.plausibility): ~116
+# days, longer than any session decodes; bounded so the speed check's arithmetic stays finite.
+MAX_DECODE_S = 1e7
 FORMULA = (
     f"(prefill_layer_tokens*{PREFILL_WEIGHT:g} + decode_layer_tokens*{DECODE_WEIGHT:g}) / {LAYER_TOKENS_PER_UNIT:g}"
 )

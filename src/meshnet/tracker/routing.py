@@ -13,6 +13,10 @@ Among the chains that exist, the one with the lowest *estimated time* for the re
                     + cold penalty + no-KV-room penalty ]
          + Σ_hop (D + 1) · RTT(upstream → downstream)
 
+``decode_s/token`` is what the node's advertised speed implies (capped at its physical ceiling), or
+the *observed floor* the tracker keeps for it when its routes decoded slower than their nodes claimed
+(``tracker.plausibility``), whichever is larger; ``prefill_s/token`` is scaled by the same factor.
+
 ``C`` is the node's own *cached* positions: the leading blocks of the prompt it holds (its
 advertised ``PrefixFilter`` or the tracker's ``prefix_held`` hint, protocol.prefix), at most
 ``P - 1`` (the last prompt position is always computed: its logits are needed). A chain reuses only
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -53,6 +58,8 @@ __all__ = [
     "NodeRecord",
     "RouteChoice",
     "RouteRequest",
+    "claimed_decode_s",
+    "hop_latency_s",
     "plan_route",
     "select_routes",
 ]
@@ -136,6 +143,23 @@ class NodeRecord:
     # Blocks the tracker knows it took since that heartbeat (a session through it closed): the
     # next turn of a conversation, asked for right after the previous answer, finds its warm route.
     prefix_held: frozenset[bytes] = field(default=frozenset(), hash=False, compare=False)
+    # The fastest its weights allow (tracker.plausibility.speed_ceilings, set by the tracker at
+    # registration): routes use the advertised speed capped at it. inf: no ceiling computed.
+    prefill_tps_ceiling: float = math.inf
+    decode_tps_ceiling: float = math.inf
+    # Seconds per decode position its routes were observed to take, its layer share of them
+    # (tracker.plausibility.SpeedChecks): routes charge at least this. 0: no floor.
+    decode_floor_s: float = 0.0
+
+    @property
+    def prefill_tps_used(self) -> float:
+        """The prefill speed routes use: the advertised one, capped at the physical ceiling (0: not measured)."""
+        return min(self.prefill_tps, self.prefill_tps_ceiling)
+
+    @property
+    def decode_tps_used(self) -> float:
+        """The decode speed routes use: the advertised one, capped at the physical ceiling (0: not measured)."""
+        return min(self.decode_tps, self.decode_tps_ceiling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,11 +322,24 @@ def _unlink(partial: _Partial) -> tuple[NodeRecord, ...]:
 
 
 # -- the cost model -----------------------------------------------------------------------------
+def claimed_decode_s(node: NodeRecord) -> float:
+    """Seconds per decode position that ``node``'s advertisement implies, before any observed floor:
+    its capped decode speed, or the per-layer default when it has not measured one. Always > 0."""
+    tps = node.decode_tps_used
+    return 1.0 / tps if tps > 0 else DEFAULT_DECODE_S_PER_LAYER * len(node.layers)
+
+
 def _node_terms(node: NodeRecord, request: RouteRequest) -> dict[str, float]:
     """One node's share of the estimated time, by term, in seconds."""
     layers = len(node.layers)
-    prefill_per = 1.0 / node.prefill_tps if node.prefill_tps > 0 else DEFAULT_PREFILL_S_PER_LAYER * layers
-    decode_per = 1.0 / node.decode_tps if node.decode_tps > 0 else DEFAULT_DECODE_S_PER_LAYER * layers
+    tps = node.prefill_tps_used
+    prefill_per = 1.0 / tps if tps > 0 else DEFAULT_PREFILL_S_PER_LAYER * layers
+    claimed = claimed_decode_s(node)
+    decode_per = max(claimed, node.decode_floor_s)
+    # A node whose routes decoded slower than it claimed is taken to overstate its prefill speed by
+    # the same factor (one self-benchmark measured both; the tracker observes only decode):
+    # otherwise a liar's prefill claim would still win every prompt-heavy request once floored.
+    prefill_per *= decode_per / claimed
     prefill_s = (request.prefill_tokens - _cached_tokens(node, request)) * prefill_per
     decode_s = request.decode_tokens * decode_per
     own = prefill_s + decode_s
@@ -342,6 +379,11 @@ def _cost_ns(node: NodeRecord, request: RouteRequest) -> int:
 def _hop_ms(upstream: NodeRecord, downstream: NodeRecord) -> float:
     ms = upstream.latency_ms.get(downstream.url)
     return DEFAULT_HOP_LATENCY_MS if ms is None else max(0.0, ms)
+
+
+def hop_latency_s(chain: Sequence[NodeRecord]) -> float:
+    """Seconds one decode step spends crossing ``chain``'s hops, as routing estimates them."""
+    return sum(_hop_ms(up, down) for up, down in itertools.pairwise(chain)) / 1e3
 
 
 def _choice(chain: tuple[NodeRecord, ...], request: RouteRequest) -> RouteChoice:

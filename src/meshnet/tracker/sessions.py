@@ -10,7 +10,8 @@
   repair ticket of the contingency "that hop fails and the standby replaces it".
 - ``POST /v1/nodes/{id}/failures`` — a hop failed outside a repair (e.g. during prefill).
 - ``POST /v1/billing`` records a finished session's per-node work in one transaction
-  (idempotent); ``GET /v1/billing`` reads records and totals.
+  (idempotent), and judges the speeds its route's nodes advertised by the decode time the gateway
+  observed (``tracker.plausibility``); ``GET /v1/billing`` reads records and totals.
 
 A node reported failed is dropped from the live set at once (a dead node must not be handed to
 the next session while its heartbeat TTL runs out); if it is alive, its next heartbeat brings it
@@ -41,8 +42,9 @@ from meshnet.layers import LayerRange
 from meshnet.protocol.prefix import HASH_BYTES, MAX_PREFIX_BLOCKS
 from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, repair_ticket, route_ticket
 from meshnet.security.membership import scope_member
-from meshnet.tracker.billing import FORMULA
+from meshnet.tracker.billing import FORMULA, MAX_DECODE_S
 from meshnet.tracker.db import BillingRow, TrackerDB, member
+from meshnet.tracker.plausibility import SpeedChecks
 from meshnet.tracker.repair import PinnedHop, Repair, equivalent_nodes, plan_repair
 from meshnet.tracker.routing import NodeRecord, RouteChoice, RouteRequest, select_routes
 
@@ -131,6 +133,9 @@ class BillingReport(BaseModel):
     route_id: str = Field(min_length=1, max_length=64)
     outcome: str = Field("completed", pattern=r"^(completed|failed|cancelled)$")
     records: list[NodeWork] = Field(min_length=1, max_length=1000)
+    # Seconds the gateway spent in the session's decode steps (tracker.plausibility judges the route's
+    # advertised speeds by it); None: not measured (an older gateway), nothing is judged.
+    decode_s: float | None = Field(None, ge=0, le=MAX_DECODE_S, allow_inf_nan=False, strict=True)
 
 
 SchemaT = TypeVar("SchemaT", bound=BaseModel)
@@ -314,6 +319,7 @@ class SessionsApi:
         *,
         signer: TicketSigner | None = None,
         max_sessions_per_client: int | None = None,
+        speeds: SpeedChecks | None = None,
     ) -> None:
         self.registry = registry
         self.db = db
@@ -322,6 +328,8 @@ class SessionsApi:
         self.max_sessions_per_client = max_sessions_per_client
         self._reported: dict[tuple[str, str], None] = {}  # insertion-ordered: the oldest go first
         self.hints = PrefixHints()
+        # Route claims and observed speed floors; the tracker's node list shares them.
+        self.speeds = speeds if speeds is not None else SpeedChecks()
 
     def load(self, session_id: str) -> dict[str, Any]:
         session = self.db.load_session(session_id)
@@ -358,6 +366,7 @@ class SessionsApi:
         }
         self.db.save_session({**session, "owner": _caller(request)})
         self.hints.opened(session["session_id"], expected.prefix)
+        self.speeds.route_chosen(session["session_id"], choices[0].nodes)
         # Not persisted: the alternatives are a snapshot for the caller to fall back on right away.
         extra = {
             "alternatives": [hops_json(c.nodes) for c in choices[1:]],
@@ -382,8 +391,9 @@ class SessionsApi:
 
     def _eligible(self, trusted_only: bool, model: str) -> tuple[list[NodeRecord], str]:
         """The live nodes a session may use, and (for a trusted-only one) what to say when they cannot
-        make its route: the tier is the one each node's certificate grants (``NodeRecord.trusted``)."""
-        live = self.registry.live_nodes()
+        make its route: the tier is the one each node's certificate grants (``NodeRecord.trusted``).
+        Each carries its observed speed floor (tracker.plausibility)."""
+        live = self.speeds.apply(self.registry.live_nodes())
         if not trusted_only:
             return live, ""
         serving = [n for n in live if n.model == model]
@@ -460,6 +470,7 @@ class SessionsApi:
                 raise Overloaded(f"{exc.message}; {why_not}", retry_after_s=5, code=NO_TRUSTED_ROUTE) from None
         hops = [*session["hops"][: fix.first], *hops_json(fix.nodes), *session["hops"][fix.first + fix.removed :]]
         self.db.repin_session(sid, hops)
+        self.speeds.route_repaired(sid, [h["node_id"] for h in hops], live)
         replaced = {"first": fix.first, "count": len(fix.nodes), "removed": fix.removed}
         answer = {
             "session_id": sid,
@@ -578,7 +589,14 @@ class SessionsApi:
             rows.append(BillingRow(work.node_id, str(layers), len(layers), work.prefill_tokens, work.decode_tokens))
         fresh = self.db.record_billing(session, req.outcome, rows)
         self.db.end_session(req.session_id, "closed", f"billed ({req.outcome})")
-        return JSONResponse({"session_id": req.session_id, "duplicate": not fresh}, status_code=201 if fresh else 200)
+        answer: dict[str, Any] = {"session_id": req.session_id, "duplicate": not fresh}
+        # Judged once, on the report that was written: a resent one changes no floor.
+        verdict = (
+            None if not fresh or req.decode_s is None else self.speeds.judge(req.session_id, rows, total, req.decode_s)
+        )
+        if verdict is not None:
+            answer["speed_check"] = verdict.as_json()
+        return JSONResponse(answer, status_code=201 if fresh else 200)
 
     async def read_billing(self, request: Request) -> Response:
         q = request.query_params
