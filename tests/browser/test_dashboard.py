@@ -108,7 +108,8 @@ def chat(page: WebDriver, text: str, max_tokens: int) -> tuple[dict[str, Any], l
             """const m = document.querySelector('#chat-log .msg.assistant:last-child');
             return m ? {length: m.querySelector('.text').textContent.length, chunks: Number(m.dataset.chunks),
                         done: m.dataset.done || null, gid: m.dataset.generationId || null,
-                        text: m.querySelector('.text').textContent} : {}""",
+                        text: m.querySelector('.text').textContent,
+                        status: document.getElementById('chat-status').textContent} : {}""",
         )
         if state.get("length"):
             lengths.append(state["length"])
