@@ -20,7 +20,7 @@ import time
 import httpx
 from tests.procs import meshnet_process
 
-from benchmarks.common import Section, median
+from benchmarks.common import Section, median, wait_registered
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 FACTS = " ".join(f"Fact {i}: the shelf in room {i % 9} holds {i * 7 % 23} jars of honey." for i in range(85))
@@ -61,11 +61,7 @@ def run() -> Section:
         args = ["--threads", "1", "--tracker", tracker.url, "--ctx", "8192"]
         for layers in ("0:10", "10:20", "20:30"):
             stack.enter_context(meshnet_process(["node", "--layers", layers, *args]))
-        deadline = time.monotonic() + 120
-        while len(httpx.get(f"{tracker.url}/v1/nodes", timeout=10).json()["nodes"]) < 3:
-            if time.monotonic() > deadline:
-                raise TimeoutError("nodes did not register")
-            time.sleep(0.2)
+        wait_registered(tracker.url, 3)
         gateway = stack.enter_context(meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0"]))
         _turn(gateway.url, [{"role": "user", "content": "Hello."}], 4)  # warm every process up
         for i in range(ROUNDS):

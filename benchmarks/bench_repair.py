@@ -16,11 +16,12 @@ import contextlib
 import json
 import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 from tests.procs import Proc, meshnet_process
 
-from benchmarks.common import Section, median
+from benchmarks.common import Section, median, stream_completion, wait_registered
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PROMPT = " ".join(f"Fact {i}: the river flows north in spring." for i in range(80))  # ~1K tokens
@@ -29,22 +30,9 @@ AFTER_KILL = 40  # tokens streamed after the kill: the repair happens among them
 ROUNDS = 2
 
 
-def _stream(url: str, gid: str, on_token: object = None) -> list[float]:
-    """Arrival times of text chunks; ``on_token(n)`` after the n-th."""
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": KILL_AFTER + AFTER_KILL, "temperature": 0, "stream": True}
-    times: list[float] = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Meshnet-Generation-Id": gid},
-                      timeout=300) as r:  # fmt: skip
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choices = json.loads(line[6:])["choices"]
-            if choices and choices[0]["text"]:  # keep-alive chunks during prefill carry no text
-                times.append(time.perf_counter())
-                if callable(on_token):
-                    on_token(len(times))
-    return times
+def _stream(url: str, gid: str, on_token: Callable[[int], None] | None = None) -> list[float]:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": KILL_AFTER + AFTER_KILL, "temperature": 0}
+    return stream_completion(url, body, gid, on_token)
 
 
 def _kill_serving_middle(gateway: Proc, gid: str, middles: dict[str, Proc], killed: list[float]) -> None:
@@ -71,11 +59,7 @@ def run() -> Section:
             proc = stack.enter_context(meshnet_process(["node", "--layers", layers, "--node-id", name, *args]))
             if name.startswith("mid"):
                 middles[name] = proc
-        deadline = time.monotonic() + 120
-        while len(httpx.get(f"{tracker.url}/v1/nodes", timeout=10).json()["nodes"]) < 5:
-            if time.monotonic() > deadline:
-                raise TimeoutError("nodes did not register")
-            time.sleep(0.2)
+        wait_registered(tracker.url, 5)
         gateway = stack.enter_context(meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0"]))
         _stream(gateway.url, "bench-warm")
         for i in range(ROUNDS):

@@ -17,13 +17,14 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 from tests.private_swarm import private_swarm
 from tests.procs import join, meshnet_process
 
-from benchmarks.common import Section, median
+from benchmarks.common import Section, median, stream_completion
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PROMPT = " ".join(f"Fact {i}: the river flows north in spring and the bridge {i} is stone." for i in range(110))
@@ -34,21 +35,9 @@ MIDDLES = 2 * ROUNDS + 1
 NODE_ARGS = ["--threads", "1", "--ctx", "8192", "--max-sessions", "2"]
 
 
-def _stream(url: str, gid: str, on_token: object) -> list[float]:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": KILL_AFTER + AFTER_KILL, "temperature": 0, "stream": True}
-    times: list[float] = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Meshnet-Generation-Id": gid},
-                      timeout=300) as r:  # fmt: skip
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choices = json.loads(line[6:])["choices"]
-            if choices and choices[0]["text"]:
-                times.append(time.perf_counter())
-                if callable(on_token):
-                    on_token(len(times))
-    return times
+def _stream(url: str, gid: str, on_token: Callable[[int], None] | None) -> list[float]:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": KILL_AFTER + AFTER_KILL, "temperature": 0}
+    return stream_completion(url, body, gid, on_token)
 
 
 def run() -> Section:

@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,32 @@ def route_compute_ms(url: str, gid: str) -> float:
             if event["type"] == "route.health" and event["status"] == "ok":
                 return float(sum(h["compute_ms_per_token"] for h in event["hops"]))
     raise RuntimeError(f"generation {gid} reported no route health")
+
+
+def stream_completion(
+    url: str, body: dict[str, Any], gid: str, on_token: Callable[[int], None] | None = None
+) -> list[float]:
+    """Stream ``POST /v1/completions`` of ``body`` as generation ``gid``: the arrival times of its text
+    chunks (keep-alive chunks during prefill carry no text); ``on_token(n)`` after the n-th."""
+    times: list[float] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                      headers={"X-Meshnet-Generation-Id": gid}, timeout=300) as r:  # fmt: skip
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choices = json.loads(line[6:])["choices"]
+            if choices and choices[0]["text"]:
+                times.append(time.perf_counter())
+                if on_token is not None:
+                    on_token(len(times))
+    return times
+
+
+def wait_registered(tracker_url: str, count: int, timeout_s: float = 120.0) -> None:
+    """Wait until ``count`` nodes are registered with the open swarm's tracker at ``tracker_url``."""
+    deadline = time.monotonic() + timeout_s
+    while len(httpx.get(f"{tracker_url}/v1/nodes", timeout=10).json()["nodes"]) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError("nodes did not register")
+        time.sleep(0.2)
