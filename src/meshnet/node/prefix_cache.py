@@ -97,9 +97,8 @@ class PrefixCache:
             return None
         key = self._where[hashes[count - 1]]
         entry = self._entries[key]
-        if (
-            not isinstance(entry, CachedPrefix) or entry.block != block
-        ):  # a hash seeds its block size: never, short of a collision
+        # a hash seeds its block size, so another size means a collision
+        if not isinstance(entry, CachedPrefix) or entry.block != block:
             self.stats.misses += 1
             return None
         self._entries.move_to_end(key)

@@ -58,7 +58,7 @@ import dataclasses
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -382,20 +382,33 @@ class NodeService:
             _log.warning("prefix cache: session %s could not adopt %d cached positions: %s", s.session, positions,
                          exc.message)  # fmt: skip
             return 0
-        s.ledger.ends = [claim.block * (i + 1) for i in range(blocks)]
-        s.ledger.inputs = list(entry.inputs[:blocks])
-        s.ledger.outputs = list(entry.outputs[:blocks]) if s.ledger.sends else []
+        ends = [claim.block * (i + 1) for i in range(blocks)]
         with_ids = self.info.seam.carries_token_ids or s.carry_ids
         log = entry.log_prefix(positions)
-        if log is not None and (not with_ids or len(entry.ids_log) >= 4 * positions):
-            self.logs.adopt(s, log, entry.log_dtype, entry.ids_log[: 4 * positions] if with_ids else b"")
-        else:
-            self.logs.drop(s)  # no complete record of these positions: a repair will need a fresh prefill
+        if with_ids and len(entry.ids_log) < 4 * positions:
+            log = None  # no complete record of these positions: a repair will need a fresh prefill
+        ids = entry.ids_log[: 4 * positions] if with_ids else b""
+        self._resume(
+            s, ends, entry.inputs[:blocks], entry.outputs[:blocks], log=log, log_dtype=entry.log_dtype, ids=ids
+        )
         if s.carry_ids and self.info.layers.is_tail:
             s.ids_seen = [0] * positions  # prompt positions: before generated_from, never counted
         self.metrics.prefix_hits.inc()
         self.metrics.prefix_reused.inc(positions)
         return blocks
+
+    def _resume(
+        self, s: NodeSession, ends: Sequence[int], inputs: Sequence[bytes], outputs: Sequence[bytes], *,
+        log: bytes | None, log_dtype: str, ids: bytes,
+    ) -> None:  # fmt: skip
+        """A session that took positions it did not compute (a prefix cache hit, a snapshot) takes their
+        record with them: the ledger (chunk ends, digests) and the seam log (``None``: none kept)."""
+        s.ledger.ends, s.ledger.inputs = list(ends), list(inputs)
+        s.ledger.outputs = list(outputs) if s.ledger.sends else []
+        if log is not None:
+            self.logs.adopt(s, log, log_dtype, ids)
+        else:
+            self.logs.drop(s)
 
     async def _keep_prefix(self, s: NodeSession) -> None:
         """Put the session's canonically computed prompt blocks into the prefix cache (it is ending)."""
@@ -537,12 +550,8 @@ class NodeService:
                 cache.hold(taken)  # still this session's, for a retry
             raise
         self.shard.store.get(sid).attached = s
-        s.ledger.ends, s.ledger.inputs = list(taken.ends), list(taken.inputs)
-        s.ledger.outputs = list(taken.outputs) if s.ledger.sends else []
-        if taken.log is not None:
-            self.logs.adopt(s, taken.log, taken.log_dtype, taken.ids_log)
-        else:
-            self.logs.drop(s)
+        self._resume(s, taken.ends, taken.inputs, taken.outputs, log=taken.log, log_dtype=taken.log_dtype,
+                     ids=taken.ids_log)  # fmt: skip
         s.ids_seen = list(taken.ids_seen)
         return HopAnswer(AnswerKind.RESTORED, (self._entry(s),), count=taken.position)
 

@@ -149,13 +149,8 @@ def encode_prefix(request: PrefixRequest) -> tuple[str, dict[str, str]]:
         H.PREFIX: format_prefix(request.prefix.block, request.prefix.hashes),
         H.REUSE: str(request.reuse),
         H.NEXT_HOPS: ",".join(request.next_hops),
+        **_binding(request.model, request.sampling, request.ticket),
     }
-    if request.model is not None:
-        headers[H.MODEL] = request.model
-    if request.sampling:
-        headers[H.SAMPLING] = request.sampling
-    if request.ticket is not None:
-        headers[H.TICKET] = request.ticket
     return request_path(request.session, "prefix"), headers
 
 
@@ -163,9 +158,7 @@ def decode_prefix(session: SessionId, headers: Mapping[str, str]) -> PrefixReque
     prefix = _prefix(headers)
     if prefix is None:
         raise InvalidRequest(f"a prefix request names the prompt's blocks in {H.PREFIX}")
-    route_id = headers.get(H.ROUTE_ID)
-    if not route_id:
-        raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
+    route_id = _first_route_id(headers)
     raw = headers.get(H.REUSE, "")
     if not (raw.isascii() and raw.isdigit()):
         raise InvalidRequest(
@@ -223,22 +216,13 @@ def decode_reroute(session: SessionId, headers: Mapping[str, str]) -> RerouteReq
 
 def encode_restore(request: RestoreRequest) -> tuple[str, dict[str, str]]:
     """``(path, headers)`` of a restore request (it has no body)."""
-    headers = {H.ROUTE_ID: request.route_id}
-    if request.model is not None:
-        headers[H.MODEL] = request.model
-    if request.sampling:
-        headers[H.SAMPLING] = request.sampling
-    if request.ticket is not None:
-        headers[H.TICKET] = request.ticket
+    headers = {H.ROUTE_ID: request.route_id, **_binding(request.model, request.sampling, request.ticket)}
     return request_path(request.session, "restore"), headers
 
 
 def decode_restore(session: SessionId, headers: Mapping[str, str]) -> RestoreRequest:
-    route_id = headers.get(H.ROUTE_ID)
-    if not route_id:
-        raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
-    return RestoreRequest(session, route_id, model=headers.get(H.MODEL), sampling=headers.get(H.SAMPLING) or None,
-                          ticket=headers.get(H.TICKET))  # fmt: skip
+    return RestoreRequest(session, _first_route_id(headers), model=headers.get(H.MODEL),
+                          sampling=headers.get(H.SAMPLING) or None, ticket=headers.get(H.TICKET))  # fmt: skip
 
 
 def answer_from_response(response: httpx.Response, sender: str) -> HopAnswer:
@@ -264,6 +248,23 @@ def error_from_response(response: httpx.Response, sender: str, *, sender_is_head
 def _chunks(headers: Mapping[str, str], n: int) -> tuple[int, ...] | None:
     chunks = tuple(parse_chunks(headers.get(H.CHUNKS), n))
     return chunks if len(chunks) > 1 else None
+
+
+def _binding(model: str | None, sampling: str | None, ticket: str | None) -> dict[str, str]:
+    """The optional headers that bind a session's first request (prefix, restore) to its route."""
+    headers = {H.MODEL: model} if model is not None else {}
+    if sampling:
+        headers[H.SAMPLING] = sampling
+    if ticket is not None:
+        headers[H.TICKET] = ticket
+    return headers
+
+
+def _first_route_id(headers: Mapping[str, str]) -> str:
+    route_id = headers.get(H.ROUTE_ID)
+    if not route_id:
+        raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
+    return route_id
 
 
 def _prefix(headers: Mapping[str, str]) -> PrefixClaim | None:
