@@ -179,13 +179,15 @@ def test_snapshot_close_restore_into_fresh_shards_continues_identically(
     assert out == reference[2]
 
 
+@pytest.mark.parametrize("kept_as", ["snapshot", "parked"])
 def test_a_session_adopting_cached_blocks_computes_the_bits_of_a_cold_prefill(
-    chain: list[LlamaShard], prompts: list[list[int]]
+    chain: list[LlamaShard], prompts: list[list[int]], kept_as: str
 ) -> None:
     """The prefix cache's premise (node.prefix_cache): KV of whole 128-position chunks, kept after a
     session decoded past them and cut back to a block boundary, gives a later session — which
     prefills only the rest, in the same aligned chunks — the logits of a cold prefill to the bit.
-    128 is past the 63 rows where llama.cpp's kernels change, so a wrong chunk would show."""
+    128 is past the 63 rows where llama.cpp's kernels change, so a wrong chunk would show. The KV
+    is kept as host bytes (a snapshot) or parked in its own llama.cpp sequence (``ShardBase.park``)."""
     block = 128
     history = [t for p in prompts for t in p] * 8  # ~500 tokens
     first, later = history[:260], history[:300]
@@ -198,19 +200,28 @@ def test_a_session_adopting_cached_blocks_computes_the_bits_of_a_cold_prefill(
     for _ in range(5):  # decode steps past the prompt: not cached
         logits = decode_chain(chain, sid, position, int(np.argmax(logits)))
         position += 1
-    blobs = []
+    blobs, parked = [], []
     for shard in chain:
+        if kept_as == "parked":
+            parked.append(shard.park(sid, kept))
+            blobs.append(b"")
+            continue
         shard.rewind(sid, kept)
         blobs.append(shard.snapshot(sid))
         shard.close_session(sid)
-    fillers = [SessionId(f"filler-{i}") for i in range(KW["config"].max_sessions - 2)]
+    fillers = [SessionId(f"filler-{i}") for i in range(KW["config"].max_sessions - 2 - len(parked[:1]))]
     try:
-        for shard, blob in zip(chain, blobs, strict=True):
+        for i, (shard, blob) in enumerate(zip(chain, blobs, strict=True)):
             shard.open_session(new)
             shard.open_session(ref)
             for filler in fillers:  # every llama.cpp sequence taken: the KV goes into the session's own
                 shard.open_session(filler)
-            shard.adopt(new, blob, block)  # one block fewer than kept: the snapshot is cut on adoption
+            # one block fewer than kept: the KV is cut on adoption
+            if parked:
+                shard.adopt_parked(new, parked[i], block)
+                assert parked[i].held  # still there for the next session
+            else:
+                shard.adopt(new, blob, block)
             assert shard.store.get(new).position == block
         warm = prefill_chain(chain, new, later[block:], chunk=block, start=block)
         cold = prefill_chain(chain, ref, later, chunk=block)
@@ -220,6 +231,16 @@ def test_a_session_adopting_cached_blocks_computes_the_bits_of_a_cold_prefill(
             warm = decode_chain(chain, new, position_of(chain, new), token)
             cold = decode_chain(chain, ref, position_of(chain, ref), token)
             assert np.array_equal(warm, cold)
+        if parked:  # a live session takes the parked sequence's room: it is gone
+            chain[0].close_session(new)
+            chain[0].open_session(SessionId("past"))
+            chain[0].open_session(new)
+            assert not parked[0].held
+            with pytest.raises(SessionGone, match="evicted"):
+                chain[0].adopt_parked(new, parked[0], block)
+            assert chain[0].store.get(new).position == 0
+            chain[0].close_session(SessionId("past"))
+            return
         # adoption only into a fresh session, and never past the snapshot
         with pytest.raises(PositionMismatch):
             chain[0].adopt(new, blobs[0], block)
@@ -234,6 +255,8 @@ def test_a_session_adopting_cached_blocks_computes_the_bits_of_a_cold_prefill(
             for s in (new, ref, *fillers):
                 if s in shard.store.ids():
                     shard.close_session(s)
+        for shard, p in zip(chain, parked, strict=False):
+            shard.release(p)
 
 
 def position_of(chain: list[LlamaShard], sid: SessionId) -> int:

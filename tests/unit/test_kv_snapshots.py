@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 
 from meshnet.errors import Conflict, HopFailed, InvalidRequest, SessionNotFound, StoreFull, Unauthorized
-from meshnet.ids import RouteId
+from meshnet.ids import RouteId, SessionId
 from meshnet.node.service import NodeConfig, NodeService
 from meshnet.node.snapshots import SessionSnapshot
 from meshnet.protocol.messages import AnswerKind, RerouteRequest, RestoreRequest
@@ -71,8 +71,20 @@ async def pushed(node: NodeService) -> None:
     await asyncio.gather(*node._pushes)
 
 
+def fill(node: NodeService) -> list[SessionId]:
+    """Live sessions in every state of the node's shard (parked KV yields its room to them)."""
+    live = [SessionId(f"live{i}") for i in range(node.shard.store.limits.max_sessions)]
+    for sid in live:
+        node.shard.open_session(sid)
+    return live
+
+
 @pytest.mark.parametrize("dead", [1, 2])
-def test_a_standby_restores_the_dead_hops_snapshot_and_only_later_positions_are_replayed(dead: int) -> None:
+@pytest.mark.parametrize("kept", ["parked", "host", "demoted"])
+def test_a_standby_restores_the_dead_hops_snapshot_and_only_later_positions_are_replayed(dead: int, kept: str) -> None:
+    """The standby keeps the snapshot in its shard's own memory when it has a state to spare
+    ("parked": the restored session opens on it, nothing copied), in host memory when live sessions
+    fill the shard ("host"), or moved there when a live session takes its room ("demoted")."""
     signer = TicketSigner.generate()
     swarm = build(signer)
     spare = ["", "mid2", "tail2"][dead]
@@ -80,9 +92,20 @@ def test_a_standby_restores_the_dead_hops_snapshot_and_only_later_positions_are_
     async def main() -> tuple[list[int], int, int]:
         tokens = await opened(swarm, signer, 3)
         victim = service(swarm, ROUTE[dead])
+        standby = service(swarm, spare)
+        live = fill(standby) if kept == "host" else []
         taken = await victim.snapshot(SID, standby_ticket(signer, dead, spare))
         assert taken == {"snapshot": len(PROMPT) + 2, "to": spare}
         await pushed(victim)
+        assert standby.prefix_cache is not None
+        held = standby.prefix_cache.describe()
+        assert (held["snapshots"], held["parked_snapshots"]) == (1, int(kept != "host"))
+        if kept == "demoted":
+            live = fill(standby)
+            held = standby.prefix_cache.describe()
+            assert (held["snapshots"], held["parked_snapshots"], held["demoted"]) == (1, 0, 1)
+        for sid in live:
+            standby.shard.close_session(sid)
         tokens = await decode(swarm, url("head"), tokens, 6)  # the session goes on past the snapshot
         position = len(PROMPT) + len(tokens) - 1
         swarm.transport.remove(url(ROUTE[dead]))

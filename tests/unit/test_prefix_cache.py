@@ -244,9 +244,16 @@ def _shorter(prompt: Sequence[int]) -> CachedPrefix:
     """The tail's entry for ``prompt``'s first two blocks, as a cold session elsewhere leaves it."""
     other = build()
     asyncio.run(Gateway(other).generate(prompt[: 2 * BLOCK + 1], 2, reuse=False))
-    cache = other.services(ROUTE[2]).prefix_cache
+    tail = other.services(ROUTE[2])
+    cache = tail.prefix_cache
     assert cache is not None and len(cache) == 1
-    return next(iter(cache._entries.values()))
+    held = next(iter(cache._entries.values()))
+    assert isinstance(held, CachedPrefix) and held.parked is not None  # in the other tail's shard: write it out
+    store = tail.shard.store
+    with store.pinned(held.parked) as state:
+        assert store.demote is not None
+        blob = store.demote(state, held.parked.position)
+    return dataclasses.replace(held, snapshot=blob, parked=None)
 
 
 def test_two_conversations_share_a_long_system_prompts_kv() -> None:
@@ -270,6 +277,66 @@ def test_under_a_tiny_budget_nothing_is_kept_and_the_next_turn_prefills_cold_wit
     async def main() -> tuple[list[int], int]:
         await gateway.generate(prompt, 3)
         assert len(swarm.services(ROUTE[1]).prefix_cache) == 0  # type: ignore[arg-type]
+        return await gateway.generate([*prompt, 9, 9], 4)
+
+    tokens, reused = asyncio.run(main())
+    assert reused == 0
+    assert tokens == cold([*prompt, 9, 9], 4)
+
+
+def _fill_with_live_sessions(service: NodeService) -> list[SessionId]:
+    """Open live sessions on a hop until every state of its shard is taken (parked ones yield)."""
+    store = service.shard.store
+    live = [SessionId(f"live{i}") for i in range(store.limits.max_sessions)]
+    for sid in live:
+        service.shard.open_session(sid)
+    return live
+
+
+def test_kept_blocks_stay_parked_in_the_shard_and_yield_to_live_sessions_then_serve_from_host_memory() -> None:
+    swarm = build()
+    gateway = Gateway(swarm)
+    prompt = [*SYSTEM, 1, 2]
+    middle = swarm.services(ROUTE[1])
+    cache = middle.prefix_cache
+    assert cache is not None
+
+    async def main() -> tuple[list[int], int]:
+        await gateway.generate(prompt, 3)
+        parked = cache.describe()
+        assert (parked["parked"], parked["parked_positions"]) == (1, 12)  # no host copy of the KV
+        [held] = cache._entries.values()
+        assert isinstance(held, CachedPrefix) and held.snapshot == b""  # host memory: seam log and digests only
+        assert middle.shard.store.parked_count() == 1 and len(middle.shard.store) == 0
+        live = _fill_with_live_sessions(middle)  # the 4th live session takes the parked state's room
+        stats = cache.describe()
+        assert (stats["parked"], stats["entries"], stats["demoted"]) == (0, 1, 1)  # now in host memory
+        assert stats["bytes"] > parked["bytes"]
+        for sid in live:
+            middle.shard.close_session(sid)
+        return await gateway.generate([*prompt, 9, 9], 4)
+
+    tokens, reused = asyncio.run(main())
+    assert reused == len(SYSTEM)  # every hop served it: the middle from host memory, the others parked
+    assert tokens == cold([*prompt, 9, 9], 4)
+
+
+def test_a_parked_entry_evicted_with_no_host_room_is_dropped_and_the_next_turn_prefills_cold() -> None:
+    swarm = build()
+    gateway = Gateway(swarm)
+    prompt = [*SYSTEM, 1, 2]
+    middle = swarm.services(ROUTE[1])
+    cache = middle.prefix_cache
+    assert cache is not None
+
+    async def main() -> tuple[list[int], int]:
+        await gateway.generate(prompt, 3)
+        cache.budget_bytes = cache.used  # room for what it holds in host memory, not for its KV too
+        live = _fill_with_live_sessions(middle)
+        assert (len(cache), cache.describe()["evicted"]) == (0, 1)
+        assert middle.shard.store.parked_count() == 0
+        for sid in live:
+            middle.shard.close_session(sid)
         return await gateway.generate([*prompt, 9, 9], 4)
 
     tokens, reused = asyncio.run(main())

@@ -188,3 +188,78 @@ def test_a_failed_rewind_leaves_the_session_where_it_was() -> None:
     with pytest.raises(RuntimeError):
         store.rewind(sid, 1)
     assert store.get(sid).position == 3 and not store.get(sid).busy
+
+
+# -- parked states (a node's prefix cache keeps finished sessions' KV in the store) ----------------
+def parking(**limits: float) -> tuple[SessionStore[list[int]], list[str], list[tuple[int, bytes | None]]]:
+    store, _, log = make(**limits)
+    evicted: list[tuple[int, bytes | None]] = []
+    store.demote = lambda state, position: bytes(state[:position])
+    store.on_evict = lambda parked, blob: evicted.append((parked.position, blob))
+    return store, log, evicted
+
+
+def test_a_parked_state_shares_the_budget_and_yields_to_live_sessions() -> None:
+    store, log, evicted = parking(max_sessions=2)
+    a = SessionId("a")
+    store.open(a)
+    advance(store, a, 0, 6)
+    parked = store.park(a, 4)  # its session ends, its first 4 positions stay
+    assert parked.state == [0, 1, 2, 3] and log == ["truncate 4"]
+    with pytest.raises(SessionGone, match="closed"):
+        store.get(a)
+    assert (len(store), store.parked_count(), store.parked_bytes(), store.bytes_used()) == (0, 1, 40, 0)
+    store.open(SessionId("b"))
+    assert evicted == []  # one parked and one live state: the store holds two
+    store.open(SessionId("c"))  # a live session needs the room: the parked state is written out, then freed
+    assert evicted == [(4, bytes([0, 1, 2, 3]))] and not parked.held and log[-1] == "free 4"
+    with pytest.raises(StoreFull, match="maximum of 2 sessions") as full:
+        store.open(SessionId("d"))  # live sessions are never evicted
+    assert full.value.retry_after_s == 5
+
+
+def test_a_parked_state_being_copied_is_never_evicted_and_a_release_waits_for_the_copy() -> None:
+    store, log, evicted = parking(max_sessions=2)
+    first, second = SessionId("a"), SessionId("b")
+    for sid in (first, second):
+        store.open(sid)
+        advance(store, sid, 0, 3)
+    p1, p2 = store.park(first, 3), store.park(second, 2)
+    with store.pinned(p1) as state:  # p1 is now the most recently used, and pinned
+        assert state == [0, 1, 2]
+        store.open(SessionId("c"))
+        assert [e[0] for e in evicted] == [2] and not p2.held  # the other one went
+        with pytest.raises(StoreFull, match="being copied"):
+            store.open(SessionId("d"))
+        store.release(p1)  # its owner dropped it mid-copy: freed once the copy is done
+        assert p1.held
+    assert not p1.held and log[-1] == "free 3"
+    with pytest.raises(SessionGone, match="evicted"):
+        with store.pinned(p1):
+            pass
+    store.open(SessionId("d"))  # the room is back
+
+
+def test_a_growing_session_evicts_parked_bytes_and_a_failed_park_leaves_the_session() -> None:
+    store, log, evicted = parking(budget_bytes=100)
+    a, b = SessionId("a"), SessionId("b")
+    store.open(a)
+    advance(store, a, 0, 6)
+    parked = store.park(a, 6)
+    assert log == []  # nothing to cut
+    store.open(b)
+    advance(store, b, 0, 4)  # 40 + 60 parked: still fits
+    assert parked.held
+    advance(store, b, 4, 1)  # 50 + 60 does not: the parked bytes go
+    assert evicted == [(6, bytes(range(6)))] and store.bytes_used() == 50
+    with pytest.raises(PositionMismatch):
+        store.park(b, 6)  # more than it holds
+
+    def refuse(state: list[int], position: int) -> None:
+        raise SessionBusy("cannot cut")
+
+    store._truncate_state = refuse
+    with pytest.raises(SessionBusy, match="cannot cut"):
+        store.park(b, 2)
+    assert store.get(b).position == 5 and not store.get(b).busy and store.parked_count() == 0
+    store.close_all()

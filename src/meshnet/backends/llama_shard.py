@@ -616,8 +616,9 @@ class LlamaShard(ShardBase[int]):
 
     def kv_state_bytes(self, sid: SessionId) -> int:
         """Bytes llama.cpp serializes for a session (KV data plus a small header)."""
+        state = self._store.get(sid).state  # the store's lock is never taken under the compute lock
         with self._compute:
-            return int(self._ll.llama_state_seq_get_size(self._ctx, self._store.get(sid).state))
+            return int(self._ll.llama_state_seq_get_size(self._ctx, state))
 
     # -- helpers -----------------------------------------------------------------------------
     def _meta(self, key: str) -> str:

@@ -34,7 +34,7 @@ import numpy.typing as npt
 from meshnet.errors import InvalidRequest, MeshnetError, SeamMismatch
 from meshnet.ids import SessionId
 from meshnet.layers import LayerRange
-from meshnet.session.store import SessionStore, StoreLimits
+from meshnet.session.store import Parked, SessionStore, StoreLimits
 
 if TYPE_CHECKING:
     from meshnet.backends.grammar import TokenGrammar
@@ -172,6 +172,16 @@ class ShardBackend(Protocol):
 
     def adopt(self, sid: SessionId, blob: bytes, position: int) -> None: ...
 
+    def park(self, sid: SessionId, position: int) -> Parked[Any]: ...
+
+    def adopt_parked(self, sid: SessionId, parked: Parked[Any], position: int) -> None: ...
+
+    def release(self, parked: Parked[Any]) -> None: ...
+
+    def park_snapshot(self, blob: bytes) -> Parked[Any]: ...
+
+    def restore_parked(self, sid: SessionId, parked: Parked[Any]) -> None: ...
+
     def close_session(self, sid: SessionId) -> None: ...
 
     def grammar(self, text: str) -> TokenGrammar:
@@ -210,7 +220,13 @@ class ShardBase(abc.ABC, Generic[S]):
             with self._compute:
                 self._truncate_state(state, position)
 
+        def demote(state: S, position: int) -> bytes:
+            with self._compute:
+                body = self._dump_state(state, position)
+            return self._framed(body, position)
+
         self._store = SessionStore(limits, new_state=self._new_state_locked, free_state=free, truncate_state=truncate)
+        self._store.demote = demote
 
     def _new_state_locked(self, sid: SessionId) -> S:
         with self._compute:
@@ -314,22 +330,53 @@ class ShardBase(abc.ABC, Generic[S]):
         session = self._store.get(sid)
         with self._compute:
             body = self._dump_state(session.state, session.position)
+        return self._framed(body, session.position)
+
+    def _framed(self, body: bytes, position: int) -> bytes:
         header = json.dumps(
             {
                 "model_id": self.info.model_id,
                 "architecture": self.info.architecture,
                 "backend": self.info.backend,
                 "layers": [self.info.layers.start, self.info.layers.stop, self.info.layers.total],
-                "position": session.position,
+                "position": position,
                 "kv": asdict(self.info.kv),
             },
             sort_keys=True,
         ).encode()
         return _SNAPSHOT_MAGIC + struct.pack("<HI", _SNAPSHOT_VERSION, len(header)) + header + body
 
+    def park(self, sid: SessionId, position: int) -> Parked[S]:
+        """End ``sid`` but keep its first ``position`` positions in the shard's own memory, for
+        later sessions to adopt (``adopt_parked``) until a live session needs the room
+        (``SessionStore.park``). A backend that cannot cut the session back raises ``EngineError``
+        and the session is as it was."""
+        return self._store.park(sid, position)
+
+    def release(self, parked: Parked[S]) -> None:
+        self._store.release(parked)
+
+    def park_snapshot(self, blob: bytes) -> Parked[S]:
+        """Load a ``snapshot`` into a parked state of its own (a standby's copy of another hop's KV):
+        it takes room parked states yield, never a live session's (``StoreFull``), and a refused
+        snapshot is an ``InvalidRequest`` now rather than at the repair."""
+        header, body = self._parse_snapshot(blob)
+        position = int(header["position"])
+
+        def create() -> S:
+            with self._compute:
+                return self._load_state(SessionId("parked-snapshot"), body, position)
+
+        return self._store.park_new(create, position)
+
+    def restore_parked(self, sid: SessionId, parked: Parked[S]) -> None:
+        """``restore`` from a parked snapshot: the session opens on its state, with nothing copied."""
+        self._store.open_parked(sid, parked)
+
     def restore(self, sid: SessionId, blob: bytes) -> None:
         header, body = self._parse_snapshot(blob)
         position = int(header["position"])
+        self._store.make_room(1, self._store.limits.bytes_at(position))
         with self._compute:
             state = self._load_state(sid, body, position)
         try:
@@ -344,7 +391,17 @@ class ShardBase(abc.ABC, Generic[S]):
         (a prefix cache hit, ``node.prefix_cache``). A backend that cannot drop the snapshot's later
         positions raises ``EngineError``; any failure leaves the session fresh."""
         header, body = self._parse_snapshot(blob)
-        held = int(header["position"])
+        self._adopt_body(sid, body, int(header["position"]), position)
+
+    def adopt_parked(self, sid: SessionId, parked: Parked[S], position: int) -> None:
+        """``adopt`` from a parked state: its first ``position`` positions are copied into the fresh
+        session ``sid``, and it stays parked for others. ``SessionGone`` if it was evicted."""
+        with self._store.pinned(parked) as state:
+            with self._compute:
+                body = self._dump_state(state, parked.position)
+            self._adopt_body(sid, body, parked.position, position)
+
+    def _adopt_body(self, sid: SessionId, body: bytes, held: int, position: int) -> None:
         if not 0 < position <= held:
             raise InvalidRequest(f"a snapshot of {held} positions cannot give a session {position}")
 

@@ -67,7 +67,6 @@ import numpy as np
 from meshnet.backends.shard import DecodeStep, ShardBackend, ShardOutput, compute_chunks, verify_chunk
 from meshnet.errors import (
     Conflict,
-    EngineError,
     HopFailed,
     InvalidRequest,
     MeshnetError,
@@ -164,7 +163,11 @@ class NodeService:
         self.batcher = DecodeBatcher(shard, self.metrics.batch) if shard.info.decode_batch > 1 else None
         self.traffic = Traffic()  # queue depth and measured speed, for the tracker (node.advert)
         self.logs = SeamLogs(config.seam_log_bytes)
-        self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_cache_bytes > 0:
+            # kept blocks stay parked in the shard until a live session needs their room (node.prefix_cache)
+            self.prefix_cache = PrefixCache(config.prefix_cache_bytes, release=shard.release)
+            shard.store.on_evict = self.prefix_cache.evicted
         self._pushes: set[asyncio.Task[None]] = set()  # snapshots on their way to standbys
         # One record per session: the store's, with this node's binding attached (``_bound``); a
         # session that ends in the store (closed, expired) gives back its seam log with it.
@@ -376,8 +379,16 @@ class NodeService:
         entry, blocks = hit
         positions = blocks * claim.block
         loop = asyncio.get_running_loop()
+        parked = entry.parked
+
+        def adopt() -> None:
+            if parked is not None:
+                self.shard.adopt_parked(s.session, parked, positions)
+            else:
+                self.shard.adopt(s.session, entry.snapshot, positions)
+
         try:
-            await loop.run_in_executor(None, lambda: self.shard.adopt(s.session, entry.snapshot, positions))
+            await loop.run_in_executor(None, adopt)
         except MeshnetError as exc:
             _log.warning("prefix cache: session %s could not adopt %d cached positions: %s", s.session, positions,
                          exc.message)  # fmt: skip
@@ -430,23 +441,13 @@ class NodeService:
         log = None if s.log is None or not s.log_dtype else bytes(s.log[: positions * row])
         ids = bytes(s.ids_log[: 4 * positions])
 
-        def snapshot() -> bytes | None:
-            with contextlib.suppress(EngineError):  # a recurrent state cannot go back: kept whole or not at all
-                self.shard.rewind(sid, positions)
-            if self.shard.store.get(sid).position != positions:
-                return None
-            return self.shard.snapshot(sid)
-
         loop = asyncio.get_running_loop()
-        try:
-            blob = await loop.run_in_executor(None, snapshot)
-        except MeshnetError as exc:
-            _log.warning("prefix cache: session %s not kept: %s", sid, exc.message)
+        try:  # the session ends here, its first blocks parked in the shard (node.prefix_cache)
+            parked = await loop.run_in_executor(None, lambda: self.shard.park(sid, positions))
+        except MeshnetError as exc:  # a recurrent state cannot go back: kept whole or not at all
+            _log.info("prefix cache: session %s not kept: %s", sid, exc.message)
             return
-        if blob is None:
-            return
-        entry = CachedPrefix(claim.block, hashes, blob, inputs, outputs, log, s.log_dtype, ids)
-        cache.add(entry)
+        cache.add(CachedPrefix(claim.block, hashes, b"", inputs, outputs, log, s.log_dtype, ids, parked))
         self.metrics.prefix_bytes.set(cache.used)
 
     # -- KV snapshots (node.snapshots) -----------------------------------------------------------
@@ -519,7 +520,16 @@ class NodeService:
             )
         cache = self.prefix_cache
         expires = time.time() + self.shard.store.limits.idle_ttl_s
-        if cache is None or not cache.hold(dataclasses.replace(taken, expires_at=expires)):
+        kept = dataclasses.replace(taken, expires_at=expires)
+        if cache is not None:
+            cache.discard(sid)  # the session's older snapshot: this one supersedes it
+            loop = asyncio.get_running_loop()
+            try:  # into the shard's own memory, in room only parked KV yields (node.prefix_cache)
+                parked = await loop.run_in_executor(None, lambda: self.shard.park_snapshot(taken.kv))
+                kept = dataclasses.replace(kept, kv=b"", parked=parked)
+            except StoreFull:
+                pass  # live sessions fill the shard: host memory, within --prefix-cache-mb
+        if cache is None or not cache.hold(kept):
             raise StoreFull(
                 f"this node keeps {0 if cache is None else cache.budget_bytes} bytes of KV beside its sessions "
                 f"(--prefix-cache-mb); a {taken.nbytes}-byte snapshot does not fit",
@@ -543,10 +553,18 @@ class NodeService:
         if taken is None:
             raise SessionNotFound(f"no KV snapshot of session {sid} on this node (never pushed here, or expired)")
         loop = asyncio.get_running_loop()
+        parked = taken.parked
+
+        def restore() -> None:
+            if parked is not None:
+                self.shard.restore_parked(sid, parked)  # the session opens on the parked state itself
+            else:
+                self.shard.restore(sid, taken.kv)
+
         try:
-            await loop.run_in_executor(None, lambda: self.shard.restore(sid, taken.kv))
+            await loop.run_in_executor(None, restore)
         except MeshnetError:
-            if cache is not None:
+            if cache is not None and (parked is None or parked.held):
                 cache.hold(taken)  # still this session's, for a retry
             raise
         self.shard.store.get(sid).attached = s
@@ -560,7 +578,7 @@ class NodeService:
         verifier = self._snapshot_tickets()
         verifier.verify(ticket, session_id=sid, node_id=self.config.node_id, kind=REPAIR, current=False)
         if self.prefix_cache is not None:
-            self.prefix_cache.take(sid)
+            self.prefix_cache.discard(sid)
 
     def _snapshot_tickets(self) -> TicketVerifier:
         if self.config.tickets is None:

@@ -24,8 +24,10 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshnet.errors import InvalidRequest
+from meshnet.session.store import Parked
 
 __all__ = ["SessionSnapshot"]
 
@@ -47,6 +49,9 @@ class SessionSnapshot:
     ids_log: bytes = b""
     ids_seen: tuple[int, ...] = field(default=())  # a tail's token ids by position (penalties, grammar)
     expires_at: float = 0.0  # set by the holder: a snapshot nobody restored is dropped then
+    # the holder's: ``kv`` loaded into a parked state of its shard (``ShardBase.park_snapshot``; then
+    # ``kv`` is empty), never sent
+    parked: Parked[Any] | None = None
 
     @property
     def nbytes(self) -> int:

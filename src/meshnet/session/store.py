@@ -11,6 +11,14 @@ serialize its compute).
 
 Every check runs *before* compute, and a failed compute rolls the state back to where it was:
 rejecting a request never changes a session.
+
+One budget: besides live sessions the store holds *parked* states (``park``): the KV of finished
+sessions a node keeps for reuse (its prefix cache, ``node.prefix_cache``), still in the backend's
+own memory (a llama.cpp sequence's preallocated cells, a transformers cache). Parked states count
+against the same sessions and bytes as live ones, and yield to them: a session that needs room
+(``open``, ``use``, ``adopt``) evicts the least recently used unpinned parked states first, each
+handed to ``on_evict`` with what ``demote`` made of it (host bytes to keep elsewhere, or None).
+Only a store full of *live* sessions refuses a new one (``StoreFull``, with Retry-After).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from meshnet.errors import (
 )
 from meshnet.ids import SessionId
 
-__all__ = ["Session", "SessionStore", "StoreLimits"]
+__all__ = ["Parked", "Session", "SessionStore", "StoreLimits"]
 
 S = TypeVar("S")
 
@@ -80,6 +88,21 @@ class Session(Generic[S]):
     attached: object = None
 
 
+@dataclass(eq=False)
+class Parked(Generic[S]):
+    """A finished session's state kept in the store at ``position`` positions (``SessionStore.park``).
+    ``state`` is None once it is evicted or released; ``pins`` > 0 while someone copies from it."""
+
+    state: S | None
+    position: int
+    pins: int = 0
+    doomed: bool = False  # released while pinned: freed when the last pin goes
+
+    @property
+    def held(self) -> bool:
+        return self.state is not None
+
+
 class SessionStore(Generic[S]):
     def __init__(
         self,
@@ -101,6 +124,12 @@ class SessionStore(Generic[S]):
         # Called (under the store's lock) for every session that ends, however it ends: closed,
         # expired, or the shard shutting down. It must not call back into the store.
         self.on_end: Callable[[Session[S]], None] | None = None
+        self._parked: collections.OrderedDict[int, Parked[S]] = collections.OrderedDict()  # LRU first
+        # Eviction of a parked state (under the store's lock, from any thread; neither may call back
+        # into the store): ``demote`` may turn it into host bytes first (None: it is dropped), and
+        # ``on_evict`` learns of it with those bytes.
+        self.demote: Callable[[S, int], bytes | None] | None = None
+        self.on_evict: Callable[[Parked[S], bytes | None], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def open(self, sid: SessionId, *, state: S | None = None, position: int = 0) -> Session[S]:
@@ -109,14 +138,7 @@ class SessionStore(Generic[S]):
             self._expire_locked()
             if sid in self._sessions:
                 raise Conflict(f"session {sid} already exists on this shard")
-            if len(self._sessions) >= self.limits.max_sessions:
-                raise StoreFull(
-                    f"this shard holds its maximum of {self.limits.max_sessions} sessions; retry later",
-                    retry_after_s=5,
-                )
-            need = self.limits.bytes_at(position)
-            if self._bytes_locked() + need > self.limits.budget_bytes:
-                raise StoreFull(self._full_message(need), retry_after_s=5)
+            self._room_locked(1, self.limits.bytes_at(position))  # a restored state is one more too
             now = self._clock()
             created = state if state is not None else self._new_state(sid)
             session = Session(sid, created, position=position, created_at=now, last_used=now)
@@ -139,6 +161,107 @@ class SessionStore(Generic[S]):
         with self._lock:
             for session in list(self._sessions.values()):
                 self._end_locked(session, "the shard shut down")
+            for parked in list(self._parked.values()):
+                self._release_locked(parked)
+
+    # -- parked states -----------------------------------------------------------------------
+    def park(self, sid: SessionId, position: int) -> Parked[S]:
+        """End session ``sid`` (as ``close`` does) but keep its state, cut back to its first
+        ``position`` positions, as a ``Parked`` state. If the backend cannot cut it back, the
+        session is as it was."""
+        with self._lock:
+            session = self._lookup_locked(sid)
+            if session.busy:
+                raise SessionBusy(f"session {sid} is computing; park it after the call returns")
+            if not 0 < position <= session.position:
+                raise PositionMismatch(f"session {sid} is at position {session.position}; cannot keep {position}")
+            session.busy = True
+        try:
+            if position < session.position:
+                self._truncate_state(session.state, position)
+        except BaseException:
+            with self._lock:
+                session.busy = False
+            raise
+        with self._lock:
+            session.busy = False
+            session.position = position
+            del self._sessions[sid]
+            if self.on_end is not None:
+                self.on_end(session)
+            self._remember_ended_locked(sid, "closed")
+            parked = Parked(session.state, position)
+            self._parked[id(parked)] = parked
+            return parked
+
+    def park_new(self, create: Callable[[], S], position: int) -> Parked[S]:
+        """A parked state of ``position`` positions made by ``create`` (a snapshot loaded for later),
+        in room parked states yield and live sessions never do (``StoreFull`` if they fill the store)."""
+        with self._lock:
+            self._room_locked(1, self.limits.bytes_at(position))
+            parked = Parked(create(), position)
+            self._parked[id(parked)] = parked
+            return parked
+
+    def open_parked(self, sid: SessionId, parked: Parked[S]) -> Session[S]:
+        """Open session ``sid`` on a parked state itself (no copy): it is parked no more. ``SessionGone``
+        if it was evicted or is being copied; ``StoreFull`` (and it stays parked) if there is no room."""
+        with self._lock:
+            self._expire_locked()
+            if sid in self._sessions:
+                raise Conflict(f"session {sid} already exists on this shard")
+            if self._parked.get(id(parked)) is not parked or parked.pins or parked.doomed or parked.state is None:
+                raise SessionGone("the parked state was evicted for a live session (or is in use)")
+            del self._parked[id(parked)]
+            try:
+                self._room_locked(1, self.limits.bytes_at(parked.position))
+            except BaseException:
+                self._parked[id(parked)] = parked
+                raise
+            now = self._clock()
+            session = Session(sid, parked.state, position=parked.position, created_at=now, last_used=now)
+            parked.state = None
+            self._sessions[sid] = session
+            self._ended.pop(sid, None)
+            return session
+
+    def make_room(self, states: int = 1, nbytes: int = 0) -> None:
+        """Evict parked states until ``states`` more states and ``nbytes`` more bytes fit (before a
+        backend creates a state outside ``open``, e.g. to restore a snapshot); ``StoreFull`` if
+        live sessions fill the store."""
+        with self._lock:
+            self._room_locked(states, nbytes)
+
+    def release(self, parked: Parked[S]) -> None:
+        """Free a parked state (its owner no longer wants it); nothing if it is gone already."""
+        with self._lock:
+            self._release_locked(parked)
+
+    @contextlib.contextmanager
+    def pinned(self, parked: Parked[S]) -> Iterator[S]:
+        """Hold a parked state still (no eviction) while copying from it; it becomes the most
+        recently used. Raises ``SessionGone`` if it was evicted or released meanwhile."""
+        with self._lock:
+            if parked.state is None or parked.doomed or self._parked.get(id(parked)) is not parked:
+                raise SessionGone("the parked state was evicted for a live session (or is not this shard's)")
+            parked.pins += 1
+            self._parked.move_to_end(id(parked))
+            state = parked.state
+        try:
+            yield state
+        finally:
+            with self._lock:
+                parked.pins -= 1
+                if not parked.pins and parked.doomed:
+                    self._release_locked(parked)
+
+    def parked_bytes(self) -> int:
+        with self._lock:
+            return sum(self.limits.bytes_at(p.position) for p in self._parked.values())
+
+    def parked_count(self) -> int:
+        with self._lock:
+            return len(self._parked)
 
     # -- compute -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -164,9 +287,7 @@ class SessionStore(Generic[S]):
                     f"session {sid} would reach {end} positions but a session's context on this shard is "
                     f"capped at {self.limits.max_positions}"
                 )
-            extra = self.limits.bytes_per_token * n
-            if self._bytes_locked() + extra > self.limits.budget_bytes:
-                raise StoreFull(self._full_message(extra), retry_after_s=5)
+            self._room_locked(0, self.limits.bytes_per_token * n)
             session.busy = True
         ok = False
         try:
@@ -199,9 +320,7 @@ class SessionStore(Generic[S]):
                 raise ContextOverflow(
                     f"{position} cached positions exceed a session's cap of {self.limits.max_positions} on this shard"
                 )
-            extra = self.limits.bytes_per_token * position
-            if self._bytes_locked() + extra > self.limits.budget_bytes:
-                raise StoreFull(self._full_message(extra), retry_after_s=5)
+            self._room_locked(0, self.limits.bytes_per_token * position)
             session.busy = True
         new: S | None = None
         try:
@@ -244,10 +363,12 @@ class SessionStore(Generic[S]):
         return self.limits.bytes_at(self.get(sid).position)
 
     def bytes_used(self) -> int:
+        """Bytes of live sessions (parked states yield to them and are not counted)."""
         with self._lock:
-            return self._bytes_locked()
+            return self._live_bytes_locked()
 
     def free_bytes(self) -> int:
+        """Bytes a new session may still take (parked states included: they yield)."""
         return self.limits.budget_bytes - self.bytes_used()
 
     def __len__(self) -> int:
@@ -268,24 +389,68 @@ class SessionStore(Generic[S]):
             raise SessionGone(f"session {sid} is gone: {reason}")
         raise SessionNotFound(f"no session {sid} on this shard (never opened here, or the node restarted)")
 
-    def _bytes_locked(self) -> int:
+    def _live_bytes_locked(self) -> int:
         return sum(self.limits.bytes_at(s.position) for s in self._sessions.values())
 
-    def _full_message(self, need: int) -> str:
-        used = self._bytes_locked()
-        return (
-            f"KV store full: {used} of {self.limits.budget_bytes} bytes in use by {len(self._sessions)} "
-            f"sessions, {need} more needed; retry later or close sessions"
-        )
+    def _room_locked(self, states: int, nbytes: int) -> None:
+        """Make room for ``states`` more states and ``nbytes`` more bytes, evicting parked states
+        (least recently used first, pinned ones never); ``StoreFull`` if live sessions fill it."""
+        limits = self.limits
+        live = self._live_bytes_locked()
+        if len(self._sessions) + states > limits.max_sessions:
+            raise StoreFull(f"this shard holds its maximum of {limits.max_sessions} sessions; retry later",
+                            retry_after_s=5)  # fmt: skip
+        if live + nbytes > limits.budget_bytes:
+            raise StoreFull(
+                f"KV store full: {live} of {limits.budget_bytes} bytes in use by {len(self._sessions)} "
+                f"sessions, {nbytes} more needed; retry later or close sessions",
+                retry_after_s=5,
+            )
+
+        def short() -> bool:
+            parked = sum(limits.bytes_at(p.position) for p in self._parked.values())
+            return (len(self._sessions) + len(self._parked) + states > limits.max_sessions
+                    or live + parked + nbytes > limits.budget_bytes)  # fmt: skip
+
+        while short():
+            victim = next((p for p in self._parked.values() if not p.pins), None)
+            if victim is None:
+                raise StoreFull("this shard's KV is held by sessions and by cached state being copied; retry later",
+                                retry_after_s=1)  # fmt: skip
+            self._evict_locked(victim)
+
+    def _evict_locked(self, parked: Parked[S]) -> None:
+        assert parked.state is not None
+        blob = None
+        if self.demote is not None and self.on_evict is not None:
+            try:
+                blob = self.demote(parked.state, parked.position)
+            except Exception:  # a state that cannot be written out is dropped, as without demote
+                blob = None
+        self._release_locked(parked)
+        if self.on_evict is not None:
+            self.on_evict(parked, blob)
+
+    def _release_locked(self, parked: Parked[S]) -> None:
+        if parked.pins:
+            parked.doomed = True
+            return
+        if self._parked.pop(id(parked), None) is None or parked.state is None:
+            return
+        state, parked.state = parked.state, None
+        self._free_state(state)
+
+    def _remember_ended_locked(self, sid: SessionId, reason: str) -> None:
+        self._ended[sid] = reason
+        while len(self._ended) > _REMEMBER_ENDED:
+            self._ended.popitem(last=False)
 
     def _end_locked(self, session: Session[S], reason: str) -> None:
         del self._sessions[session.session_id]
         self._free_state(session.state)
         if self.on_end is not None:
             self.on_end(session)
-        self._ended[session.session_id] = reason
-        while len(self._ended) > _REMEMBER_ENDED:
-            self._ended.popitem(last=False)
+        self._remember_ended_locked(session.session_id, reason)
 
     def _expire_locked(self) -> list[SessionId]:
         cutoff = self._clock() - self.limits.idle_ttl_s
