@@ -234,9 +234,8 @@ def test_a_parked_state_being_copied_is_never_evicted_and_a_release_waits_for_th
         store.release(p1)  # its owner dropped it mid-copy: freed once the copy is done
         assert p1.held
     assert not p1.held and log[-1] == "free 3"
-    with pytest.raises(SessionGone, match="evicted"):
-        with store.pinned(p1):
-            pass
+    with pytest.raises(SessionGone, match="evicted"), store.pinned(p1):
+        pass
     store.open(SessionId("d"))  # the room is back
 
 
