@@ -110,8 +110,9 @@ def add_swarm_commands(sub: Any) -> None:
         "--prefix-cache-mb",
         type=float,
         default=128.0,
-        help="KV of finished sessions' prompt blocks kept for the next turn of a conversation or a shared system "
-        "prompt to reuse (MiB; 0 turns prefix caching off on this node)",
+        help="host memory for cached KV: finished sessions' prompt blocks (for the next turn of a conversation or "
+        "a shared system prompt) and standby snapshots stay in the shard's free sequences first and move here when "
+        "live sessions need the room (MiB; 0 turns prefix caching off on this node)",
     )
 
     _add_tracker(sub)

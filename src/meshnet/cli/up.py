@@ -170,7 +170,7 @@ def _threads(args: argparse.Namespace, cores: int) -> tuple[bool, int]:
 
 def _sharing(lease: bool, threads: int) -> str:
     how = "sharing the cores, one compute at a time" if lease else "the cores split between them"
-    return f"{threads} threads each, {how}"
+    return f"{threads} thread{'s' if threads != 1 else ''} each, {how}"
 
 
 def run_up(args: argparse.Namespace) -> int:

@@ -221,6 +221,7 @@ def _health(node: NodeService) -> dict[str, Any]:
         "sessions": len(store),
         "kv_bytes_used": store.bytes_used(),
         "kv_bytes_free": store.free_bytes(),
+        "kv_bytes_parked": store.parked_bytes(),  # cached prefixes and snapshots in it, yielding to sessions
         "kv_bytes_per_token": info.kv.bytes_per_token,
         "max_sessions": store.limits.max_sessions,
         "max_positions": info.max_positions,
