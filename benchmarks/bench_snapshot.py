@@ -106,6 +106,7 @@ def run() -> Section:
         "the prefill) and the head replays only the tokens generated since; by replay the replacement recomputes "
         "its 10 layers over the whole context from the head's seam log.",
         "What is left in the snapshot repair: noticing the failure (the dead hop's connection error), the "
-        "tracker's repair, restoring the snapshot into llama.cpp and the short replay.",
+        "tracker's repair, opening the session on the snapshot (loaded into a free llama.cpp sequence of the "
+        "standby when it arrived) and the short replay.",
     ]
     return section
