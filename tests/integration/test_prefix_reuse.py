@@ -80,6 +80,32 @@ def test_two_conversations_share_a_long_system_prompt(swarm: Proc, cold: Proc, m
     assert answer == turn(cold.url, model_id, second)[0]
 
 
+def test_a_history_whose_sequences_live_sessions_took_is_reused_from_host_memory(
+    swarm: Proc, cold: Proc, model_id: str
+) -> None:
+    """One KV budget per node: a finished turn's blocks stay parked in its llama.cpp sequence; as many
+    other conversations as a node has sequences then take them all (each parks its own blocks, and
+    the oldest parked ones yield), so the first conversation's KV is written out to host memory —
+    and its next turn still reuses every whole block and says what a cold prefill says."""
+    system = SYSTEM.replace("hardware store", "boat yard")
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Where is the glue?"}]
+    answer, prompt, _ = turn(swarm.url, model_id, messages)
+    with admin_client(swarm) as admin:
+        nodes = [n["url"] for n in httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]]
+        health = [admin.get(f"{url}/v1/health").json() for url in nodes]
+        assert all(h["kv_bytes_parked"] > 0 and h["prefix_cache"]["parked"] >= 1 for h in health), health
+        before = [h["prefix_cache"]["demoted"] for h in health]
+        for i in range(max(h["max_sessions"] for h in health)):
+            other = f"Ledger {i}. " + " ".join(f"Crate {k} weighs {(k * 7 + i) % 23} kg." for k in range(30))
+            complete(swarm.url, model_id, other)  # > 128 tokens: each parks a block of its own
+        after = [admin.get(f"{url}/v1/health").json()["prefix_cache"]["demoted"] for url in nodes]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the tape?"}]
+    again, _, reused = turn(swarm.url, model_id, messages)
+    assert reused == 128 * (prompt // 128) and reused > 0
+    assert again == turn(cold.url, model_id, messages)[0]
+
+
 def test_telemetry_says_how_much_of_the_prompt_came_from_the_caches(swarm: Proc, model_id: str) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the tape?"}]
     turn(swarm.url, model_id, messages)
