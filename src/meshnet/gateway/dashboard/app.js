@@ -551,6 +551,11 @@ function renderNodes() {
     if (typeof free === "number" && typeof perToken === "number" && perToken > 0) {
       kvCell.append(el("div", { class: "muted small", text: `≈ ${Math.floor(free / perToken).toLocaleString()} positions` }));
     }
+    const parked = health.kv_bytes_parked;
+    if (typeof parked === "number" && parked > 0) {
+      // cached prefixes and standby snapshots kept in the free part: they yield to new sessions
+      kvCell.append(el("div", { class: "muted small", title: "cached KV kept in free sequences; a new session takes its room", text: `${bytes(parked)} of it cached` }));
+    }
     const sessions = health.sessions;
     const maxSessions = health.max_sessions;
     const load = el(
