@@ -6,18 +6,29 @@ replayed — and the text goes on exactly as if nothing had failed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 
 import pytest
 
 from meshnet.errors import Conflict, HopFailed, InvalidRequest, SessionNotFound, StoreFull, Unauthorized
-from meshnet.ids import RouteId, SessionId
+from meshnet.ids import RouteId
 from meshnet.node.service import NodeConfig, NodeService
 from meshnet.node.snapshots import SessionSnapshot
 from meshnet.protocol.messages import AnswerKind, RerouteRequest, RestoreRequest
 from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, TicketVerifier, repair_ticket, route_ticket
-from tests.unit.test_node_service import PROMPT, SID, MixShard, Swarm, decode, prefill, reference, step
+from tests.unit.test_node_service import (
+    PROMPT,
+    SID,
+    MixShard,
+    Swarm,
+    decode,
+    every_state_live,
+    prefill,
+    reference,
+    step,
+)
 
 LAYERS = {"head": "0:4", "middle": "4:8", "tail": "8:12", "mid2": "4:8", "tail2": "8:12"}
 
@@ -71,14 +82,6 @@ async def pushed(node: NodeService) -> None:
     await asyncio.gather(*node._pushes)
 
 
-def fill(node: NodeService) -> list[SessionId]:
-    """Live sessions in every state of the node's shard (parked KV yields its room to them)."""
-    live = [SessionId(f"live{i}") for i in range(node.shard.store.limits.max_sessions)]
-    for sid in live:
-        node.shard.open_session(sid)
-    return live
-
-
 @pytest.mark.parametrize("dead", [1, 2])
 @pytest.mark.parametrize("kept", ["parked", "host", "demoted"])
 def test_a_standby_restores_the_dead_hops_snapshot_and_only_later_positions_are_replayed(dead: int, kept: str) -> None:
@@ -93,19 +96,17 @@ def test_a_standby_restores_the_dead_hops_snapshot_and_only_later_positions_are_
         tokens = await opened(swarm, signer, 3)
         victim = service(swarm, ROUTE[dead])
         standby = service(swarm, spare)
-        live = fill(standby) if kept == "host" else []
-        taken = await victim.snapshot(SID, standby_ticket(signer, dead, spare))
-        assert taken == {"snapshot": len(PROMPT) + 2, "to": spare}
-        await pushed(victim)
+        with every_state_live(standby) if kept == "host" else contextlib.nullcontext():
+            taken = await victim.snapshot(SID, standby_ticket(signer, dead, spare))
+            assert taken == {"snapshot": len(PROMPT) + 2, "to": spare}
+            await pushed(victim)
         assert standby.prefix_cache is not None
         held = standby.prefix_cache.describe()
         assert (held["snapshots"], held["parked_snapshots"]) == (1, int(kept != "host"))
         if kept == "demoted":
-            live = fill(standby)
-            held = standby.prefix_cache.describe()
+            with every_state_live(standby):
+                held = standby.prefix_cache.describe()
             assert (held["snapshots"], held["parked_snapshots"], held["demoted"]) == (1, 0, 1)
-        for sid in live:
-            standby.shard.close_session(sid)
         tokens = await decode(swarm, url("head"), tokens, 6)  # the session goes on past the snapshot
         position = len(PROMPT) + len(tokens) - 1
         swarm.transport.remove(url(ROUTE[dead]))

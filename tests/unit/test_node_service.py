@@ -9,9 +9,10 @@ token sequences, as the real-process tests do with llama.cpp.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -96,6 +97,20 @@ class MixShard(ShardBase[list[float]]):
 
     def _load_state(self, sid: SessionId, body: bytes, position: int) -> list[float]:
         return list(np.frombuffer(body, dtype=np.float64))
+
+
+@contextlib.contextmanager
+def every_state_live(node: NodeService) -> Iterator[None]:
+    """Live sessions in every state of ``node``'s shard (the KV it keeps parked yields its room to
+    them), closed again on the way out."""
+    live = [SessionId(f"live{i}") for i in range(node.shard.store.limits.max_sessions)]
+    for sid in live:
+        node.shard.open_session(sid)
+    try:
+        yield
+    finally:
+        for sid in live:
+            node.shard.close_session(sid)
 
 
 class Swarm:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -22,7 +22,7 @@ from meshnet.protocol.ledger import ChunkLedger, verify_hops
 from meshnet.protocol.messages import AnswerKind, HopRequest, PrefixClaim, PrefixRequest, RerouteRequest, Verb
 from meshnet.protocol.prefix import block_hashes
 from meshnet.routes import Hop
-from tests.unit.test_node_service import MixShard, Swarm, ids_payload
+from tests.unit.test_node_service import MixShard, Swarm, every_state_live, ids_payload
 
 BLOCK = 4
 ROUTE = ["http://head", "http://middle", "http://tail"]
@@ -284,16 +284,10 @@ def test_under_a_tiny_budget_nothing_is_kept_and_the_next_turn_prefills_cold_wit
     assert tokens == cold([*prompt, 9, 9], 4)
 
 
-def _fill_with_live_sessions(service: NodeService) -> list[SessionId]:
-    """Open live sessions on a hop until every state of its shard is taken (parked ones yield)."""
-    store = service.shard.store
-    live = [SessionId(f"live{i}") for i in range(store.limits.max_sessions)]
-    for sid in live:
-        service.shard.open_session(sid)
-    return live
-
-
-def test_kept_blocks_stay_parked_in_the_shard_and_yield_to_live_sessions_then_serve_from_host_memory() -> None:
+def _after_one_turn(evicting: Callable[[NodeService, PrefixCache], None]) -> tuple[list[int], int]:
+    """A conversation's turn; then live sessions take every state of the middle's shard (the turn's
+    parked KV yields), ``evicting`` checks what that did to the middle's cache; then the next turn:
+    its tokens and the positions it reused."""
     swarm = build()
     gateway = Gateway(swarm)
     prompt = [*SYSTEM, 1, 2]
@@ -308,40 +302,35 @@ def test_kept_blocks_stay_parked_in_the_shard_and_yield_to_live_sessions_then_se
         [held] = cache._entries.values()
         assert isinstance(held, CachedPrefix) and held.snapshot == b""  # host memory: seam log and digests only
         assert middle.shard.store.parked_count() == 1 and len(middle.shard.store) == 0
-        live = _fill_with_live_sessions(middle)  # the 4th live session takes the parked state's room
-        stats = cache.describe()
-        assert (stats["parked"], stats["entries"], stats["demoted"]) == (0, 1, 1)  # now in host memory
-        assert stats["bytes"] > parked["bytes"]
-        for sid in live:
-            middle.shard.close_session(sid)
+        evicting(middle, cache)
         return await gateway.generate([*prompt, 9, 9], 4)
 
     tokens, reused = asyncio.run(main())
-    assert reused == len(SYSTEM)  # every hop served it: the middle from host memory, the others parked
     assert tokens == cold([*prompt, 9, 9], 4)
+    return tokens, reused
+
+
+def test_kept_blocks_stay_parked_in_the_shard_and_yield_to_live_sessions_then_serve_from_host_memory() -> None:
+    def evicting(middle: NodeService, cache: PrefixCache) -> None:
+        before = cache.used
+        with every_state_live(middle):  # the 4th live session takes the parked state's room
+            stats = cache.describe()
+        assert (stats["parked"], stats["entries"], stats["demoted"]) == (0, 1, 1)  # now in host memory
+        assert stats["bytes"] > before
+
+    _, reused = _after_one_turn(evicting)
+    assert reused == len(SYSTEM)  # every hop served it: the middle from host memory, the others parked
 
 
 def test_a_parked_entry_evicted_with_no_host_room_is_dropped_and_the_next_turn_prefills_cold() -> None:
-    swarm = build()
-    gateway = Gateway(swarm)
-    prompt = [*SYSTEM, 1, 2]
-    middle = swarm.services(ROUTE[1])
-    cache = middle.prefix_cache
-    assert cache is not None
-
-    async def main() -> tuple[list[int], int]:
-        await gateway.generate(prompt, 3)
+    def evicting(middle: NodeService, cache: PrefixCache) -> None:
         cache.budget_bytes = cache.used  # room for what it holds in host memory, not for its KV too
-        live = _fill_with_live_sessions(middle)
-        assert (len(cache), cache.describe()["evicted"]) == (0, 1)
-        assert middle.shard.store.parked_count() == 0
-        for sid in live:
-            middle.shard.close_session(sid)
-        return await gateway.generate([*prompt, 9, 9], 4)
+        with every_state_live(middle):
+            assert (len(cache), cache.describe()["evicted"]) == (0, 1)
+            assert middle.shard.store.parked_count() == 0
 
-    tokens, reused = asyncio.run(main())
+    _, reused = _after_one_turn(evicting)
     assert reused == 0
-    assert tokens == cold([*prompt, 9, 9], 4)
 
 
 def test_a_broken_session_and_blocks_computed_in_other_chunks_are_never_cached() -> None:

@@ -92,7 +92,6 @@ class PrefixCache:
         self._release = release
         # (parked, its KV written out or None) from SessionStore.on_evict, any thread; applied by _settle
         self._evictions: collections.deque[tuple[Parked[Any], bytes | None]] = collections.deque()
-        self._parked: dict[int, bytes] = {}  # id(parked) -> key of its entry
         # prefix entries by their last block hash, standby snapshots by _snapshot_key; LRU first
         self._entries: collections.OrderedDict[bytes, CachedPrefix | SessionSnapshot] = collections.OrderedDict()
         self._where: dict[bytes, bytes] = {}  # block hash -> key of an entry holding it
@@ -114,11 +113,11 @@ class PrefixCache:
         """Apply evictions: a demoted entry moves to host memory if it fits there, else it is dropped."""
         while self._evictions:
             parked, blob = self._evictions.popleft()
-            key = self._parked.pop(id(parked), None)
-            entry = None if key is None else self._entries.get(key)
-            if entry is None or entry.parked is not parked:
+            key = next((k for k, e in self._entries.items() if e.parked is parked), None)
+            if key is None:  # dropped meanwhile
                 continue
-            self._drop(key, let_go=False)  # type: ignore[arg-type]  # the store freed it already
+            entry = self._entries[key]
+            self._drop(key, let_go=False)  # the store freed it already
             self.stats.evicted += 1
             if blob is None:
                 continue
@@ -202,8 +201,6 @@ class PrefixCache:
         self.used += entry.nbytes
         for h in entry.hashes:
             self._where[h] = key
-        if entry.parked is not None:
-            self._parked[id(entry.parked)] = key
         self._filter = None
 
     def _let_go(self, entry: CachedPrefix | SessionSnapshot) -> None:
@@ -226,8 +223,6 @@ class PrefixCache:
         self._make_room(snapshot.nbytes)
         self._entries[key] = snapshot
         self.used += snapshot.nbytes
-        if snapshot.parked is not None:
-            self._parked[id(snapshot.parked)] = key
         return True
 
     def take(self, session: str) -> SessionSnapshot | None:
@@ -295,10 +290,8 @@ class PrefixCache:
     def _drop(self, key: bytes, *, let_go: bool = True) -> None:
         entry = self._entries.pop(key)
         self.used -= entry.nbytes
-        if entry.parked is not None:
-            self._parked.pop(id(entry.parked), None)
-            if let_go:
-                self._let_go(entry)
+        if let_go:
+            self._let_go(entry)
         if not isinstance(entry, CachedPrefix):
             return
         for h in entry.hashes:

@@ -135,16 +135,7 @@ class SessionStore(Generic[S]):
     def open(self, sid: SessionId, *, state: S | None = None, position: int = 0) -> Session[S]:
         """Create a session (or adopt a restored ``state`` already at ``position``)."""
         with self._lock:
-            self._expire_locked()
-            if sid in self._sessions:
-                raise Conflict(f"session {sid} already exists on this shard")
-            self._room_locked(1, self.limits.bytes_at(position))  # a restored state is one more too
-            now = self._clock()
-            created = state if state is not None else self._new_state(sid)
-            session = Session(sid, created, position=position, created_at=now, last_used=now)
-            self._sessions[sid] = session
-            self._ended.pop(sid, None)
-            return session
+            return self._open_locked(sid, state, position)
 
     def close(self, sid: SessionId, reason: str = "closed") -> None:
         with self._lock:
@@ -186,10 +177,7 @@ class SessionStore(Generic[S]):
         with self._lock:
             session.busy = False
             session.position = position
-            del self._sessions[sid]
-            if self.on_end is not None:
-                self.on_end(session)
-            self._remember_ended_locked(sid, "closed")
+            self._end_locked(session, "closed", keep=True)
             parked = Parked(session.state, position)
             self._parked[id(parked)] = parked
             return parked
@@ -207,22 +195,15 @@ class SessionStore(Generic[S]):
         """Open session ``sid`` on a parked state itself (no copy): it is parked no more. ``SessionGone``
         if it was evicted or is being copied; ``StoreFull`` (and it stays parked) if there is no room."""
         with self._lock:
-            self._expire_locked()
-            if sid in self._sessions:
-                raise Conflict(f"session {sid} already exists on this shard")
             if self._parked.get(id(parked)) is not parked or parked.pins or parked.doomed or parked.state is None:
                 raise SessionGone("the parked state was evicted for a live session (or is in use)")
-            del self._parked[id(parked)]
+            del self._parked[id(parked)]  # no longer counted as parked: it is the new session's room
             try:
-                self._room_locked(1, self.limits.bytes_at(parked.position))
+                session = self._open_locked(sid, parked.state, parked.position)
             except BaseException:
                 self._parked[id(parked)] = parked
                 raise
-            now = self._clock()
-            session = Session(sid, parked.state, position=parked.position, created_at=now, last_used=now)
             parked.state = None
-            self._sessions[sid] = session
-            self._ended.pop(sid, None)
             return session
 
     def make_room(self, states: int = 1, nbytes: int = 0) -> None:
@@ -440,17 +421,28 @@ class SessionStore(Generic[S]):
         state, parked.state = parked.state, None
         self._free_state(state)
 
-    def _remember_ended_locked(self, sid: SessionId, reason: str) -> None:
-        self._ended[sid] = reason
-        while len(self._ended) > _REMEMBER_ENDED:
-            self._ended.popitem(last=False)
+    def _open_locked(self, sid: SessionId, state: S | None, position: int) -> Session[S]:
+        self._expire_locked()
+        if sid in self._sessions:
+            raise Conflict(f"session {sid} already exists on this shard")
+        self._room_locked(1, self.limits.bytes_at(position))  # a restored state is one more too
+        now = self._clock()
+        created = state if state is not None else self._new_state(sid)
+        session = Session(sid, created, position=position, created_at=now, last_used=now)
+        self._sessions[sid] = session
+        self._ended.pop(sid, None)
+        return session
 
-    def _end_locked(self, session: Session[S], reason: str) -> None:
+    def _end_locked(self, session: Session[S], reason: str, *, keep: bool = False) -> None:
+        """End ``session``; its state is freed unless the caller ``keep``s it (``park``)."""
         del self._sessions[session.session_id]
-        self._free_state(session.state)
+        if not keep:
+            self._free_state(session.state)
         if self.on_end is not None:
             self.on_end(session)
-        self._remember_ended_locked(session.session_id, reason)
+        self._ended[session.session_id] = reason
+        while len(self._ended) > _REMEMBER_ENDED:
+            self._ended.popitem(last=False)
 
     def _expire_locked(self) -> list[SessionId]:
         cutoff = self._clock() - self.limits.idle_ttl_s
