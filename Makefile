@@ -11,7 +11,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 ARGS ?=
 
-.PHONY: up serve test bench chaos certify lint install clean
+.PHONY: up serve test test-fast bench chaos certify lint install clean
 
 up: $(STAMP)
 	$(BIN)/meshnet up $(ARGS)
@@ -19,8 +19,15 @@ up: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/meshnet serve $(ARGS)
 
+# The whole suite (what .ci/run runs); the 25 slowest tests are listed at the end of every run.
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest --durations=25 $(ARGS)
+
+# The in-process tier (tests/conftest.py): no real processes, llama.cpp, torch, PostgreSQL, browser or
+# namespaces. About a minute on 2 cores.
+FAST := not real and not slow and not postgres and not browser and not netns and not torch
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "$(FAST)" tests/unit $(ARGS)
 
 # Certify every model family (tests/certify) and write the support table into docs/models.md.
 certify: $(STAMP)

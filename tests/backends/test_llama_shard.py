@@ -442,3 +442,29 @@ def test_sessions_decoded_as_one_batch_match_their_solo_runs(
         for shard in shards:
             shard.close_session(sid)
     assert [outs[sid] for sid in sids] == solo
+
+
+def test_a_second_load_reads_the_load_checks_from_the_cache(cache: Path, tmp_path: Path) -> None:
+    """The bit checks run once per shard file, build, thread count and shapes; the next load of the same
+    shard finds the same answers on disk without measuring (llama_shard's measurement is not called)."""
+    config = LlamaShardConfig(n_ctx=1024 * 4, max_sessions=4, n_threads=1, checks_cache=tmp_path / "checks")
+    first = LlamaShard.from_model(bundled_gguf(), "10:20", cache_dir=cache, config=config)
+    first.close()
+    assert len(list((tmp_path / "checks").glob("*.json"))) == 1
+
+    def measured(*_: object) -> tuple[bool, bool]:
+        raise AssertionError("the cached load checks were measured again")
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(LlamaShard, "_batch_matches_steps", measured)
+    patch.setattr(LlamaShard, "_batch_matches_solo", measured)
+    try:
+        second = LlamaShard.from_model(bundled_gguf(), "10:20", cache_dir=cache, config=config)
+    finally:
+        patch.undo()
+    assert second.info == first.info and first.info.decode_batch == 4
+    second.close()
+    # other threads: another key, measured anew
+    other = LlamaShard.from_model(bundled_gguf(), "10:20", cache_dir=cache, config=replace(config, n_threads=2))
+    other.close()
+    assert len(list((tmp_path / "checks").glob("*.json"))) == 2

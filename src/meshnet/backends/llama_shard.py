@@ -40,6 +40,7 @@ from meshnet.artifacts.shard_file import (
     write_shard,
 )
 from meshnet.backends.llama_vocab import model_meta
+from meshnet.backends.load_checks import BatchChecks, CheckCache, check_key
 from meshnet.backends.shard import F32, I32, KVFormat, SeamSpec, ShardBase, ShardInfo, ShardOutput
 from meshnet.errors import EngineError, InvalidRequest, StoreFull
 from meshnet.ids import SessionId
@@ -106,6 +107,9 @@ class LlamaShardConfig:
     # The most sessions' decode steps one compute call may hold (1: one at a time); capped by
     # max_sessions and MAX_DECODE_BATCH, and used only where measured to keep every session's bits.
     decode_batch: int = MAX_DECODE_BATCH
+    # Where the load-time bit checks of a shard are kept between starts (backends/load_checks.py);
+    # None: measured at every load.
+    checks_cache: Path | None = None
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1 or self.n_ctx < self.max_sessions or self.n_batch < 1 or self.decode_batch < 1:
@@ -166,18 +170,16 @@ class LlamaShard(ShardBase[int]):
         # past KV_PAD cells, where llama.cpp's attention of a lone row changes its summation order.
         # Exact below KV_PAD only (None: everywhere) where the short history agrees and the long
         # one does not (or cannot be measured: a context too small for it).
-        most = self._max_decode_batch(cfg)
-        long = min(KV_PAD + 4, cfg.positions_per_session - MAX_VERIFY - 2)
-        long_history = long if long > KV_PAD else None
-        if self.info.max_verify:
-            short_ok, long_ok = self._batch_matches_steps(self.info.max_verify + 1, long_history)
+        checks = self._load_checks(cfg)
+        if checks.verify is not None:
+            short_ok, long_ok = checks.verify
             below = None if long_ok else KV_PAD
             self.info = dataclasses.replace(self.info, verify_batched=short_ok, verify_batched_below=below)
-        if most > 1:
-            short_ok, long_ok = self._batch_matches_solo(most, long_history)
-            if short_ok:
-                below = None if long_ok else KV_PAD
-                self.info = dataclasses.replace(self.info, decode_batch=most, decode_batch_below=below)
+        if checks.decode is not None and checks.decode[0]:
+            below = None if checks.decode[1] else KV_PAD
+            self.info = dataclasses.replace(
+                self.info, decode_batch=self._max_decode_batch(cfg), decode_batch_below=below
+            )
         self._init_store(
             StoreLimits(
                 bytes_per_token=self.info.kv.bytes_per_token,
@@ -187,6 +189,35 @@ class LlamaShard(ShardBase[int]):
                 idle_ttl_s=cfg.idle_ttl_s,
             )
         )
+
+    def _load_checks(self, cfg: LlamaShardConfig) -> BatchChecks:
+        """Which batched computations keep this shard's bits: measured here, or read from
+        ``cfg.checks_cache`` where this shard, build, thread count and shapes were measured before."""
+        most = self._max_decode_batch(cfg)
+        long = min(KV_PAD + 4, cfg.positions_per_session - MAX_VERIFY - 2)
+        long_history = long if long > KV_PAD else None
+        cache = CheckCache(cfg.checks_cache) if cfg.checks_cache is not None else None
+        key = ""
+        if cache is not None:
+            threads = cfg.n_threads or os.cpu_count() or 1
+            build = f"{self._ll.__version__}:{self._ll.llama_print_system_info().decode(errors='replace')}"
+            shapes: dict[str, object] = {
+                "verify": self.info.max_verify,
+                "decode": most,
+                "long": long_history,
+                "n_batch": cfg.n_batch,
+                "sidecar_rows": self._embed.n_vocab if self._embed else 0,
+            }
+            key = check_key(self._path, build=build, threads=threads, shapes=shapes)
+            cached = cache.get(key)
+            if cached is not None:
+                return cached
+        verify = self._batch_matches_steps(self.info.max_verify + 1, long_history) if self.info.max_verify else None
+        decode = self._batch_matches_solo(most, long_history) if most > 1 else None
+        found = BatchChecks(verify=verify, decode=decode)
+        if cache is not None:
+            cache.put(key, found)
+        return found
 
     def _apply_family(self, seams: Family, layers: LayerRange, n_batch: int) -> None:
         """The family's seam handling (``models.families``) for this shard's place in the route."""

@@ -218,7 +218,7 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
     """
     from meshnet.artifacts.fetch import assemble
     from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
-    from meshnet.cli.swarm import default_cache_dir
+    from meshnet.cli.swarm import default_cache_dir, load_checks_dir
     from meshnet.errors import InvalidRequest
     from meshnet.models.families import require_certified
 
@@ -239,6 +239,7 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
             max_sessions=args.max_sessions,
             n_threads=threads,
             idle_ttl_s=args.session_ttl,
+            checks_cache=load_checks_dir(args.cache_dir),
         )
         # The model id stays the one the gateway derives from the GGUF name; the digest is in the advert.
         shard = LlamaShard(path, model_id=manifest.model_id, embeddings=embeddings, config=config)

@@ -34,13 +34,18 @@ from meshnet.errors import MeshnetError
 from meshnet.httputil import is_wildcard, service_url
 from meshnet.layers import LayerRange
 
-__all__ = ["add_swarm_commands", "default_cache_dir", "run_node"]
+__all__ = ["add_swarm_commands", "default_cache_dir", "load_checks_dir", "run_node"]
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshnet" / "shards"
+
+
+def load_checks_dir(cache_dir: Path | None) -> Path:
+    """Where a node keeps its shards' load-time bit checks between starts (backends/load_checks.py)."""
+    return (cache_dir or default_cache_dir()) / "load-checks"
 
 
 def add_swarm_commands(sub: Any) -> None:
@@ -444,6 +449,7 @@ def _load_shard(args: argparse.Namespace, gguf: Path) -> tuple[Any, dict[str, An
         n_threads=threads,
         idle_ttl_s=args.session_ttl,
         decode_batch=args.decode_batch,
+        checks_cache=load_checks_dir(args.cache_dir),
     )
     if layers.is_full:
         return LlamaShard(gguf, model_id=model_id, config=config), advert
