@@ -39,6 +39,7 @@ from meshnet.artifacts.shard_file import (
     recurrent_layers,
     write_shard,
 )
+from meshnet.backends.ggml_layout import NAME_OFFSET, NE_OFFSET, check_tensor_layout, tensor_get, tensor_set
 from meshnet.backends.llama_vocab import model_meta
 from meshnet.backends.load_checks import BatchChecks, CheckCache, check_key
 from meshnet.backends.shard import F32, I32, KVFormat, SeamSpec, ShardBase, ShardInfo, ShardOutput
@@ -53,11 +54,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_VERIFY", "SNAPSHOT_CELL_META_BYTES", "HeadEmbeddings", "LlamaShard", "LlamaShardConfig"]
 
-# struct ggml_tensor field offsets (ggml.h at the llama.cpp commit llama-cpp-python 0.3.36 vendors):
-# type(4)+pad(4), buffer(8), ne[4] int64 at 16, nb[4] at 48, op(4) at 80, op_params[16] int32 at
-# 84, flags at 148, src[10] at 152, view_src at 232, view_offs at 240, data at 248, name[64] at 256.
-_NE_OFFSET = 16
-_NAME_OFFSET = 256
 _KV_CACHE_BYTES = 2  # llama.cpp's default K/V cache type is f16
 _STATE_BYTES = 4  # recurrent (conv and linear-attention) states are f32
 # A sequence snapshot stores, per cell, its position, a seq-id count and one seq id (int32 each).
@@ -134,6 +130,7 @@ class LlamaShard(ShardBase[int]):
         super().__init__()
         import llama_cpp
 
+        check_tensor_layout(llama_cpp)  # the eval callback reads struct ggml_tensor at fixed offsets
         self._ll = llama_cpp
         self._path = shard_path
         cfg = config or LlamaShardConfig()
@@ -551,18 +548,18 @@ class LlamaShard(ShardBase[int]):
         overwrite = self._overwrite
         # Runs for every node of every graph: read only as many name bytes as the longest target.
         width = max(len(t) for t in (target, overwrite) if t is not None)
-        get, put = _tensor_get(self._ll), _tensor_set(self._ll)
+        get, put = tensor_get(self._ll), tensor_set(self._ll)
         out, n_embd, row = self._out, self._n_embd, self._width
 
         def callback(tensor: int, ask: bool, _: Any) -> bool:
-            name = ctypes.string_at(tensor + _NAME_OFFSET, width)
+            name = ctypes.string_at(tensor + NAME_OFFSET, width)
             ours = target is not None and name.startswith(target)
             rescaled = overwrite is not None and name.startswith(overwrite)
             if not (ours or rescaled):
                 return not ask  # not ours: do not ask for it (and never abort a running graph)
             if ask:
                 return True
-            ne = [ctypes.c_int64.from_address(tensor + _NE_OFFSET + 8 * i).value for i in range(4)]
+            ne = [ctypes.c_int64.from_address(tensor + NE_OFFSET + 8 * i).value for i in range(4)]
             elements = ne[0] * ne[1] * ne[2] * ne[3]
             # A batch of several sequences may run as several micro-batches, one graph each, in
             # batch order: each takes the next rows of the inbound block / the next rows of ``out``.
@@ -772,22 +769,3 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def _ggml_base_fn(llama_cpp: Any, name: str) -> Any:
-    """``name`` (a ``(tensor, data, offset, size)`` function) from the libggml-base llama-cpp-python ships."""
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    fn = getattr(lib, name)
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    fn.restype = None
-    return fn
-
-
-@functools.cache
-def _tensor_get(llama_cpp: Any) -> Any:
-    return _ggml_base_fn(llama_cpp, "ggml_backend_tensor_get")
-
-
-@functools.cache
-def _tensor_set(llama_cpp: Any) -> Any:
-    return _ggml_base_fn(llama_cpp, "ggml_backend_tensor_set")
