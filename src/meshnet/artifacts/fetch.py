@@ -153,6 +153,7 @@ class Swarm:
         self.manifest = manifest
         self.config = config
         self.torrent = read_torrent(torrent)
+        self.torrent_bytes = torrent
         _check_torrent(manifest, self.torrent)
         layers = config.layers or LayerRange.full(manifest.layers)
         self.needed = tuple(manifest.file(n) for n in config.files) if config.files else manifest.files_for(layers)

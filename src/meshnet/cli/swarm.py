@@ -395,6 +395,7 @@ def _serve_node(
         client_tls=tls.client_context() if tls else None,
         tickets=_ticket_verifier(tls),
         max_sessions_per_client=_per_client(args),
+        publication=(seeder.manifest.to_json(), seeder.torrent_bytes) if seeder is not None else None,
     )
     print(
         f"meshnet: node {node_id} holds layers {info.layers} of {info.model_id} ({info.backend}, "
