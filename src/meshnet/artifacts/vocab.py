@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from meshnet.artifacts.manifest import ROLE_VOCAB, Manifest, ManifestError, parse_manifest
+from meshnet.artifacts.manifest import ROLE_VOCAB, FileEntry, Manifest, ManifestError, parse_manifest
 from meshnet.errors import InvalidRequest
 
 __all__ = [
@@ -118,7 +118,7 @@ def fetch_vocab(publication: Publication, config: Any) -> Path:
     return result.files[0]
 
 
-def _entry(manifest: Manifest) -> Any:
+def _entry(manifest: Manifest) -> FileEntry:
     if manifest.vocab is None:
         raise InvalidRequest(
             f"the manifest of {manifest.model_id} ({manifest.digest[:19]}…) has no vocabulary artifact: it was "

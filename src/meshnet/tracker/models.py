@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Container, Sequence
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,7 +60,7 @@ class ModelView:
     reason: str | None  # why not, when not routable
     manifests: tuple[str, ...]  # the digests its nodes advertise (sorted)
 
-    def as_json(self, held: Collection[str]) -> dict[str, object]:
+    def as_json(self, held: Container[str]) -> dict[str, object]:
         return {
             "id": self.model,
             "total_layers": self.total_layers,
