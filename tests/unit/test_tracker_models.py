@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from starlette.testclient import TestClient
 
 from meshnet.artifacts.manifest import canonical_json, parse_manifest
+from meshnet.node.app import create_node_app
+from meshnet.node.service import NodeConfig
 from meshnet.tracker.app import create_tracker_app
 from meshnet.tracker.db import TrackerDB
 from meshnet.tracker.models import model_views
+from tests.asgi import serve_in_thread
 from tests.unit.test_manifest_vocab import TORRENT, with_vocab
+from tests.unit.test_node_service import MixShard
 from tests.unit.test_tracker import rec
 
 DOC = canonical_json(with_vocab())
@@ -92,3 +98,24 @@ def test_a_node_without_a_manifest_is_not_asked_for_one(client: TestClient) -> N
     assert "manifest_wanted" not in answer
     (model,) = client.get("/v1/models").json()["models"]
     assert model["routable"] and model["manifests"] == []
+
+
+def test_a_node_serving_from_a_manifest_hands_it_over_when_the_tracker_asks(tmp_path: Path) -> None:
+    db = TrackerDB(f"sqlite:///{tmp_path / 't.db'}")
+    try:
+        with serve_in_thread(create_tracker_app(db)) as tracker:
+            config = NodeConfig(node_id="n", url="http://127.0.0.1:7000", tracker_url=tracker, heartbeat_s=0.2,
+                                advert=(("manifest", DIGEST),), publication=(DOC, TORRENT))  # fmt: skip
+            with TestClient(create_node_app(MixShard("0:12"), config)):
+                deadline = time.monotonic() + 10
+                while True:
+                    document = httpx.get(f"{tracker}/v1/manifests/{DIGEST}/manifest.json", timeout=10)
+                    if document.status_code == 200:
+                        break
+                    assert time.monotonic() < deadline, "the node never handed its manifest over"
+                    time.sleep(0.1)
+                assert document.content == DOC
+                (model,) = httpx.get(f"{tracker}/v1/models", timeout=10).json()["models"]
+                assert model["manifests"] == [{"digest": DIGEST, "held": True}] and model["routable"]
+    finally:
+        db.close()

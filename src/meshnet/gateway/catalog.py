@@ -154,9 +154,9 @@ class ModelCatalog:
                 views = client.get(f"{self.tracker}/v1/models").json()["models"]
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 return []  # the next round asks again; requests say the tracker is unreachable
-            for view in views:
-                model = str(view.get("id"))
-                if model in self._entries or self._stop.is_set():
+            for view in views if isinstance(views, list) else []:
+                model = str(view.get("id")) if isinstance(view, dict) else ""
+                if not model or model in self._entries or self._stop.is_set():
                     continue
                 for digest in _held_digests(view):
                     if time.monotonic() - self._failed.get(digest, -RETRY_AFTER_S) < RETRY_AFTER_S:
