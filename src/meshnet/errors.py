@@ -7,7 +7,7 @@
     ├── Unauthorized                  401  invalid_api_key    (no API key, or not one of this gateway's)
     ├── Forbidden                     403  permission_error   (a swarm member acting outside its role or id)
     ├── NotFound                      404  not_found_error
-    │   ├── UnknownModel              404  model_not_found
+    │   ├── UnknownModel              404  model_not_found    (type invalid_request_error, as OpenAI's)
     │   └── SessionNotFound           404  session_not_found
     ├── SessionGone                   410  session_gone       (expired, closed, or the node restarted)
     ├── Conflict                      409  conflict_error
@@ -111,6 +111,7 @@ class NotFound(MeshnetError):
 
 
 class UnknownModel(NotFound):
+    error_type = "invalid_request_error"  # OpenAI's shape for an unknown model: a 404 of this type
     code = "model_not_found"
 
 

@@ -519,7 +519,7 @@ def test_prompt_plus_max_tokens_over_cap_names_max_tokens():
 
 def test_unknown_model_is_404(client: TestClient, engine: FakeEngine):
     err = _error(_chat(client, model="gpt-9"), 404, code="model_not_found", param="model")
-    assert err["type"] == "not_found_error"
+    assert err["type"] == "invalid_request_error"  # OpenAI's shape for an unknown model
     _error(_completion(client, model="gpt-9"), 404, code="model_not_found")
     assert engine.prefill_calls == 0
     _assert_good_request_succeeds(client)

@@ -64,6 +64,7 @@ class FetchConfig:
     stall_timeout_s: float = 60.0  # no wanted byte for this long: fail
     timeout_s: float | None = None  # the whole fetch
     max_download_rate: int = 0  # bytes/s; 0: unlimited
+    files: tuple[str, ...] = ()  # exactly these files of the torrent, by name, instead of ``layers``' files
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,13 +132,15 @@ def _check_torrent(manifest: Manifest, torrent: TorrentFiles) -> None:
         raise ManifestError("torrent.info_hash_v2", f"the torrent's v2 info hash is {torrent.info_hash_v2}")
     if torrent.name != manifest.torrent_name:
         raise ManifestError("torrent.name", f"the torrent is named {torrent.name!r}")
-    for i, entry in enumerate(manifest.files):
+    named = [(f"files[{i}]", entry) for i, entry in enumerate(manifest.files)]
+    named += [("vocab", entry) for entry in manifest.extra_files]
+    for where, entry in named:
         if entry.name not in torrent.index:
-            raise ManifestError(f"files[{i}].name", f"{entry.name} is not in the torrent")
+            raise ManifestError(f"{where}.name", f"{entry.name} is not in the torrent")
         if torrent.roots[entry.name] != entry.pieces_root:
-            raise ManifestError(f"files[{i}].pieces_root", f"the torrent's merkle root for {entry.name} differs")
+            raise ManifestError(f"{where}.pieces_root", f"the torrent's merkle root for {entry.name} differs")
         if torrent.sizes[entry.name] != entry.size:
-            raise ManifestError(f"files[{i}].size", f"the torrent gives {entry.name} {torrent.sizes[entry.name]} bytes")
+            raise ManifestError(f"{where}.size", f"the torrent gives {entry.name} {torrent.sizes[entry.name]} bytes")
 
 
 class Swarm:
@@ -150,9 +153,10 @@ class Swarm:
         self.manifest = manifest
         self.config = config
         self.torrent = read_torrent(torrent)
+        self.torrent_bytes = torrent
         _check_torrent(manifest, self.torrent)
         layers = config.layers or LayerRange.full(manifest.layers)
-        self.needed = manifest.files_for(layers)
+        self.needed = tuple(manifest.file(n) for n in config.files) if config.files else manifest.files_for(layers)
         self.folder = config.dest / manifest.torrent_name
         self._session = make_session(config.listen)
         self._handle: Any = None

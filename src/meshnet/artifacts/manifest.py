@@ -15,7 +15,10 @@ is strict: every field is required, unknown fields are refused, and every error 
   {file_type, tensor_types}; ``gguf_splits``: the upstream GGUF file(s) the files were cut from;
 - ``backends``: runtimes that load the files directly; ``context_cap``; ``kv_cache``: the KV
   format (kind, dtype, bytes per token per layer, the per-layer list, the shape it comes from);
-- ``torrent`` {file, sha256, info_hash_v2, magnet, piece_length, name}; ``web_seeds``: BEP 19 URLs.
+- ``torrent`` {file, sha256, info_hash_v2, magnet, piece_length, name}; ``web_seeds``: BEP 19 URLs;
+- ``vocab`` {name, size, sha256, pieces_root}: the vocabulary artifact (artifacts.vocab), a file of the
+  torrent beside the shard files. The one optional field: a manifest published before it existed
+  parses with ``vocab`` None (its nodes still serve; a gateway needs ``--gguf`` for it).
 
 Pure: no I/O beyond :func:`read_manifest`; everything else works on values.
 """
@@ -39,6 +42,7 @@ __all__ = [
     "MANIFEST_NAME",
     "ROLE_EMBEDDINGS",
     "ROLE_SHARD",
+    "ROLE_VOCAB",
     "SCHEMA",
     "FileEntry",
     "KVCache",
@@ -54,6 +58,7 @@ SCHEMA = "meshnet.manifest/1"
 MANIFEST_NAME = "manifest.json"
 ROLE_SHARD = "shard"
 ROLE_EMBEDDINGS = "embeddings"
+ROLE_VOCAB = "vocab"  # the manifest's ``vocab`` file: metadata only, no layer, no tensor
 KV_KINDS = ("gqa", "mla")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -86,7 +91,7 @@ class FileEntry:
     size: int
     sha256: str
     pieces_root: str  # BitTorrent v2 merkle root of the file: a content address independent of piece size
-    role: str  # "shard" (a loadable layer-range GGUF) or "embeddings" (the head's token table)
+    role: str  # "shard" (a loadable layer-range GGUF), "embeddings" (the head's token table) or "vocab"
     layers: LayerRange
     tensors: tuple[str, ...]  # source tensor names it holds
 
@@ -130,13 +135,20 @@ class Manifest:
     web_seeds: tuple[str, ...]
     digest: str  # sha256 of the canonical JSON: the model's identity
     raw: Mapping[str, Any]
+    vocab: FileEntry | None = None  # the vocabulary artifact (None: published before it existed)
 
     @property
     def boundaries(self) -> tuple[int, ...]:
         return (0, *(r.stop for r, _ in self.layer_map))
 
     def file(self, name: str) -> FileEntry:
-        return next(f for f in self.files if f.name == name)
+        """A file of the torrent by name: a layer file, or the vocabulary artifact."""
+        return next(f for f in (*self.files, *self.extra_files) if f.name == name)
+
+    @property
+    def extra_files(self) -> tuple[FileEntry, ...]:
+        """Files of the torrent that serve no layer range (the vocabulary artifact)."""
+        return () if self.vocab is None else (self.vocab,)
 
     def parse_layers(self, text: str | None) -> LayerRange:
         if not text:
@@ -191,13 +203,13 @@ class _Parser:
         self.raw = raw
 
     # -- typed getters: each names the field it reads --------------------------------------------
-    def obj(self, value: Any, field: str, keys: Sequence[str]) -> Mapping[str, Any]:
+    def obj(self, value: Any, field: str, keys: Sequence[str], optional: Sequence[str] = ()) -> Mapping[str, Any]:
         if not isinstance(value, dict):
             raise ManifestError(field or "(document)", "must be a JSON object")
         for key in keys:
             if key not in value:
                 raise ManifestError(_join(field, key), "missing field")
-        extra = sorted(set(value) - set(keys))
+        extra = sorted(set(value) - set(keys) - set(optional))
         if extra:
             raise ManifestError(_join(field, extra[0]), "unknown field")
         return value
@@ -240,7 +252,7 @@ class _Parser:
 
     # -- the document ----------------------------------------------------------------------------
     def manifest(self) -> Manifest:
-        doc = self.obj(self.raw, "", _TOP_KEYS)
+        doc = self.obj(self.raw, "", _TOP_KEYS, optional=("vocab",))
         if doc["schema"] != SCHEMA:
             raise ManifestError("schema", f"{doc['schema']!r} is not {SCHEMA!r}")
         model = self.obj(doc["model"], "model", ("id", "version"))
@@ -269,6 +281,9 @@ class _Parser:
         if not isinstance(quant["tensor_types"], dict) or not quant["tensor_types"]:
             raise ManifestError("quantization.tensor_types", "must be a non-empty object of type -> tensor count")
         splits = self.list_(doc["gguf_splits"], "gguf_splits", self.split)
+        vocab = self.vocab(doc["vocab"], total) if "vocab" in doc else None
+        if vocab is not None and vocab.name in by_name:
+            raise ManifestError("vocab.name", f"{vocab.name!r} is also one of files")
         return Manifest(
             model_id=self.str_(model["id"], "model.id"),
             model_version=self.str_(model["version"], "model.version"),
@@ -294,6 +309,19 @@ class _Parser:
             web_seeds=self.list_(doc["web_seeds"], "web_seeds", self.url, empty=True),
             digest=digest_of(self.raw),
             raw=self.raw,
+            vocab=vocab,
+        )
+
+    def vocab(self, value: Any, total: int) -> FileEntry:
+        entry = self.obj(value, "vocab", ("name", "pieces_root", "sha256", "size"))
+        return FileEntry(
+            name=self.name(entry["name"], "vocab.name"),
+            size=self.int_(entry["size"], "vocab.size"),
+            sha256=self.hex64(entry["sha256"], "vocab.sha256"),
+            pieces_root=self.hex64(entry["pieces_root"], "vocab.pieces_root"),
+            role=ROLE_VOCAB,
+            layers=LayerRange.full(total),
+            tensors=(),
         )
 
     def file(self, value: Any, field: str, total: int) -> FileEntry:

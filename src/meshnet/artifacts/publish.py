@@ -7,6 +7,7 @@ Output folder::
     OUT/<name>/blk-000-010.gguf  shard files the llama.cpp shard backend loads directly
     OUT/<name>/blk-000-010.embd.gguf   the head's embedding table
     ...
+    OUT/<name>/vocab.gguf        the GGUF's metadata, no tensors: all a gateway needs (artifacts.vocab)
 
 ``<name>`` is the torrent's name (the model id), so serving ``OUT`` over HTTP makes ``OUT``'s URL a
 BEP 19 web seed: a client asks for ``URL/<name>/<file>``. Every file is written atomically; the
@@ -35,6 +36,7 @@ from meshnet.artifacts.manifest import (
 from meshnet.artifacts.plan import shape_from_fields
 from meshnet.artifacts.shard_file import range_starts, trunk_layers, write_shard
 from meshnet.artifacts.torrent import DEFAULT_PIECE_LENGTH, create_torrent, magnet_of, read_torrent
+from meshnet.artifacts.vocab import VOCAB_NAME, vocab_entry, write_vocab
 from meshnet.errors import InvalidRequest
 from meshnet.fsutil import write_atomic
 from meshnet.layers import LayerRange
@@ -124,7 +126,7 @@ def publish(source: Path, out: Path, options: PublishOptions | None = None) -> M
     model_id = opts.model_id or source.name.removesuffix(".gguf")
     name = re.sub(r"[^A-Za-z0-9._-]", "-", model_id).lstrip(".-") or "model"
     folder = out / name
-    expected = {_shard_name(r) for r in ranges} | {_shard_name(ranges[0]).replace(".gguf", ".embd.gguf")}
+    expected = {_shard_name(r) for r in ranges} | {_shard_name(ranges[0]).replace(".gguf", ".embd.gguf"), VOCAB_NAME}
     if folder.is_dir():
         foreign = sorted(p.name for p in folder.iterdir() if p.name not in expected)
         if foreign:
@@ -143,6 +145,7 @@ def publish(source: Path, out: Path, options: PublishOptions | None = None) -> M
         files += group
         layer_map.append({"layers": str(r), "files": [f["name"] for f in group]})
 
+    vocab = write_vocab(reader, folder / VOCAB_NAME)
     torrent = create_torrent(out, name, piece_length=opts.piece_length, web_seeds=opts.web_seeds)
     write_atomic(out / TORRENT_NAME, torrent)
     parsed = read_torrent(torrent)
@@ -196,6 +199,7 @@ def publish(source: Path, out: Path, options: PublishOptions | None = None) -> M
             "name": name,
         },
         "web_seeds": list(opts.web_seeds),
+        "vocab": vocab_entry(vocab, parsed.roots[VOCAB_NAME]),
     }
     data = canonical_json(doc)
     manifest = parse_manifest(data)  # what we publish must pass our own strict parser

@@ -106,6 +106,8 @@ def run_publish(args: argparse.Namespace) -> int:
     for layers, names in manifest.layer_map:
         sizes = ", ".join(f"{n} ({manifest.file(n).size / MIB:.1f} MiB)" for n in names)
         print(f"meshnet:   layers {layers}: {sizes}")
+    if manifest.vocab is not None:  # what a gateway fetches instead of the weights
+        print(f"meshnet:   vocabulary: {manifest.vocab.name} ({manifest.vocab.size / MIB:.1f} MiB, metadata only)")
     print(f"meshnet: wrote {args.out / 'manifest.json'} in {time.monotonic() - started:.1f}s")
     print(f"meshnet: model {manifest.model_id} digest {manifest.digest}")
     print(f"meshnet: magnet {manifest.magnet}", flush=True)

@@ -12,7 +12,6 @@ from meshnet.cli.serve import (
     api_keys_for,
     bind_socket,
     read_chat_template,
-    resolve_gguf,
     serve_app,
     setup_logging,
     usage_error,
@@ -61,7 +60,6 @@ def run_gateway(args: argparse.Namespace) -> int:
         usage_error(f"meshnet gateway: --draft-tokens must be at least 1, got {args.draft_tokens}")
     if not 0 < args.max_body_mb <= 4096:
         usage_error(f"meshnet gateway: --max-body-mb must be within (0, 4096], got {args.max_body_mb}")
-    gguf = resolve_gguf(args.gguf, "gateway")
     template = read_chat_template(args.chat_template_file, "gateway")
     keys = api_keys_for(args, "gateway")
     member = member_tls_for(args, "gateway", "gateway")
@@ -69,17 +67,16 @@ def run_gateway(args: argparse.Namespace) -> int:
     client_tls = member.client_context() if member else None
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    from meshnet.backends.llama_vocab import LlamaVocab
+    from meshnet.artifacts.fetch import FetchError
+    from meshnet.cli.vocab import gateway_vocab
     from meshnet.gateway import create_app
-    from meshnet.gateway.billing_outbox import BillingOutbox
-    from meshnet.gateway.route_engine import RouteEngine
 
     try:
-        vocab = LlamaVocab(gguf)
+        vocab = gateway_vocab(args)  # --gguf, or the vocabulary artifact of --manifest
     except MeshnetError as exc:
         sock.close()
         print(f"meshnet gateway: {exc.message}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, FetchError) else 2
     cap = min(args.ctx, vocab.info.n_ctx_train, 131072)
     try:
         draft = _draft_model(args, vocab, cap)
@@ -88,23 +85,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         vocab.close()
         print(f"meshnet gateway: {exc}", file=sys.stderr)
         return 2
-    engine = RouteEngine(
-        vocab,
-        args.tracker,
-        n_ctx=cap,
-        max_concurrency=args.max_concurrency,
-        prefill_chunk=args.prefill_chunk,
-        prefix_cache=args.prefix_cache == "on",
-        kv_snapshots=args.kv_snapshots == "on",
-        timeout_s=args.hop_timeout,
-        speculative=args.speculative,
-        draft_tokens=args.draft_tokens,
-        draft_model=draft,
-        decode_channel=args.decode_channel == "on",
-        outbox=BillingOutbox(args.tracker, spool_dir=args.billing_spool, tls=client_tls),
-        client_tls=client_tls,
-        trusted_only=args.trusted_only,
-    )
+    engines = _Engines(args, client_tls)
+    engine = engines.route_engine(vocab, cap, draft)
     if engine.outbox.recovered:
         print(f"meshnet: delivering {engine.outbox.recovered} billing record(s) an earlier gateway left", flush=True)
     url = f"http://{host}:{port}"
@@ -122,14 +104,64 @@ def run_gateway(args: argparse.Namespace) -> int:
             chat_template=template,
             api_keys=keys,
             tracker_tls=client_tls,
+            learn=engines.learn if args.learn_models == "on" else None,
         )
         serve_app(app, sock)
     finally:
         engine.close()
         vocab.close()
+        engines.close()
         if draft is not None:
             draft.close()
     return 0
+
+
+class _Engines:
+    """The gateway's route engines: one per model, all alike but for the vocabulary (one billing spool)."""
+
+    def __init__(self, args: argparse.Namespace, client_tls: Any) -> None:
+        from meshnet.gateway.billing_outbox import BillingOutbox
+
+        self.args = args
+        self.client_tls = client_tls
+        self.outbox = BillingOutbox(args.tracker, spool_dir=args.billing_spool, tls=client_tls)
+        self.learned: list[Any] = []  # vocabularies of the models learned from the tracker
+
+    def route_engine(self, vocab: Any, n_ctx: int, draft: Any = None) -> Any:
+        from meshnet.gateway.route_engine import RouteEngine
+
+        args = self.args
+        # A learned model has no draft model of its own: it drafts from the prompt (ngram) instead.
+        speculative = "ngram" if args.speculative == "draft" and draft is None else args.speculative
+        return RouteEngine(
+            vocab,
+            args.tracker,
+            n_ctx=n_ctx,
+            max_concurrency=args.max_concurrency,
+            prefill_chunk=args.prefill_chunk,
+            prefix_cache=args.prefix_cache == "on",
+            kv_snapshots=args.kv_snapshots == "on",
+            timeout_s=args.hop_timeout,
+            speculative=speculative,
+            draft_tokens=args.draft_tokens,
+            draft_model=draft,
+            decode_channel=args.decode_channel == "on",
+            outbox=self.outbox,
+            client_tls=self.client_tls,
+            trusted_only=args.trusted_only,
+        )
+
+    def learn(self, publication: Any) -> Any:
+        """gateway.catalog's learner: the model's vocabulary artifact, fetched and verified; its engine."""
+        from meshnet.cli.vocab import vocab_of
+
+        vocab = vocab_of(publication, self.args)
+        self.learned.append(vocab)
+        return self.route_engine(vocab, min(self.args.ctx, vocab.info.n_ctx_train, 131072))
+
+    def close(self) -> None:
+        for vocab in self.learned:
+            vocab.close()
 
 
 def _check_membership(args: argparse.Namespace, keys: Any, member: Any) -> None:

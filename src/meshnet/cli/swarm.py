@@ -30,6 +30,7 @@ from meshnet.cli.serve import (
     setup_logging,
     usage_error,
 )
+from meshnet.cli.vocab import add_gateway_source
 from meshnet.errors import MeshnetError
 from meshnet.httputil import is_wildcard, service_url
 from meshnet.layers import LayerRange
@@ -123,7 +124,7 @@ def add_swarm_commands(sub: Any) -> None:
     _add_tracker(sub)
 
     gateway = sub.add_parser("gateway", help="OpenAI API + telemetry over a route of nodes")
-    gateway.add_argument("--gguf", type=Path, help="the model's GGUF, for its tokenizer (default: bundled)")
+    add_gateway_source(gateway)  # --gguf | --manifest, and a manifest's fetch options (cli.vocab)
     gateway.add_argument("--tracker", required=True, help="tracker URL")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
@@ -400,6 +401,7 @@ def _serve_node(
         client_tls=tls.client_context() if tls else None,
         tickets=_ticket_verifier(tls),
         max_sessions_per_client=_per_client(args),
+        publication=(seeder.manifest.to_json(), seeder.torrent_bytes) if seeder is not None else None,
     )
     print(
         f"meshnet: node {node_id} holds layers {info.layers} of {info.model_id} ({info.backend}, "

@@ -25,9 +25,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnet.backends.base import TextEngine
-from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError, UnknownModel
+from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError
 from meshnet.gateway import dashboard
 from meshnet.gateway.auth import ApiKeyMiddleware, KeyRing, key_policy
+from meshnet.gateway.catalog import Learner, ModelCatalog, ServedModel
 from meshnet.gateway.chat_template import ChatTemplate
 from meshnet.gateway.generation import (
     Delta,
@@ -68,9 +69,17 @@ class GatewayState:
     service: GenerationService
     template: ChatTemplate
     started: int
+    # Every model served, by id (gateway.catalog); engine, service and template above are the first one's.
+    catalog: ModelCatalog
     tracker: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tracker_tls: ssl.SSLContext | None = None  # a private swarm's member TLS, for the swarm view
+
+    def for_model(self, model: str) -> GatewayState:
+        """This state as the request's ``model`` sees it: its engine, queue and chat template
+        (``UnknownModel``, a 404 ``model_not_found``, for a model not served here)."""
+        entry = self.catalog.get(model)
+        return dataclasses.replace(self, engine=entry.engine, service=entry.service, template=entry.template)
 
 
 def create_app(
@@ -82,28 +91,39 @@ def create_app(
     chat_template: str | None = None,
     api_keys: KeyRing | None = None,
     tracker_tls: ssl.SSLContext | None = None,
+    learn: Learner | None = None,
+    more_engines: Sequence[TextEngine] = (),
 ) -> Starlette:
     """Compose a gateway around one engine; the caller owns the engine's lifetime. ``chat_template``
-    replaces the model's own; with ``api_keys`` the API needs a key (``gateway.auth``)."""
+    replaces the model's own; with ``api_keys`` the API needs a key (``gateway.auth``). With
+    ``swarm_tracker`` and ``learn`` it also serves the models the tracker knows (gateway.catalog);
+    ``more_engines`` are served beside the first from the start (the caller owns them too)."""
     hub = TelemetryHub()
     metrics = GatewayMetrics()
-    info = engine.info
+    catalog = ModelCatalog(
+        hub, metrics, max_queue=max_queue, tracker=swarm_tracker, tracker_tls=tracker_tls, learn=learn
+    )
+    first = catalog.add(engine, template=chat_template)
+    for more in more_engines:
+        catalog.add(more)
     state = GatewayState(
         engine=engine,
         hub=hub,
         metrics=metrics,
-        service=GenerationService(engine, hub, metrics, max_queue=max_queue),
-        template=ChatTemplate(chat_template or info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token),
+        service=first.service,
+        template=first.template,
         started=int(time.time()),
         tracker=swarm_tracker.rstrip("/") if swarm_tracker else None,
         max_body_bytes=max_body_bytes,
         tracker_tls=tracker_tls,
+        catalog=catalog,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        catalog.start()
         yield
-        state.service.close()
+        catalog.close()
 
     routes = [
         Route("/v1/models", _with(state, list_models), methods=["GET"]),
@@ -170,32 +190,32 @@ class _CountRequests:
 
 # -- OpenAI endpoints -----------------------------------------------------------------------------
 async def list_models(state: GatewayState, _: Request) -> Response:
-    info = state.engine.info
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": info.model_id,
-                    "object": "model",
-                    "created": state.started,
-                    "owned_by": "meshnet",
-                    "meshnet": {
-                        "architecture": info.architecture,
-                        "quantization": info.quantization,
-                        "layers": info.n_layers,
-                        "context_cap": state.engine.n_ctx,
-                        "trained_context": info.n_ctx_train,
-                    },
-                }
-            ],
-        }
-    )
+    """Every model served here that the swarm can route end to end right now (gateway.catalog)."""
+    served = await state.catalog.routable()
+    return JSONResponse({"object": "list", "data": [_model_card(state, m) for m in served]})
+
+
+def _model_card(state: GatewayState, served: ServedModel) -> dict[str, Any]:
+    engine = served.engine
+    info = engine.info
+    return {
+        "id": info.model_id,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "meshnet",
+        "meshnet": {
+            "architecture": info.architecture,
+            "quantization": info.quantization,
+            "layers": info.n_layers,
+            "context_cap": engine.n_ctx,
+            "trained_context": info.n_ctx_train,
+        },
+    }
 
 
 async def chat_completions(state: GatewayState, request: Request) -> Response:
     body = parse_body(await read_body(request, state.max_body_bytes, "the gateway"), ChatCompletionRequest)
-    _check_model(state, body.model)
+    state = state.for_model(body.model)  # the request's model picks the engine, and so the route
     tools = body.tool_plan(native=state.template.supports_tools)
     messages = [m.for_template() for m in body.messages]
 
@@ -218,7 +238,7 @@ async def chat_completions(state: GatewayState, request: Request) -> Response:
 
 async def completions(state: GatewayState, request: Request) -> Response:
     body = parse_body(await read_body(request, state.max_body_bytes, "the gateway"), CompletionRequest)
-    _check_model(state, body.model)
+    state = state.for_model(body.model)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         tokens = [int(t) for t in prompt]
@@ -232,14 +252,6 @@ async def completions(state: GatewayState, request: Request) -> Response:
         tokens = await run_in_threadpool(state.engine.tokenize, text, add_special=True)
     grammar, param = await run_in_threadpool(body.output_grammar)
     return await _serve(state, request, body, await _gen_request(state, body, tokens, grammar, param), kind="text")
-
-
-def _check_model(state: GatewayState, model: str) -> None:
-    if model != state.engine.info.model_id:
-        raise UnknownModel(
-            f"model {model!r} is not served here; GET /v1/models lists {state.engine.info.model_id!r}",
-            param="model",
-        )
 
 
 async def _gen_request(

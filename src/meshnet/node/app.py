@@ -10,6 +10,7 @@ sweep and the self-benchmark.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
@@ -285,6 +286,8 @@ async def _heartbeat(
                     answer = response.json()
                     if revoked is not None and isinstance(answer.get("revoked"), list):
                         revoked.update(answer["revoked"])
+                    if answer.get("manifest_wanted") and node.config.publication is not None:
+                        await _hand_over(client, tracker_url, node.config.publication, log)
                     if probing is None or probing.done():
                         hops = answer.get("next_hops") or []
                         probing = asyncio.create_task(prober.probe(client, [str(h) for h in hops]))
@@ -299,6 +302,20 @@ async def _heartbeat(
     finally:
         if probing is not None:
             probing.cancel()
+
+
+async def _hand_over(client: httpx.AsyncClient, tracker_url: str, publication: tuple[bytes, bytes], log: Any) -> None:
+    """Give the tracker the manifest and torrent this node serves from (it asked: it holds none).
+    Best effort: a failure is logged, and the next heartbeat's answer asks again."""
+    manifest, torrent = publication
+    body = {"manifest": manifest.decode(), "torrent": base64.b64encode(torrent).decode()}
+    try:
+        response = await client.post(f"{tracker_url}/v1/manifests", json=body, timeout=30.0)
+    except httpx.HTTPError as exc:
+        log.warning("could not hand the manifest to the tracker: %s", exc)
+        return
+    if response.status_code >= 400:
+        log.warning("the tracker refused the manifest: %s", error_message(response))
 
 
 async def _sweep(node: NodeService) -> None:

@@ -140,6 +140,9 @@ class NodeConfig:
     max_sessions_per_client: int | None = None
     # The KV of finished sessions' prompt blocks kept for later sessions to reuse (node.prefix_cache); 0: off.
     prefix_cache_bytes: int = 128 * 2**20
+    # The manifest and torrent it serves from (``--manifest``): handed to a tracker that asks for it
+    # (``manifest_wanted``), so gateways learn the model from the tracker (tracker.models).
+    publication: tuple[bytes, bytes] | None = None
 
 
 class NodeService:

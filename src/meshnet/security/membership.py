@@ -88,7 +88,7 @@ def tracker_policy(method: str, path: str) -> frozenset[str] | None:
         return None
     if method in ("GET", "HEAD"):
         return ANY_MEMBER
-    if path == "/v1/nodes":
+    if path in ("/v1/nodes", "/v1/manifests"):  # nodes register, and hand over what they serve from
         return frozenset({"node"})
     return frozenset({"gateway", "admin"})
 

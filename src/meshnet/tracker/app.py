@@ -38,6 +38,7 @@ from meshnet.security.membership import (
 )
 from meshnet.security.revocation import REVOKED_PATH
 from meshnet.tracker.db import TrackerDB
+from meshnet.tracker.models import Publications, models_routes
 from meshnet.tracker.plausibility import SpeedChecks, speed_ceilings
 from meshnet.tracker.reliability import Reliability
 from meshnet.tracker.routing import Hardware, NodeRecord
@@ -124,6 +125,7 @@ class _Tracker:
         self.nodes: dict[str, NodeRecord] = {}
         self.records: dict[str, Reliability] = {}
         self.revoked = revoked  # member ids whose certificate is revoked: off the routes at once
+        self.publications = Publications()  # what nodes serve from, for gateways to learn models (tracker.models)
 
     def live_nodes(self) -> list[NodeRecord]:
         now = time.time()
@@ -328,7 +330,8 @@ def create_tracker_app(
         fresh = held is None
         node = replace(node, reliability=tracker.heartbeat(reg.node_id, reg.heartbeat_s))
         tracker.nodes[reg.node_id] = node
-        answer: dict[str, Any] = {"registered": reg.node_id, "ttl_s": NODE_TTL_S, "next_hops": tracker.next_hops(node)}
+        answer: dict[str, Any] = {"registered": reg.node_id, "ttl_s": NODE_TTL_S, "next_hops": tracker.next_hops(node),
+                                  **tracker.publications.wanted(node.manifest)}  # fmt: skip
         if swarm is not None:  # the node refuses these peers too (security.revocation)
             answer["revoked"] = sorted(swarm.revocations.serials())
         return JSONResponse(answer, status_code=201 if fresh else 200)
@@ -381,6 +384,7 @@ def create_tracker_app(
             Route("/v1/nodes", register, methods=["POST"]),
             Route("/v1/nodes", list_nodes, methods=["GET"]),
             Route("/v1/artifacts/{digest}/peers", artifact_peers, methods=["GET"]),
+            *models_routes(tracker.live_nodes, tracker.publications),
             Route("/v1/health", health, methods=["GET"]),
             *SessionsApi(
                 tracker,
