@@ -88,7 +88,7 @@ def tracker_policy(method: str, path: str) -> frozenset[str] | None:
         return None
     if method in ("GET", "HEAD"):
         return ANY_MEMBER
-    if path == "/v1/nodes":
+    if path in ("/v1/nodes", "/v1/placement"):  # registration; a --layers auto node asking for its range
         return frozenset({"node"})
     return frozenset({"gateway", "admin"})
 
