@@ -19,7 +19,7 @@ from typing import Any
 
 from meshnet.errors import InvalidRequest, MeshnetError
 
-__all__ = ["add_placement_arguments", "check_placement_args", "run_auto_node"]
+__all__ = ["add_placement_arguments", "auto_cap", "check_placement_args", "run_auto_node", "wait_placed"]
 
 GIB = 2**30
 _SIZING_CTX = 2048  # KV budget per session when --ctx leaves it to the model
@@ -139,3 +139,40 @@ def run_auto_node(args: argparse.Namespace, sock: socket.socket, gguf: Path | No
             print(f"meshnet: node {args.node_id} drained; moving from layers {previous} to {layers}", flush=True)
     finally:
         sock.close()
+
+
+def auto_cap(serving: list[Any], starts: list[int] | None) -> int | None:
+    """``meshnet up``: the ``--max-layers`` that makes equal ``--layers auto`` nodes, placed one
+    after another, end up on exactly the ranges ``serving`` (its equal split); ``None`` when no
+    such cap exists (some splits of few layers over many nodes), and up places its nodes by hand.
+    Checked by running the tracker's own decision (``tracker.placement``) on the empty swarm."""
+    from meshnet.tracker.placement import Ask, Holder, choose_range, reserved_throughput
+
+    total = serving[0].total
+    cap = max(len(r) for r in serving)
+    bounds = tuple(sorted({*(starts if starts is not None else range(total)), total}))
+    ask = Ask(total, (1,) * total, total, bounds, max_layers=cap)
+    holders: list[Holder] = []
+    for i in range(len(serving)):
+        got = choose_range(ask, holders).layers
+        holders.append(Holder(f"node-{i}", got, reserved_throughput(got), live=False))
+    return cap if [h.layers for h in holders] == list(serving) else None
+
+
+def wait_placed(tracker_url: str, node_ids: set[str], deadline: float, tls: Any = None) -> None:
+    """``meshnet up``: wait until every one of ``node_ids`` holds its range (a reservation or a
+    registration), so nodes placed by hand after them (spares) cannot change where they go."""
+    import httpx
+
+    while time.monotonic() < deadline:
+        try:
+            placed = {r["node_id"] for r in httpx.get(f"{tracker_url}/v1/placement", timeout=5, verify=tls or True)
+                      .json()["reservations"]}  # fmt: skip
+            placed |= {n["node_id"] for n in httpx.get(f"{tracker_url}/v1/nodes", timeout=5, verify=tls or True)
+                       .json()["nodes"]}  # fmt: skip
+            if node_ids <= placed:
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"nodes {sorted(node_ids)} were not placed by the tracker in time")

@@ -97,19 +97,16 @@ def ask_from_gguf(path: Path, *, kv_tokens: int, budget_bytes: int, max_layers: 
     """A GGUF's ask from its tensor sizes: ``blk.i.*`` to layer ``i``, the token table to the head
     (its embedding sidecar), ``output.weight`` (or the tied token table) and the final norm to the
     tail, everything else to every range; KV per layer from its attention shape."""
-    import gguf
-
+    from meshnet.artifacts.gguf_header import read_header
     from meshnet.artifacts.plan import shape_from_fields
     from meshnet.artifacts.shard_file import range_starts_of, trunk_layers
 
-    reader = gguf.GGUFReader(str(path))
-    fields = reader.fields
+    header = read_header(path)  # not gguf.GGUFReader: it takes seconds over a big vocabulary
+    fields, sizes = header.fields, header.tensor_bytes
     arch = str(fields["general.architecture"].contents())
     total = trunk_layers(fields, arch)
-    per_layer, sizes, base = [0] * total, {}, 0
-    for tensor in reader.tensors:
-        name, size = tensor.name, int(tensor.n_bytes)
-        sizes[name] = size
+    per_layer, base = [0] * total, 0
+    for name, size in sizes.items():
         if name.startswith("blk."):
             index = int(name.split(".")[1])
             if index < total:
