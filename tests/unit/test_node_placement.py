@@ -71,8 +71,8 @@ def test_a_move_drains_the_sessions_then_stops_the_server_once() -> None:
         placement.attach(server)
         store = _Store(1)
         here = LayerRange(0, 4, 12)
-        placement.on_answer({"move": {"layers": "8:12", "reason": "hole"}}, store, here)  # type: ignore[arg-type]
-        placement.on_answer({"move": {"layers": "4:8", "reason": "again"}}, store, here)  # type: ignore[arg-type]
+        placement.on_answer({"move": {"layers": "8:12", "reason": "hole"}}, store, here)
+        placement.on_answer({"move": {"layers": "4:8", "reason": "again"}}, store, here)
         await asyncio.sleep(0.7)
         waited = server.should_exit
         store.sessions = 0
@@ -93,7 +93,7 @@ def test_a_move_to_a_range_the_node_cannot_hold_is_refused() -> None:
         placement.attach(type("Server", (), {"should_exit": False})())
         here = LayerRange(0, 4, 12)
         for bad in ("2:6", "0:12", "x", "4:4"):  # off the boundaries, too big, not a range, empty
-            placement.on_answer({"move": {"layers": bad}}, _Store(0), here)  # type: ignore[arg-type]
+            placement.on_answer({"move": {"layers": bad}}, _Store(0), here)
         await asyncio.sleep(0.1)
         return placement.target
 

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized  # the session store: only its live-session count is read
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,6 @@ from meshnet.layers import LayerRange
 
 if TYPE_CHECKING:
     from meshnet.artifacts.manifest import Manifest
-    from meshnet.session.store import SessionStore
 
 __all__ = [
     "AUTO",
@@ -233,7 +232,7 @@ class AutoPlacement:
     def advert(self) -> dict[str, Any]:
         return self.ask
 
-    def on_answer(self, answer: dict[str, Any], store: SessionStore, layers: LayerRange) -> None:
+    def on_answer(self, answer: dict[str, Any], store: Sized, layers: LayerRange) -> None:
         """Read a registration answer (the heartbeat's); a ``move`` starts the drain once."""
         move = answer.get("move")
         if not isinstance(move, dict) or self._drain is not None:
@@ -261,7 +260,7 @@ class AutoPlacement:
     def allows(self, layers: LayerRange) -> bool:
         return allows(self.ask, layers)
 
-    async def _wait_then_stop(self, store: SessionStore) -> None:
+    async def _wait_then_stop(self, store: Sized) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
         while len(store) and time.monotonic() < deadline:
             await asyncio.sleep(_DRAIN_POLL_S)
