@@ -19,7 +19,7 @@ import pytest
 
 from meshnet.artifacts.fetch import load_source
 from meshnet.artifacts.webseed import RangeServer
-from tests.procs import Proc, meshnet_cli, meshnet_process
+from tests.procs import Proc, admin_client, meshnet_cli, meshnet_process, tracker_url
 
 pytestmark = pytest.mark.real
 
@@ -142,3 +142,21 @@ def test_auto_nodes_cover_the_model_fetch_only_their_files_and_refill_a_hole(
         assert re.search(rf"drained; moving from layers {doubled} to {layers[victim]}", mover_proc.output())
         assert set(files[layers[victim]]) <= set(_held(dests[mover["node_id"]]))
         assert {p: _chat(gateway.url, model_id, p) for p in PROMPTS} == expected
+
+
+def test_meshnet_ups_nodes_are_placed_by_the_tracker_on_the_equal_split(
+    swarm: Proc, server: Proc, model_id: str
+) -> None:
+    """``meshnet up`` (the shared swarm): its nodes start with ``--layers auto`` and the tracker puts
+    them on the equal split it always had; the route gives serve's text."""
+    with admin_client(swarm) as admin:
+        nodes = admin.get(f"{tracker_url(swarm)}/v1/nodes").json()["nodes"]
+    assert sorted(n["layers"] for n in nodes) == ["0:10", "10:20", "20:30"]
+    assert all(n["placement"]["mode"] == "auto" and n["placement"]["moves"] == 0 for n in nodes)
+    logs = re.search(r"\(logs in (\S+)\)", swarm.output())
+    assert logs is not None, swarm.output()
+    for n in nodes:
+        log = (Path(logs.group(1)) / f"{n['node_id']}.log").read_text()
+        assert f"the tracker placed node {n['node_id']} on layers {n['layers']}" in log
+    prompt = PROMPTS[0]
+    assert _chat(swarm.url, model_id, prompt) == _chat(server.url, model_id, prompt)
