@@ -313,6 +313,7 @@ UNADVERTISED = {
     "max_verify": 0,
     "trusted": False,  # an open swarm's nodes have no certificate, so no trusted tier
     "holds_prefixes": False,
+    "placement": None,  # placed by hand (--layers START:STOP), not by the tracker
 }
 
 

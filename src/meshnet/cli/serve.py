@@ -9,6 +9,7 @@ import socket
 import ssl
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -150,7 +151,9 @@ def api_keys_for(args: argparse.Namespace, who: str) -> KeyRing | None:
 MAX_HEADER_BYTES = 512 * 1024
 
 
-def serve_app(app: Any, sock: socket.socket, *, tls: ssl.SSLContext | None = None) -> None:
+def serve_app(
+    app: Any, sock: socket.socket, *, tls: ssl.SSLContext | None = None, on_start: Callable[[Any], None] | None = None
+) -> None:
     """Serve ``app`` on a bound socket until SIGINT/SIGTERM (in-flight responses finish first).
     With ``tls`` (``security.tls.server_context``) it serves HTTPS, and each request carries its
     client's certificate in the ASGI "tls" extension (``security.transport``).
@@ -177,7 +180,10 @@ def serve_app(app: Any, sock: socket.socket, *, tls: ssl.SSLContext | None = Non
             ws_per_message_deflate=False,
             **{"ws": "websockets-sansio", **extra},
         )
-        uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Server(config)
+        if on_start is not None:  # e.g. an auto-placed node's drain sets server.should_exit to move (node.placement)
+            on_start(server)
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass  # uvicorn re-raises the Ctrl-C it already handled by shutting down gracefully: a clean stop
     finally:

@@ -19,6 +19,7 @@ from meshnet.cli.member_tls import (
     check_plain_bind,
     member_tls_for,
 )
+from meshnet.cli.placement import add_placement_arguments, check_placement_args
 from meshnet.cli.serve import (
     add_allow_uncertified,
     add_api_keys,
@@ -61,7 +62,13 @@ def add_swarm_commands(sub: Any) -> None:
         "architecture the PyTorch backend splits, e.g. DeepSeek-V4 or Qwen3.5-MoE",
     )
     node.add_argument("--model-id", help="with --hf: the model id to serve (default: the folder's name)")
-    node.add_argument("--layers", required=True, help="half-open block range START:STOP, e.g. 10:20")
+    node.add_argument(
+        "--layers",
+        required=True,
+        help="half-open block range START:STOP, e.g. 10:20; or auto: the tracker assigns the range the swarm "
+        "needs most, sized to --memory-gb (needs --tracker; docs/tracker.md, Placement)",
+    )
+    add_placement_arguments(node)
     node.add_argument("--dest", type=Path, help="with --manifest: folder holding fetched files")
     add_fetch_arguments(node)
     node.add_argument("--host", default="127.0.0.1")
@@ -261,6 +268,7 @@ def run_node(args: argparse.Namespace) -> int:
     setup_logging()
     _check_advertisable(args.host, _public_url(args.public_url))  # a bad one fails now, not after loading the model
     _per_client(args)  # likewise
+    check_placement_args(args)  # likewise
     for flag, mib in (("--seam-log-mb", args.seam_log_mb), ("--prefix-cache-mb", args.prefix_cache_mb)):
         if not mib >= 0:
             usage_error(f"meshnet node: {flag} is a size in MiB, 0 or more (0 turns it off), not {mib:g}")
@@ -277,6 +285,10 @@ def run_node(args: argparse.Namespace) -> int:
     if gguf is not None and not check_certified(gguf, "node", allow=args.allow_uncertified, backend=args.backend):
         return 2
     sock = bind_socket(args.host, args.port)
+    if args.layers == "auto":
+        from meshnet.cli.placement import run_auto_node
+
+        return run_auto_node(args, sock, gguf)
     started = time.monotonic()
     seeder = None  # with --manifest: the BitTorrent swarm that fetched the files and keeps seeding them
     try:
@@ -365,7 +377,14 @@ def _per_client(args: argparse.Namespace) -> int | None:
 
 
 def _serve_node(
-    args: argparse.Namespace, sock: socket.socket, shard: Any, advert: dict[str, Any], *, started: float, seeder: Any
+    args: argparse.Namespace,
+    sock: socket.socket,
+    shard: Any,
+    advert: dict[str, Any],
+    *,
+    started: float,
+    seeder: Any,
+    placement: Any = None,
 ) -> int:
     host, port = sock.getsockname()[:2]
     if args.core_lease is not None:
@@ -413,11 +432,12 @@ def _serve_node(
         print(f"meshnet: advertised as {public}", flush=True)
     print(f"meshnet: listening on {url}", flush=True)
     try:
-        app = create_node_app(shard, config)
+        app = create_node_app(shard, config, placement=placement)
+        on_start = None if placement is None else placement.attach  # a --layers auto node's drain stops it
         if tls is None:
-            serve_app(app, sock)
+            serve_app(app, sock, on_start=on_start)
         else:
-            serve_app(RequireMember(app, tls.ca_cert), sock, tls=tls.server_context())
+            serve_app(RequireMember(app, tls.ca_cert), sock, tls=tls.server_context(), on_start=on_start)
     finally:
         if seeder is not None:
             seeder.close()

@@ -1,7 +1,10 @@
 """``meshnet up``: a whole local swarm — tracker, N shard nodes, gateway — as child processes.
 
-The bundled model's layers are split evenly between the nodes, the machine's cores between their
-compute threads (llama.cpp threads spin; oversubscribed cores slow decode by orders of magnitude).
+The bundled model's layers are split evenly between the nodes (by the tracker: the serving nodes
+start with ``--layers auto --max-layers K``, K the equal split's largest range, which places equal
+nodes on exactly that split; checked before they start, else they are placed by hand), the
+machine's cores between their compute threads (llama.cpp threads spin; oversubscribed cores slow
+decode by orders of magnitude).
 ``--core-lease`` instead gives each node every core and a machine-wide lease (``meshnet.cores``):
 a node computes only while it holds it, so one computing alone uses the whole machine and two never
 spin against each other — slower on a 2-core machine, where the other processes' Python work
@@ -30,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from meshnet.cli.placement import auto_cap, wait_placed
 from meshnet.cli.serve import api_keys_for
 from meshnet.layers import LayerRange
 
@@ -137,8 +141,10 @@ def _wait_nodes(
     raise TimeoutError(f"nodes did not register with the tracker within {_READY_TIMEOUT_S:.0f}s")
 
 
-def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange]] | None:
-    """The GGUF and the nodes' layer ranges, or None (the reason printed) when they cannot be had."""
+def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange], int | None] | None:
+    """The GGUF, the nodes' layer ranges and the ``--max-layers`` that makes equal ``--layers auto``
+    nodes end on them (``cli.placement.auto_cap``; None: placed by hand), or None (the reason
+    printed) when they cannot be had."""
     from meshnet.artifacts.shard_file import range_starts
     from meshnet.backends.llama_vocab import LlamaVocab
     from meshnet.cli.serve import check_certified, resolve_gguf
@@ -154,12 +160,25 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange]] | None:
         vocab = LlamaVocab(gguf)
         total = vocab.info.n_layers
         vocab.close()
-        return gguf, swarm_layout(total, args.nodes, args.spares, range_starts(gguf))
+        starts = range_starts(gguf)
+        ranges = swarm_layout(total, args.nodes, args.spares, starts)
+        return gguf, ranges, auto_cap(ranges[: args.nodes - args.spares], starts)
     except MeshnetError as exc:
         print(f"meshnet up: {exc.message}", file=sys.stderr)
     except ValueError as exc:
         print(f"meshnet up: {exc}", file=sys.stderr)
     return None
+
+
+def _placed(args: argparse.Namespace, i: int, layers: LayerRange, cap: int | None, wait: Any) -> tuple[list[str], str]:
+    """Node ``i``'s placement flags and its label: a serving node asks the tracker (``--layers auto``)
+    when ``cap`` makes that the equal split; spares (and every node without a cap) are placed by
+    hand, spares only once the serving nodes hold their ranges (``wait``), so they cannot sway them."""
+    spare = i >= args.nodes - args.spares
+    if spare and cap is not None and i == args.nodes - args.spares:
+        wait({f"node-{j}" for j in range(i)})
+    placed = ["--layers", "auto", "--max-layers", str(cap)] if cap and not spare else ["--layers", str(layers)]
+    return placed, f"{placed[1]}{' spare' if spare else ''}"
 
 
 def _threads(args: argparse.Namespace, cores: int) -> tuple[bool, int]:
@@ -178,7 +197,7 @@ def run_up(args: argparse.Namespace) -> int:
     layout = _layout(args)
     if layout is None:
         return 2
-    gguf, ranges = layout
+    gguf, ranges, cap = layout
     cores = os.cpu_count() or 1
     lease, threads = _threads(args, cores)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meshnet-up-"))
@@ -202,8 +221,11 @@ def run_up(args: argparse.Namespace) -> int:
         children.append(tracker)
         tracker_url = _wait_url(tracker, deadline)
         for i, layers in enumerate(ranges):
+            placed, label = _placed(
+                args, i, layers, cap, lambda ids: wait_placed(tracker_url, ids, deadline, swarm and swarm.admin_tls())
+            )
             node_args = [
-                "node", "--gguf", str(gguf), "--layers", str(layers), "--port", "0", "--tracker", tracker_url,
+                "node", "--gguf", str(gguf), *placed, "--port", "0", "--tracker", tracker_url,
                 "--backend", args.backend, "--threads", str(threads), "--wire-dtype", args.wire_dtype,
                 "--node-id", f"node-{i}", "--ctx", str(args.ctx),
                 "--max-sessions", str(args.max_sessions), "--decode-batch", str(args.decode_batch),
@@ -211,8 +233,7 @@ def run_up(args: argparse.Namespace) -> int:
                 *(["--allow-uncertified"] if args.allow_uncertified else []),
                 *(swarm.member_args("node", f"node-{i}", tracker_url) if swarm else []),
             ]  # fmt: skip
-            role = " spare" if i >= args.nodes - args.spares else ""
-            children.append(_Child(f"node-{i} ({layers}{role})", node_args, workdir / f"node-{i}.log"))
+            children.append(_Child(f"node-{i} ({label})", node_args, workdir / f"node-{i}.log"))
         print(
             f"meshnet: tracker {tracker_url}; loading {args.nodes} nodes ({_sharing(lease, threads)}) ...", flush=True
         )

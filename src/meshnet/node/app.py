@@ -30,6 +30,7 @@ from meshnet.ids import SessionId
 from meshnet.node import channel
 from meshnet.node.advert import LatencyProber, SelfBenchmark, advert_fields, benchmark_in_background, host_hardware
 from meshnet.node.channel import Direct
+from meshnet.node.placement import AutoPlacement
 from meshnet.node.service import ChannelSend, NodeConfig, NodeService
 from meshnet.node.transport import HttpTransport
 from meshnet.protocol import headers as H
@@ -42,15 +43,18 @@ from meshnet.security.revocation import RefuseRevoked, RevokedSerials
 __all__ = ["NodeConfig", "create_node_app"]
 
 
-def create_node_app(shard: ShardBackend, config: NodeConfig) -> Any:
+def create_node_app(shard: ShardBackend, config: NodeConfig, *, placement: AutoPlacement | None = None) -> Any:
     """The node's ASGI app; in a private swarm (``client_tls``) behind ``RefuseRevoked``, fed the
-    revoked serials by the tracker's answer to each heartbeat."""
+    revoked serials by the tracker's answer to each heartbeat. ``placement``: a ``--layers auto``
+    node's (node.placement): its heartbeats carry its ask, and a move the tracker answers drains it."""
     revoked = RevokedSerials()
-    app = _node_app(shard, config, revoked)
+    app = _node_app(shard, config, revoked, placement)
     return app if config.client_tls is None else RefuseRevoked(app, revoked)
 
 
-def _node_app(shard: ShardBackend, config: NodeConfig, revoked: RevokedSerials) -> Starlette:
+def _node_app(
+    shard: ShardBackend, config: NodeConfig, revoked: RevokedSerials, placement: AutoPlacement | None = None
+) -> Starlette:
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(config.hop_timeout_s, connect=5.0),
         limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=300),
@@ -70,7 +74,7 @@ def _node_app(shard: ShardBackend, config: NodeConfig, revoked: RevokedSerials) 
             # The first registration does not wait for the self-benchmark (it says "speed unknown");
             # the heartbeat re-registers as soon as the benchmark is done.
             benching.add(asyncio.create_task(benchmark_in_background(bench, node.traffic)))
-            tasks.append(asyncio.create_task(_heartbeat(node, client, config.tracker_url, revoked)))
+            tasks.append(asyncio.create_task(_heartbeat(node, client, config.tracker_url, revoked, placement)))
         try:
             yield
         finally:
@@ -246,7 +250,11 @@ def _lease_path(shard: ShardBackend) -> str | None:
 
 
 async def _heartbeat(
-    node: NodeService, client: httpx.AsyncClient, tracker_url: str, revoked: RevokedSerials | None = None
+    node: NodeService,
+    client: httpx.AsyncClient,
+    tracker_url: str,
+    revoked: RevokedSerials | None = None,
+    placement: AutoPlacement | None = None,
 ) -> None:
     """Register, then re-register every ``heartbeat_s``: a restarted tracker relearns us by itself.
 
@@ -277,6 +285,7 @@ async def _heartbeat(
                 **advert_fields(node.shard, node.traffic, prober),
                 "prefix_filter": node.prefix_cache.filter().encode() if node.prefix_cache is not None else None,
                 **extra,
+                **({"placement": placement.advert()} if placement is not None else {}),
             }
             try:
                 response = await client.post(f"{tracker_url}/v1/nodes", json=body, timeout=5.0)
@@ -288,6 +297,8 @@ async def _heartbeat(
                         revoked.update(answer["revoked"])
                     if answer.get("manifest_wanted") and node.config.publication is not None:
                         await _hand_over(client, tracker_url, node.config.publication, log)
+                    if placement is not None:
+                        placement.on_answer(answer, node.shard.store, info.layers)
                     if probing is None or probing.done():
                         hops = answer.get("next_hops") or []
                         probing = asyncio.create_task(prober.probe(client, [str(h) for h in hops]))

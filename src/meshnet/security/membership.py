@@ -88,7 +88,8 @@ def tracker_policy(method: str, path: str) -> frozenset[str] | None:
         return None
     if method in ("GET", "HEAD"):
         return ANY_MEMBER
-    if path in ("/v1/nodes", "/v1/manifests"):  # nodes register, and hand over what they serve from
+    # registration; the manifest a node serves from, handed over; a --layers auto node asking for its range
+    if path in ("/v1/nodes", "/v1/manifests", "/v1/placement"):
         return frozenset({"node"})
     return frozenset({"gateway", "admin"})
 

@@ -39,6 +39,7 @@ from meshnet.security.membership import (
 from meshnet.security.revocation import REVOKED_PATH
 from meshnet.tracker.db import TrackerDB
 from meshnet.tracker.models import Publications, models_routes
+from meshnet.tracker.placement_api import PlacementAdvert, PlacementBook, RoutableNodes, check_advert
 from meshnet.tracker.plausibility import SpeedChecks, speed_ceilings
 from meshnet.tracker.reliability import Reliability
 from meshnet.tracker.routing import Hardware, NodeRecord
@@ -103,6 +104,8 @@ class Registration(BaseModel):
     max_verify: int = Field(0, ge=0, le=1024)  # drafted positions one verify chunk may add (0: no speculation)
     # PrefixFilter.encode() of the prompt blocks in its prefix cache (2,732 characters); None: it holds none
     prefix_filter: str | None = Field(None, max_length=FILTER_BITS // 4)
+    # A node started with --layers auto: what it can hold (tracker.placement_api; null: placed by hand)
+    placement: PlacementAdvert | None = None
 
     @field_validator("url")
     @classmethod
@@ -219,6 +222,21 @@ def _node_json(node: NodeRecord) -> dict[str, Any]:
     }
 
 
+def _registered_layers(reg: Registration) -> LayerRange:
+    """The layers a registration names, checked, and its placement ask checked against them."""
+    try:
+        layers = LayerRange.parse(reg.layers, reg.total_layers)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="layers") from None
+    check_advert(reg.placement, reg.total_layers)
+    return layers
+
+
+def _listed(node: NodeRecord, placements: PlacementBook) -> dict[str, Any]:
+    """A node in ``GET /v1/nodes``: its advertisement and how it was placed (null: by hand)."""
+    return {**_node_json(node), "placement": placements.describe(node.node_id)}
+
+
 def _prefix_filter(text: str | None) -> PrefixFilter | None:
     """The advertised filter; ``None`` when it holds nothing (routing then skips the node's lookups)."""
     if text is None:
@@ -270,6 +288,7 @@ def create_tracker_app(
     context its own requests to nodes go out with (the takeover probe)."""
     tracker = _Tracker(db, None if swarm is None else swarm.revoked_ids)
     speeds = SpeedChecks()  # observed floors: GET /v1/nodes shows them, the sessions API keeps them
+    placements = PlacementBook()  # automatic placement: reservations and moves (tracker.placement_api)
 
     async def register(request: Request) -> Response:
         reg = parse_body(Registration, await read_body(request, MAX_BODY_BYTES, "the tracker"))
@@ -279,10 +298,7 @@ def create_tracker_app(
             certified = scope_member(request.scope)
             if not reg.url.startswith("https://"):  # members speak mutual TLS: no plain URL to aim peers at
                 raise InvalidRequest(f"a private swarm's node serves https, not {reg.url}", param="url")
-        try:
-            layers = LayerRange.parse(reg.layers, reg.total_layers)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="layers") from None
+        layers = _registered_layers(reg)
         # Not refused: an honest node never reaches its ceilings, and a node that claims more only
         # gets routed as if it had claimed them (GET /v1/nodes shows both).
         prefill_ceiling, decode_ceiling = speed_ceilings(reg.weight_bytes, len(layers))
@@ -332,6 +348,7 @@ def create_tracker_app(
         tracker.nodes[reg.node_id] = node
         answer: dict[str, Any] = {"registered": reg.node_id, "ttl_s": NODE_TTL_S, "next_hops": tracker.next_hops(node),
                                   **tracker.publications.wanted(node.manifest)}  # fmt: skip
+        answer.update(placements.heartbeat(node, reg.placement, speeds.apply(tracker.live_nodes())))
         if swarm is not None:  # the node refuses these peers too (security.revocation)
             answer["revoked"] = sorted(swarm.revocations.serials())
         return JSONResponse(answer, status_code=201 if fresh else 200)
@@ -347,7 +364,7 @@ def create_tracker_app(
             return False
 
     async def list_nodes(_: Request) -> Response:
-        return JSONResponse({"nodes": [_node_json(n) for n in speeds.apply(tracker.live_nodes())]})
+        return JSONResponse({"nodes": [_listed(n, placements) for n in speeds.apply(tracker.live_nodes())]})
 
     async def artifact_peers(request: Request) -> Response:
         """Nodes seeding files of a published model (by manifest digest): where a new node fetches from."""
@@ -386,8 +403,9 @@ def create_tracker_app(
             Route("/v1/artifacts/{digest}/peers", artifact_peers, methods=["GET"]),
             *models_routes(tracker.live_nodes, tracker.publications),
             Route("/v1/health", health, methods=["GET"]),
+            *placements.routes(lambda: speeds.apply(tracker.live_nodes()), members=swarm is not None),
             *SessionsApi(
-                tracker,
+                RoutableNodes(tracker, placements),  # a node draining for a move takes no new session
                 db,
                 signer=None if swarm is None else swarm.signer,
                 max_sessions_per_client=max_sessions_per_client,

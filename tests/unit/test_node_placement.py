@@ -1,0 +1,100 @@
+"""A ``--layers auto`` node's side: its ask from the GGUF's header, and the drain a move starts."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import gguf
+import pytest
+
+from meshnet.artifacts.bundled import bundled_gguf
+from meshnet.artifacts.gguf_header import read_header
+from meshnet.errors import InvalidRequest
+from meshnet.layers import LayerRange
+from meshnet.node.placement import AutoPlacement, allows, ask_from_gguf
+
+
+def test_the_fast_header_reads_what_gguf_py_reads_but_the_string_arrays() -> None:
+    path = bundled_gguf()
+    header = read_header(path)
+    reader = gguf.GGUFReader(str(path))
+    assert header.tensor_bytes == {t.name: int(t.n_bytes) for t in reader.tensors}
+    skipped = {k for k, f in header.fields.items() if f.contents() is None}
+    assert skipped == {"general.languages", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"}
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key not in skipped:
+            assert header.fields[key].contents() == field.contents(), key
+
+
+def test_a_file_that_is_no_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"NOPE" + bytes(60))
+    with pytest.raises(InvalidRequest, match="no GGUF magic"):
+        read_header(bad)
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + (10**6).to_bytes(8, "little") * 2)
+    with pytest.raises(InvalidRequest, match="cannot read the GGUF header"):
+        read_header(bad)
+
+
+def test_the_ask_of_the_bundled_model_counts_weights_kv_and_the_tables() -> None:
+    tokens = 2 * 512
+    ask = ask_from_gguf(bundled_gguf(), kv_tokens=tokens, budget_bytes=64 << 20, max_layers=None)
+    header = read_header(bundled_gguf())
+    block0 = sum(v for k, v in header.tensor_bytes.items() if k.startswith("blk.0."))
+    assert ask["layer_bytes"][0] == block0 + 768 * tokens  # 768 KV bytes per position per layer (f16)
+    assert ask["boundaries"] == list(range(31))
+    table = header.tensor_bytes["token_embd.weight"]
+    assert (ask["head_bytes"], ask["tail_bytes"]) == (table, table + header.tensor_bytes["output_norm.weight"])
+    assert allows(ask, LayerRange(10, 20, 30))
+    assert not allows(ask, LayerRange(0, 30, 30))  # the whole model needs ~100 MB of the 64 MiB
+    assert not allows({**ask, "max_layers": 5}, LayerRange(10, 20, 30))
+
+
+class _Store:
+    def __init__(self, sessions: int) -> None:
+        self.sessions = sessions
+
+    def __len__(self) -> int:
+        return self.sessions
+
+
+def _ask() -> dict[str, object]:
+    return {"layer_bytes": [1] * 12, "budget_bytes": 100, "boundaries": [0, 4, 8, 12], "head_bytes": 0,
+            "tail_bytes": 0, "base_bytes": 0, "max_layers": 4}  # fmt: skip
+
+
+def test_a_move_drains_the_sessions_then_stops_the_server_once() -> None:
+    async def scenario() -> tuple[bool, LayerRange | None, int]:
+        placement = AutoPlacement(_ask(), drain_timeout_s=30)
+        server = type("Server", (), {"should_exit": False})()
+        placement.attach(server)
+        store = _Store(1)
+        here = LayerRange(0, 4, 12)
+        placement.on_answer({"move": {"layers": "8:12", "reason": "hole"}}, store, here)
+        placement.on_answer({"move": {"layers": "4:8", "reason": "again"}}, store, here)
+        await asyncio.sleep(0.7)
+        waited = server.should_exit
+        store.sessions = 0
+        for _ in range(40):
+            if server.should_exit:
+                break
+            await asyncio.sleep(0.1)
+        return waited, placement.target, placement.moves
+
+    waited, target, moves = asyncio.run(scenario())
+    assert not waited  # a session was still open
+    assert target == LayerRange(8, 12, 12) and moves == 0  # the first move holds; the repeat is ignored
+
+
+def test_a_move_to_a_range_the_node_cannot_hold_is_refused() -> None:
+    async def scenario() -> LayerRange | None:
+        placement = AutoPlacement(_ask(), drain_timeout_s=0)
+        placement.attach(type("Server", (), {"should_exit": False})())
+        here = LayerRange(0, 4, 12)
+        for bad in ("2:6", "0:12", "x", "4:4"):  # off the boundaries, too big, not a range, empty
+            placement.on_answer({"move": {"layers": bad}}, _Store(0), here)
+        await asyncio.sleep(0.1)
+        return placement.target
+
+    assert asyncio.run(scenario()) is None
