@@ -128,7 +128,8 @@ def require_url_in_certificate(scope: Scope, url: str) -> None:
         try:
             san = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(x509.SubjectAlternativeName)
             names = {name.lower() for name in san.value.get_values_for_type(x509.DNSName)}
-            addresses = set(san.value.get_values_for_type(x509.IPAddress))
+            ips = san.value.get_values_for_type(x509.IPAddress)
+            addresses = {a for a in ips if isinstance(a, ipaddress.IPv4Address | ipaddress.IPv6Address)}
         except (ValueError, x509.ExtensionNotFound):
             pass
     try:
