@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+import meshnet.tracker.sessions as tracker_sessions
 from meshnet.errors import RateLimited
 from meshnet.layers import LayerRange
 from meshnet.tracker.app import create_tracker_app
@@ -269,3 +270,29 @@ def test_an_untrusted_fast_node_heads_routes_only_once_measured(private: Private
     register(private, "fast", "0:30", trusted=False, tps=5000.0)
     assert _probation(gateway)["fast"] is True  # failed: on probation again, and floored
     assert route(gateway.post("/v1/sessions", json=body).json()) == ["head", "tail"]
+
+
+def test_one_members_failures_of_one_node_count_once_a_window(private: PrivateTracker) -> None:
+    """A gateway opening session after session to repair or report the same node keeps it suspended
+    no more than once per MEMBER_FAILURE_WINDOW_S; another member's word still counts."""
+    for node_id, layers in (("head", "0:15"), ("tail", "15:30"), ("spare", "15:30")):
+        register(private, node_id, layers, trusted=True)
+    rogue, honest = private.member("rogue", "gateway"), private.member("honest", "gateway")
+    body = {"model": MODEL, "total_layers": 30, "exclude": ["spare"]}
+
+    def repaired(client: TestClient) -> list[str]:
+        session = client.post("/v1/sessions", json=body).json()
+        answer = client.post(f"/v1/sessions/{session['session_id']}/repair", json={"failed_node": "tail"})
+        assert answer.status_code == 200, answer.text
+        return route(answer.json())
+
+    live = lambda: {n["node_id"] for n in rogue.get("/v1/nodes").json()["nodes"]}  # noqa: E731
+    assert repaired(rogue) == ["head", "spare"] and "tail" not in live()
+    register(private, "tail", "15:30", trusted=True)  # back with its next heartbeat
+    for _ in range(3):  # the repairs proceed (their sessions need a route), the node stays live
+        assert repaired(rogue) == ["head", "spare"] and "tail" in live()
+    session = rogue.post("/v1/sessions", json=body).json()
+    report = rogue.post("/v1/nodes/tail/failures", json={"session_id": session["session_id"]})
+    assert report.json()["duplicate"] is True and "tail" in live()
+    assert repaired(honest) == ["head", "spare"] and "tail" not in live()
+    assert tracker_sessions.MEMBER_FAILURE_WINDOW_S == 60.0

@@ -123,6 +123,9 @@ class FailureReport(BaseModel):
 MAX_BILLED_TOKENS = 2**24
 BILLING_GRACE_S = 3600.0  # a session's work may be billed this long after it closed (the outbox retries)
 _REPORTS_KEPT = 100_000  # (session, node) failure reports remembered, so each counts once
+# One member's failures of one node count (record, suspend, floor) at most once in this long: a
+# gateway opening session after session to report the same node would otherwise keep it suspended.
+MEMBER_FAILURE_WINDOW_S = 60.0
 
 
 class NodeWork(BaseModel):
@@ -340,7 +343,10 @@ class SessionsApi:
         self.signer = signer  # a private swarm's tracker signs every route it pins (protocol.tickets)
         # Open sessions one member (a private swarm's gateway, by its certificate) may hold; None: no limit.
         self.max_sessions_per_client = max_sessions_per_client
-        self._reported: dict[tuple[str, str], None] = {}  # insertion-ordered: the oldest go first
+        # (session, node) -> whether its failure counted; insertion-ordered: the oldest go first
+        self._reported: dict[tuple[str, str], bool] = {}
+        # (member, node) -> when that member's failure of that node last counted
+        self._member_failures: OrderedDict[tuple[str, str], float] = OrderedDict()
         self.hints = PrefixHints()
         # Route claims and observed speed floors; the tracker's node list shares them.
         self.speeds = speeds if speeds is not None else SpeedChecks()
@@ -473,7 +479,7 @@ class SessionsApi:
             raise InvalidRequest(f"node {req.failed_node} is not on session {sid}'s route", param="failed_node")
         # Counted once per session and node: a member repairing its own session in a loop used to
         # record a failure each time (reliability 0.33 -> 0.0014 in 20 s).
-        self._count_failure(sid, req.failed_node, req.reason or "failed during decode")
+        _, counts = self._count_failure(request, sid, req.failed_node, req.reason or "failed during decode")
         live, why_not = self._eligible(bool(session.get("trusted_only")), session["model"])
         fix = _preferred_repair(pinned, req.failed_node, req.prefer, live, session["model"])
         preferred = fix is not None
@@ -489,7 +495,8 @@ class SessionsApi:
         self.db.repin_session(sid, hops)
         # Suspended only now that the repair proceeds: one that cannot (no replacement) used to take
         # the node off the live set each time, so a loop of them kept an honest node off every route.
-        self.registry.suspend(req.failed_node)
+        if counts:
+            self.registry.suspend(req.failed_node)
         self.speeds.route_repaired(sid, [h["node_id"] for h in hops], live)
         replaced = {"first": fix.first, "count": len(fix.nodes), "removed": fix.removed}
         answer = {
@@ -574,7 +581,8 @@ class SessionsApi:
             raise Conflict(f"session {req.session_id} is {session['status']}: report failures while it is open")
         if node_id not in {h["node_id"] for h in session["hops"]}:
             raise InvalidRequest(f"node {node_id} is not on session {req.session_id}'s route", param="session_id")
-        if not self._count_failure(req.session_id, node_id, req.reason or "reported failed"):
+        first, counts = self._count_failure(request, req.session_id, node_id, req.reason or "reported failed")
+        if not first or not counts:  # this member reported this node within the window: nothing more
             return JSONResponse({"recorded": node_id, "duplicate": True})
         self.registry.suspend(node_id)
         # A node that fails at prefill has seen the prompt: floored like an implausible report, it stops
@@ -582,17 +590,30 @@ class SessionsApi:
         self.speeds.failed(node_id)
         return JSONResponse({"recorded": node_id, "duplicate": False})
 
-    def _count_failure(self, session_id: str, node_id: str, reason: str) -> bool:
+    def _count_failure(self, request: Request, session_id: str, node_id: str, reason: str) -> tuple[bool, bool]:
         """Record a failure of ``node_id`` on ``session_id``'s route, once per session and node (a
-        failure report and a repair of the same failure count once); whether this one counted."""
+        failure report and a repair of the same failure count once) and, for a member, at most once
+        per ``MEMBER_FAILURE_WINDOW_S`` per node. Whether this is the first word of it, and whether it
+        counts (decided at the first: then the node may be suspended)."""
         key = (session_id, node_id)
-        if key in self._reported:
-            return False
-        self._reported[key] = None
+        counts = self._reported.get(key)
+        if counts is not None:
+            return False, counts
+        counts = True
+        reporter = limited_caller(request)
+        if reporter is not None:
+            now, pair = time.time(), (reporter, node_id)
+            last = self._member_failures.pop(pair, None)
+            counts = last is None or now - last >= MEMBER_FAILURE_WINDOW_S
+            self._member_failures[pair] = now if counts or last is None else last
+            while len(self._member_failures) > _REPORTS_KEPT:
+                self._member_failures.popitem(last=False)
+        self._reported[key] = counts
         while len(self._reported) > _REPORTS_KEPT:
             del self._reported[next(iter(self._reported))]
-        self.registry.record_failure(node_id, reason)
-        return True
+        if counts:
+            self.registry.record_failure(node_id, reason)
+        return True, counts
 
     async def record_billing(self, request: Request) -> Response:
         req = parse_body(BillingReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
