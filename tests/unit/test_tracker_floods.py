@@ -221,6 +221,9 @@ def test_floods_are_429_per_member_with_retry_after(private: PrivateTracker) -> 
     assert refused.json()["error"]["code"] == "rate_limit_exceeded" and "repairs" in refused.json()["error"]["message"]
     reports = [rogue.post("/v1/nodes/head/failures", json={"session_id": sid}).status_code for _ in range(40)]
     assert reports[0] == 200 and reports[-1] == 429
+    register(private, "head", "0:15", trusted=True)  # back after its suspension
+    listed = {n["node_id"]: n for n in rogue.get("/v1/nodes").json()["nodes"]}
+    assert listed["head"]["decode_floor_s"] is None  # trusted: a failure lowers its reliability, no floor
     assert honest.post(f"/v1/sessions/{sid}/repair", json={"failed_node": "head"}).status_code == 403  # not limited
     admin = private.member("admin", "admin")
     assert all(admin.post(f"/v1/sessions/{sid}/repair", json={"failed_node": "head"}).status_code == 503

@@ -61,8 +61,8 @@ report of a route through it, or a failure report about it, takes all its credit
 probation again. So the largest speed claim a registration may make buys an unmeasured member
 nothing, and the member that claims more than it does is never measured.
 
-**A failed node is floored** (``failed``): a node reported failed during prefill (the gateway's
-``POST /v1/nodes/{id}/failures``) gets the floor of ``MAX_FLOOR_S``, as if an implausible report had
+**A failed node is floored** (``failed``): an untrusted node reported failed during prefill (the
+gateway's ``POST /v1/nodes/{id}/failures``) gets the floor of ``MAX_FLOOR_S``, as if an implausible report had
 observed the slowest step one can, and loses its measured credit. A node that reads the prompt and
 then fails, so that the gateway retries elsewhere, stops winning the routes it read prompts on.
 

@@ -584,10 +584,13 @@ class SessionsApi:
         first, counts = self._count_failure(request, req.session_id, node_id, req.reason or "reported failed")
         if not first or not counts:  # this member reported this node within the window: nothing more
             return JSONResponse({"recorded": node_id, "duplicate": True})
+        failed = next((n for n in self.registry.live_nodes() if n.node_id == node_id), None)
         self.registry.suspend(node_id)
         # A node that fails at prefill has seen the prompt: floored like an implausible report, it stops
-        # winning the routes it could read prompts on and fail (the gateway retrying elsewhere).
-        self.speeds.failed(node_id)
+        # winning the routes it could read prompts on and fail (the gateway retrying elsewhere). Not a
+        # trusted one: the operator vouched for it, and a floor would hand its traffic to untrusted nodes.
+        if failed is None or not failed.trusted:
+            self.speeds.failed(node_id)
         return JSONResponse({"recorded": node_id, "duplicate": False})
 
     def _count_failure(self, request: Request, session_id: str, node_id: str, reason: str) -> tuple[bool, bool]:
