@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-import meshnet.tracker.sessions as tracker_sessions
 from meshnet.errors import RateLimited
 from meshnet.layers import LayerRange
 from meshnet.tracker.app import create_tracker_app
 from meshnet.tracker.db import BillingRow, TrackerDB
+from meshnet.tracker.failures import MEMBER_FAILURE_WINDOW_S, FailureLedger
 from meshnet.tracker.limits import LIMITS, REGISTRATIONS, REPAIRS, Limit, RateLimits
 from meshnet.tracker.plausibility import MAX_FLOOR_S, MEASURED_STEPS, SpeedChecks
 from meshnet.tracker.reliability import FAILURE_WEIGHT, MIN_HEARTBEAT_S, Reliability
@@ -50,6 +50,20 @@ def test_the_default_limits_leave_an_honest_member_room() -> None:
         limits.check("node", REGISTRATIONS, float(t))
     for _ in range(int(LIMITS[REPAIRS].burst)):  # a dying node breaks a busy gateway's sessions at once
         limits.check("gw", REPAIRS, 0.0)
+
+
+# -- which failures count -------------------------------------------------------------------------
+def test_a_failure_counts_once_per_session_and_once_a_window_per_member() -> None:
+    ledger = FailureLedger(window_s=60.0)
+    assert ledger.count("s1", "n", "rogue", 0.0) == (True, True)
+    assert ledger.count("s1", "n", "rogue", 1.0) == (False, True)  # the repair after the report: same failure
+    assert ledger.count("s2", "n", "rogue", 2.0) == (True, False)  # another session, inside the window
+    assert ledger.count("s2", "n", "rogue", 90.0) == (False, False)  # decided at its first word
+    assert ledger.count("s3", "n", "honest", 3.0) == (True, True)  # another member's word
+    assert ledger.count("s4", "m", "rogue", 3.0) == (True, True)  # another node
+    assert ledger.count("s5", "n", "rogue", 60.0) == (True, True)  # the window passed
+    assert ledger.count("s6", "n", None, 60.0) == (True, True)  # no member (open swarm, admin): no window
+    assert MEMBER_FAILURE_WINDOW_S == 60.0
 
 
 # -- heartbeats ------------------------------------------------------------------------------------
@@ -298,4 +312,3 @@ def test_one_members_failures_of_one_node_count_once_a_window(private: PrivateTr
     report = rogue.post("/v1/nodes/tail/failures", json={"session_id": session["session_id"]})
     assert report.json()["duplicate"] is True and "tail" in live()
     assert repaired(honest) == ["head", "spare"] and "tail" not in live()
-    assert tracker_sessions.MEMBER_FAILURE_WINDOW_S == 60.0

@@ -49,6 +49,7 @@ from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, repai
 from meshnet.security.membership import scope_member
 from meshnet.tracker.billing import FORMULA, MAX_DECODE_S
 from meshnet.tracker.db import BillingRow, TrackerDB, member
+from meshnet.tracker.failures import FailureLedger
 from meshnet.tracker.limits import FAILURES, REPAIRS, RateLimits
 from meshnet.tracker.plausibility import SpeedChecks
 from meshnet.tracker.repair import PinnedHop, Repair, equivalent_nodes, plan_repair
@@ -122,10 +123,6 @@ class FailureReport(BaseModel):
 # Positions one node may bill for one session: a 1M-token context recomputed by 15 repairs fits.
 MAX_BILLED_TOKENS = 2**24
 BILLING_GRACE_S = 3600.0  # a session's work may be billed this long after it closed (the outbox retries)
-_REPORTS_KEPT = 100_000  # (session, node) failure reports remembered, so each counts once
-# One member's failures of one node count (record, suspend, floor) at most once in this long: a
-# gateway opening session after session to report the same node would otherwise keep it suspended.
-MEMBER_FAILURE_WINDOW_S = 60.0
 
 
 class NodeWork(BaseModel):
@@ -343,10 +340,7 @@ class SessionsApi:
         self.signer = signer  # a private swarm's tracker signs every route it pins (protocol.tickets)
         # Open sessions one member (a private swarm's gateway, by its certificate) may hold; None: no limit.
         self.max_sessions_per_client = max_sessions_per_client
-        # (session, node) -> whether its failure counted; insertion-ordered: the oldest go first
-        self._reported: dict[tuple[str, str], bool] = {}
-        # (member, node) -> when that member's failure of that node last counted
-        self._member_failures: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self.failures = FailureLedger()  # which failure reports count (once per session and node, ...)
         self.hints = PrefixHints()
         # Route claims and observed speed floors; the tracker's node list shares them.
         self.speeds = speeds if speeds is not None else SpeedChecks()
@@ -594,29 +588,12 @@ class SessionsApi:
         return JSONResponse({"recorded": node_id, "duplicate": False})
 
     def _count_failure(self, request: Request, session_id: str, node_id: str, reason: str) -> tuple[bool, bool]:
-        """Record a failure of ``node_id`` on ``session_id``'s route, once per session and node (a
-        failure report and a repair of the same failure count once) and, for a member, at most once
-        per ``MEMBER_FAILURE_WINDOW_S`` per node. Whether this is the first word of it, and whether it
-        counts (decided at the first: then the node may be suspended)."""
-        key = (session_id, node_id)
-        counts = self._reported.get(key)
-        if counts is not None:
-            return False, counts
-        counts = True
-        reporter = limited_caller(request)
-        if reporter is not None:
-            now, pair = time.time(), (reporter, node_id)
-            last = self._member_failures.pop(pair, None)
-            counts = last is None or now - last >= MEMBER_FAILURE_WINDOW_S
-            self._member_failures[pair] = now if counts or last is None else last
-            while len(self._member_failures) > _REPORTS_KEPT:
-                self._member_failures.popitem(last=False)
-        self._reported[key] = counts
-        while len(self._reported) > _REPORTS_KEPT:
-            del self._reported[next(iter(self._reported))]
-        if counts:
+        """Record a failure of ``node_id`` on ``session_id``'s route when it counts (``FailureLedger``):
+        whether this is the first word of it, and whether it counts (then the node may be suspended)."""
+        first, counts = self.failures.count(session_id, node_id, limited_caller(request), time.time())
+        if first and counts:
             self.registry.record_failure(node_id, reason)
-        return True, counts
+        return first, counts
 
     async def record_billing(self, request: Request) -> Response:
         req = parse_body(BillingReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
