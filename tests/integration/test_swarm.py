@@ -313,3 +313,12 @@ def _metric(swarm: Proc, url: str, name: str) -> float:
     with admin_client(swarm) as admin:
         text = admin.get(f"{url}/metrics").text
     return float(next(x for x in text.splitlines() if x.startswith(f"{name} ")).split()[1])
+
+
+def test_up_routes_over_its_own_trusted_nodes(swarm: Proc) -> None:
+    """``meshnet up`` joins its nodes trusted (issue #28): none serves on probation, so a member that
+    joins its swarm later, untrusted and unmeasured, heads none of its routes whatever speed it claims
+    (tests/integration/test_attacks_floods.py)."""
+    with admin_client(swarm) as admin:
+        nodes = admin.get(f"{tracker_url(swarm)}/v1/nodes").json()["nodes"]
+    assert len(nodes) == 3 and {(n["trusted"], n["probation"]) for n in nodes} == {(True, False)}

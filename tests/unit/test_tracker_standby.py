@@ -21,7 +21,7 @@ from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_memb
 from meshnet.security.membership import SwarmAuthority
 from meshnet.tracker.app import create_tracker_app
 from meshnet.tracker.db import TrackerDB
-from tests.unit.test_tracker_trust import _as_member
+from tests.unit.test_tracker_trust import _as_member, _sans
 
 MODEL = "m"
 NUMERICS = "fake 1; threads 1"
@@ -39,7 +39,8 @@ class Swarm:
 
     def member(self, member_id: str, role: str = "node", *, trusted: bool = False) -> TestClient:
         if member_id not in self._clients:
-            cert = self.ca.issue(MemberRequest(make_csr(new_member_key(), member_id), role=role, trusted=trusted))
+            csr = make_csr(new_member_key(), member_id)
+            cert = self.ca.issue(MemberRequest(csr, role=role, trusted=trusted, sans=_sans(member_id, role)))
             self._clients[member_id] = TestClient(_as_member(self.app, cert))
         return self._clients[member_id]
 

@@ -20,6 +20,7 @@ from meshnet.security.membership import SwarmAuthority
 from meshnet.security.transport import TLS_EXTENSION, ASGIApp
 from meshnet.tracker.app import create_tracker_app
 from meshnet.tracker.db import TrackerDB
+from meshnet.tracker.plausibility import MEASURED_STEPS
 
 MODEL = "m"
 
@@ -36,6 +37,11 @@ def _as_member(app: ASGIApp, cert_pem: bytes) -> ASGIApp:
     return connection
 
 
+def _sans(member_id: str, role: str) -> tuple[str, ...]:
+    """A node's certificate lists the host it registers (``https://ID.local:7000``)."""
+    return (f"{member_id}.local",) if role == "node" else ()
+
+
 class PrivateTracker:
     def __init__(self, directory: Path, db: TrackerDB) -> None:
         self.ca = SwarmCA.init(directory / "swarm", name="lab")
@@ -43,7 +49,7 @@ class PrivateTracker:
 
     def member(self, member_id: str, role: str = "node", *, trusted: bool = False) -> TestClient:
         csr = make_csr(new_member_key(), member_id)
-        cert = self.ca.issue(MemberRequest(csr, role=role, trusted=trusted))
+        cert = self.ca.issue(MemberRequest(csr, role=role, trusted=trusted, sans=_sans(member_id, role)))
         return TestClient(_as_member(self.app, cert))
 
 
@@ -80,9 +86,24 @@ def test_a_nodes_tier_is_its_certificates_not_what_it_claims(tracker: PrivateTra
     assert tiers(tracker) == {"honest": True, "stranger": False}
 
 
+def measure(tracker: PrivateTracker, node_id: str, layers: str, *, steps: int = MEASURED_STEPS) -> None:
+    """End ``node_id``'s probation: it alone makes a route, and a gateway bills ``steps`` decode steps
+    of it as fast as it claims (a plausible report: tracker.plausibility)."""
+    gateway = tracker.member("gw", "gateway")
+    session = gateway.post("/v1/sessions", json={"model": MODEL, "total_layers": 30}).json()
+    assert route(session) == [node_id], session
+    work = {"node_id": node_id, "layers": layers, "prefill_tokens": 8, "decode_tokens": steps}
+    report = {"session_id": session["session_id"], "route_id": session["route_id"], "records": [work],
+              "decode_s": steps * 0.001}  # fmt: skip
+    answer = gateway.post("/v1/billing", json=report)
+    assert answer.status_code == 201 and answer.json()["speed_check"]["plausible"], answer.text
+
+
 def test_a_trusted_only_session_is_routed_over_trusted_nodes_even_when_others_are_faster(
     tracker: PrivateTracker,
 ) -> None:
+    register(tracker, "fast", "0:30", trusted=False, tps=5000.0)
+    measure(tracker, "fast", "0:30")  # measured: its claim counts (an unmeasured one buys nothing)
     for node_id, layers, trusted, tps in [("t-head", "0:15", True, 50.0), ("t-tail", "15:30", True, 50.0),
                                           ("fast", "0:30", False, 5000.0)]:  # fmt: skip
         register(tracker, node_id, layers, trusted=trusted, tps=tps)

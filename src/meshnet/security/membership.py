@@ -17,6 +17,7 @@ bound to keys: an id whose certificate is still valid cannot be joined again wit
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import threading
 import time
@@ -24,6 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -60,6 +62,7 @@ __all__ = [
     "RequireMember",
     "SwarmAuthority",
     "require_node",
+    "require_url_in_certificate",
     "scope_member",
     "tracker_policy",
 ]
@@ -110,6 +113,36 @@ def require_node(scope: Scope, node_id: str) -> None:
             f"your certificate is for {member.role} {member.member_id!r}; only node {node_id!r} may register "
             f"node_id {node_id!r}",
             param="node_id",
+        )
+
+
+def require_url_in_certificate(scope: Scope, url: str) -> None:
+    """A node advertises a URL whose host its own certificate lists (a DNS name or IP address SAN).
+    Peers dial the URL and check the host against the certificate of whoever answers there, so a URL
+    naming another host aims every route at a service that is not this node (another member's port,
+    say): 400 naming ``url``, before anything is recorded."""
+    pem = peer_certificate_pem(scope)
+    host = urlsplit(url).hostname or ""
+    names: set[str] = set()
+    addresses: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+    if pem is not None:
+        try:
+            san = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+            names = {name.lower() for name in san.value.get_values_for_type(x509.DNSName)}
+            ips = san.value.get_values_for_type(x509.IPAddress)
+            addresses = {a for a in ips if isinstance(a, ipaddress.IPv4Address | ipaddress.IPv6Address)}
+        except (ValueError, x509.ExtensionNotFound):
+            pass
+    try:
+        covered = ipaddress.ip_address(host) in addresses
+    except ValueError:
+        covered = host.lower() in names
+    if not covered:
+        listed = ", ".join(sorted(names | {str(a) for a in addresses})) or "no host"
+        raise InvalidRequest(
+            f"this node's certificate lists {listed}, not {host!r}, the host of the url it registers ({url}): "
+            f"advertise one of those, or join again with --san {host}",
+            param="url",
         )
 
 

@@ -26,6 +26,7 @@ from meshnet.httputil import EXCEPTION_HANDLERS, read_body, service_url
 from meshnet.layers import LayerRange
 from meshnet.models.families import family_of_model_type
 from meshnet.protocol.prefix import FILTER_BITS, PrefixFilter
+from meshnet.security.identity import Member
 from meshnet.security.membership import (
     CA_PATH,
     JOIN_PATH,
@@ -33,11 +34,13 @@ from meshnet.security.membership import (
     RequireMember,
     SwarmAuthority,
     require_node,
+    require_url_in_certificate,
     scope_member,
     tracker_policy,
 )
 from meshnet.security.revocation import REVOKED_PATH
 from meshnet.tracker.db import TrackerDB
+from meshnet.tracker.limits import REGISTRATIONS, RateLimits
 from meshnet.tracker.models import Publications, models_routes
 from meshnet.tracker.placement_api import PlacementAdvert, PlacementBook, RoutableNodes, check_advert
 from meshnet.tracker.plausibility import SpeedChecks, speed_ceilings
@@ -182,8 +185,10 @@ class _Tracker:
         return urls if len(urls) <= MAX_PROBE_TARGETS else random.sample(urls, MAX_PROBE_TARGETS)
 
 
-def _node_json(node: NodeRecord) -> dict[str, Any]:
-    return {
+def _node_json(node: NodeRecord, *, probation: bool = False) -> dict[str, Any]:
+    """How ``GET /v1/nodes`` lists a node; ``probation`` (a private swarm's tracker) adds whether it
+    serves on probation (tracker.plausibility)."""
+    listed = {
         "node_id": node.node_id,
         "url": node.url,
         "model": node.model,
@@ -220,6 +225,9 @@ def _node_json(node: NodeRecord) -> dict[str, Any]:
         # Whether its latest heartbeat advertised prefix-cached blocks; the 2 KiB filter is the router's.
         "holds_prefixes": node.prefix_filter is not None,
     }
+    if probation:
+        listed["probation"] = node.probation
+    return listed
 
 
 def _registered_layers(reg: Registration) -> LayerRange:
@@ -232,9 +240,9 @@ def _registered_layers(reg: Registration) -> LayerRange:
     return layers
 
 
-def _listed(node: NodeRecord, placements: PlacementBook) -> dict[str, Any]:
+def _listed(node: NodeRecord, placements: PlacementBook, *, probation: bool) -> dict[str, Any]:
     """A node in ``GET /v1/nodes``: its advertisement and how it was placed (null: by hand)."""
-    return {**_node_json(node), "placement": placements.describe(node.node_id)}
+    return {**_node_json(node, probation=probation), "placement": placements.describe(node.node_id)}
 
 
 def _prefix_filter(text: str | None) -> PrefixFilter | None:
@@ -274,6 +282,17 @@ def _check_same_model(node: NodeRecord, live: list[NodeRecord]) -> None:
             )
 
 
+def _admit_member(request: Request, reg: Registration, limits: RateLimits) -> Member | None:
+    """A private swarm's registration comes from the node it names, within its rate limit, at an
+    https URL whose host its certificate lists; the member, for its trust tier."""
+    require_node(request.scope, reg.node_id)
+    limits.check(reg.node_id, REGISTRATIONS, time.time())  # a heartbeat flood is refused, not counted
+    if not reg.url.startswith("https://"):  # members speak mutual TLS: no plain URL to aim peers at
+        raise InvalidRequest(f"a private swarm's node serves https, not {reg.url}", param="url")
+    require_url_in_certificate(request.scope, reg.url)
+    return scope_member(request.scope)
+
+
 def create_tracker_app(
     db: TrackerDB,
     *,
@@ -287,17 +306,15 @@ def create_tracker_app(
     certificates), and takes a registration only from the node it names. ``client_tls`` is the
     context its own requests to nodes go out with (the takeover probe)."""
     tracker = _Tracker(db, None if swarm is None else swarm.revoked_ids)
-    speeds = SpeedChecks()  # observed floors: GET /v1/nodes shows them, the sessions API keeps them
+    # Observed floors, and (where certificates carry tiers) probation: GET /v1/nodes shows them, the
+    # sessions API keeps them.
+    speeds = SpeedChecks(probation=swarm is not None)
+    limits = RateLimits()  # per member: registrations here, failure reports and repairs in SessionsApi
     placements = PlacementBook()  # automatic placement: reservations and moves (tracker.placement_api)
 
     async def register(request: Request) -> Response:
         reg = parse_body(Registration, await read_body(request, MAX_BODY_BYTES, "the tracker"))
-        certified = None
-        if swarm is not None:
-            require_node(request.scope, reg.node_id)
-            certified = scope_member(request.scope)
-            if not reg.url.startswith("https://"):  # members speak mutual TLS: no plain URL to aim peers at
-                raise InvalidRequest(f"a private swarm's node serves https, not {reg.url}", param="url")
+        certified = None if swarm is None else _admit_member(request, reg, limits)
         layers = _registered_layers(reg)
         # Not refused: an honest node never reaches its ceilings, and a node that claims more only
         # gets routed as if it had claimed them (GET /v1/nodes shows both).
@@ -364,7 +381,8 @@ def create_tracker_app(
             return False
 
     async def list_nodes(_: Request) -> Response:
-        return JSONResponse({"nodes": [_listed(n, placements) for n in speeds.apply(tracker.live_nodes())]})
+        live = speeds.apply(tracker.live_nodes())
+        return JSONResponse({"nodes": [_listed(n, placements, probation=speeds.probation) for n in live]})
 
     async def artifact_peers(request: Request) -> Response:
         """Nodes seeding files of a published model (by manifest digest): where a new node fetches from."""
@@ -410,6 +428,7 @@ def create_tracker_app(
                 signer=None if swarm is None else swarm.signer,
                 max_sessions_per_client=max_sessions_per_client,
                 speeds=speeds,
+                limits=limits,
             ).routes(),
             *(membership if swarm is not None else []),
         ],

@@ -51,8 +51,24 @@ What remains (docs/security.md): the gateway that owns a session chooses the ``d
 reports, so it can floor the honest nodes of its own routes. Each floor is bounded (``MAX_FLOOR_S``),
 decays, and comes only from the first report of a session that gateway opened and the tracker routed.
 
-Memory only (a restart forgets floors and snapshots), bounded (``MAX_FLOORS``, ``ROUTES_KEPT``);
-not thread-safe: the tracker calls it from its event loop only.
+**Probation** (``SpeedChecks(probation=True)``: a private swarm's tracker, where certificates carry
+trust tiers). A node that is neither trusted nor *measured* is on probation: routing believes none
+of its speed claims (it is charged as a node that has not measured any) and makes it the head of a
+route only when no other head can make one (``routing``, "Probation"). A node is **measured** once
+judged billing reports credited it with ``MEASURED_STEPS`` gateway-observed decode steps, each on
+a report whose steps took no longer than the route claimed (a *plausible* report). An implausible
+report of a route through it, or a failure report about it, takes all its credit: it is on
+probation again. So the largest speed claim a registration may make buys an unmeasured member
+nothing, and the member that claims more than it does is never measured.
+
+**A failed node is floored** (``failed``): an untrusted node reported failed during prefill (the
+gateway's ``POST /v1/nodes/{id}/failures``) gets the floor of ``MAX_FLOOR_S``, as if an implausible report had
+observed the slowest step one can, and loses its measured credit. A node that reads the prompt and
+then fails, so that the gateway retries elsewhere, stops winning the routes it read prompts on.
+
+Memory only (a restart forgets floors, credits and snapshots: every untrusted node is on probation
+again), bounded (``MAX_FLOORS``, ``ROUTES_KEPT``); not thread-safe: the tracker calls it from its
+event loop only.
 """
 
 from __future__ import annotations
@@ -82,6 +98,7 @@ __all__ = [
     "MAX_FLOOR_S",
     "MAX_FLOPS",
     "MAX_MEMORY_BANDWIDTH_BYTES_PER_S",
+    "MEASURED_STEPS",
     "MIN_JUDGED_STEPS",
     "MIN_WEIGHT_BYTES_PER_LAYER",
     "PLAUSIBLE_FACTOR",
@@ -118,7 +135,10 @@ FLOOR_TTL_S = 6 * FLOOR_HALF_LIFE_S  # by then a floor is at 1/64 of its value: 
 # Seconds per decode position a report can floor one node at: a node this slow is already off every
 # route that has an alternative, so a malicious gateway's report buys nothing more.
 MAX_FLOOR_S = 10.0
-MAX_FLOORS = 100_000  # nodes with a floor; the floor changed longest ago goes first
+MAX_FLOORS = 100_000  # nodes with a floor (and nodes with measured credit); the oldest go first
+# Gateway-observed decode steps on plausible reports that end a node's probation: enough sessions
+# (a chat answer is tens of steps) that one short lucky report does not do it.
+MEASURED_STEPS = 64
 ROUTES_KEPT = 100_000  # sessions whose route claims wait for their report; the oldest go first
 
 
@@ -191,9 +211,11 @@ class _Floor:
 class SpeedChecks:
     """Per-session route claims waiting for their report, and per-node observed floors (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, probation: bool = False) -> None:
         self._routes: OrderedDict[str, _Claims] = OrderedDict()
         self._floors: OrderedDict[str, _Floor] = OrderedDict()  # ordered by when each last changed
+        self.probation = probation  # untrusted nodes serve on probation until measured (module docstring)
+        self._credit: OrderedDict[str, float] = OrderedDict()  # node id -> steps on plausible reports
 
     # -- claims ----------------------------------------------------------------------------------
     def route_chosen(self, session_id: str, chain: Sequence[NodeRecord]) -> None:
@@ -258,6 +280,11 @@ class SpeedChecks:
                 self._relax(node_id, now)
             else:
                 self._raise(node_id, share, now)
+        for row in decoded:
+            if plausible:
+                self._earn(row.node_id, row.decode_tokens)
+            else:
+                self._credit.pop(row.node_id, None)
         floors = {node_id: self.floor_s(node_id, now) for node_id in shares}
         return Verdict(steps, observed, claimed, limit, MappingProxyType(floors))
 
@@ -267,6 +294,24 @@ class SpeedChecks:
         self._floors[node_id] = _Floor(seconds, now)
         while len(self._floors) > MAX_FLOORS:
             self._floors.popitem(last=False)
+
+    def failed(self, node_id: str) -> None:
+        """``node_id`` was reported failed on a session's route: floored at ``MAX_FLOOR_S`` and back on
+        probation, as after an implausible report (module docstring)."""
+        now = time.time()
+        self._expire(now)
+        self._raise(node_id, MAX_FLOOR_S, now)
+        self._credit.pop(node_id, None)
+
+    def _earn(self, node_id: str, steps: int) -> None:
+        self._credit[node_id] = self._credit.pop(node_id, 0.0) + steps
+        while len(self._credit) > MAX_FLOORS:
+            self._credit.popitem(last=False)
+
+    def measured(self, node_id: str) -> bool:
+        """Whether plausible reports credited ``node_id`` with ``MEASURED_STEPS`` decode steps since its
+        last implausible report or failure."""
+        return self._credit.get(node_id, 0.0) >= MEASURED_STEPS
 
     def _relax(self, node_id: str, now: float) -> None:
         held = self._floors.pop(node_id, None)
@@ -283,16 +328,20 @@ class SpeedChecks:
         return 0.0 if now - held.at > FLOOR_TTL_S else held.value(now)
 
     def apply(self, nodes: Sequence[NodeRecord]) -> list[NodeRecord]:
-        """``nodes``, each with ``decode_floor_s`` set to its observed floor now."""
+        """``nodes``, each with ``decode_floor_s`` set to its observed floor now, and (with
+        ``probation``) ``probation`` set on each untrusted node not measured yet."""
         now = time.time()
         self._expire(now)
-        if not self._floors:
+        if not self._floors and not self.probation:
             return list(nodes)
-        out = []
-        for node in nodes:
-            floor = self.floor_s(node.node_id, now)
-            out.append(replace(node, decode_floor_s=floor) if floor > 0 else node)
-        return out
+        return [self._judged(node, now) for node in nodes]
+
+    def _judged(self, node: NodeRecord, now: float) -> NodeRecord:
+        floor = self.floor_s(node.node_id, now)
+        on_probation = self.probation and not node.trusted and not self.measured(node.node_id)
+        if floor <= 0 and not on_probation:
+            return node
+        return replace(node, decode_floor_s=max(floor, 0.0), probation=on_probation)
 
     def _expire(self, now: float) -> None:
         while self._floors:

@@ -150,6 +150,9 @@ class NodeRecord:
     # Seconds per decode position its routes were observed to take, its layer share of them
     # (tracker.plausibility.SpeedChecks): routes charge at least this. 0: no floor.
     decode_floor_s: float = 0.0
+    # Untrusted and not measured yet (tracker.plausibility, "Probation"): its claims buy nothing, and
+    # it heads a route only when no other node can.
+    probation: bool = False
 
     @property
     def prefill_tps_used(self) -> float:
@@ -273,7 +276,12 @@ def _k_best(nodes: Sequence[NodeRecord], a: int, b: int, request: RouteRequest, 
         if pooled:
             pooled.sort()
             suffixes[start] = _Suffixes(pooled, by_url)
-    return suffixes[a].pooled[:k] if a in suffixes else []
+    if a not in suffixes:
+        return []
+    chains = suffixes[a].pooled
+    if a == 0:  # probation: a node on probation heads no route while another head can make one
+        chains = [p for p in chains if not p[3].probation] or chains
+    return chains[:k]
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +343,9 @@ def _node_terms(node: NodeRecord, request: RouteRequest) -> dict[str, float]:
     tps = node.prefill_tps_used
     prefill_per = 1.0 / tps if tps > 0 else DEFAULT_PREFILL_S_PER_LAYER * layers
     claimed = claimed_decode_s(node)
+    if node.probation:  # its claims buy nothing until it is measured: charged as an unmeasured node at most
+        prefill_per = max(prefill_per, DEFAULT_PREFILL_S_PER_LAYER * layers)
+        claimed = max(claimed, DEFAULT_DECODE_S_PER_LAYER * layers)
     decode_per = max(claimed, node.decode_floor_s)
     # A node whose routes decoded slower than it claimed is taken to overstate its prefill speed by
     # the same factor (one self-benchmark measured both; the tracker observes only decode):

@@ -2,13 +2,18 @@
 
 - ``POST /v1/sessions`` pins the best route (``exclude`` avoids nodes that just failed);
   ``GET``/``DELETE /v1/sessions/{id}``; ``GET /v1/sessions`` lists the open ones.
-- ``POST /v1/sessions/{id}/repair`` — a hop failed mid-decode: records the failure, picks the
-  replacement run of hops (``tracker.repair``, or the standby the gateway names in ``prefer`` when
-  it qualifies) and re-pins the session to the repaired route.
+- ``POST /v1/sessions/{id}/repair`` — a hop failed mid-decode: records the failure (once per
+  session and node), picks the replacement run of hops (``tracker.repair``, or the standby the
+  gateway names in ``prefer`` when it qualifies), re-pins the session to the repaired route and only
+  then suspends the failed node: a repair that cannot proceed suspends nothing.
 - ``POST /v1/sessions/{id}/standbys`` — a private swarm's KV snapshot standbys: per hop, a trusted
   node off the route that holds the same layers and computes them bit-identically, with the signed
   repair ticket of the contingency "that hop fails and the standby replaces it".
-- ``POST /v1/nodes/{id}/failures`` — a hop failed outside a repair (e.g. during prefill).
+- ``POST /v1/nodes/{id}/failures`` — a hop failed outside a repair (e.g. during prefill): once per
+  session and node it records the failure, suspends the node and floors its speed
+  (``SpeedChecks.failed``).
+
+Failure reports and repairs are rate-limited per member (``tracker.limits``).
 - ``POST /v1/billing`` records a finished session's per-node work in one transaction
   (idempotent), and judges the speeds its route's nodes advertised by the decode time the gateway
   observed (``tracker.plausibility``); ``GET /v1/billing`` reads records and totals.
@@ -44,6 +49,8 @@ from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, repai
 from meshnet.security.membership import scope_member
 from meshnet.tracker.billing import FORMULA, MAX_DECODE_S
 from meshnet.tracker.db import BillingRow, TrackerDB, member
+from meshnet.tracker.failures import FailureLedger
+from meshnet.tracker.limits import FAILURES, REPAIRS, RateLimits
 from meshnet.tracker.plausibility import SpeedChecks
 from meshnet.tracker.repair import PinnedHop, Repair, equivalent_nodes, plan_repair
 from meshnet.tracker.routing import NodeRecord, RouteChoice, RouteRequest, select_routes
@@ -116,7 +123,6 @@ class FailureReport(BaseModel):
 # Positions one node may bill for one session: a 1M-token context recomputed by 15 repairs fits.
 MAX_BILLED_TOKENS = 2**24
 BILLING_GRACE_S = 3600.0  # a session's work may be billed this long after it closed (the outbox retries)
-_REPORTS_KEPT = 100_000  # (session, node) failure reports remembered, so each counts once
 
 
 class NodeWork(BaseModel):
@@ -178,6 +184,13 @@ def _caller(request: Request) -> str | None:
     """The member id of a private swarm's caller (``None`` in an open swarm)."""
     member = scope_member(request.scope)
     return None if member is None else member.member_id
+
+
+def limited_caller(request: Request) -> str | None:
+    """The member id whose rate limits a request counts against (``tracker.limits``): ``None`` for the
+    admin (the operator's own tools) and in an open swarm, which know no limits."""
+    member = scope_member(request.scope)
+    return None if member is None or member.role == "admin" else member.member_id
 
 
 def _check_owner(request: Request, session: dict[str, Any], what: str) -> None:
@@ -320,16 +333,18 @@ class SessionsApi:
         signer: TicketSigner | None = None,
         max_sessions_per_client: int | None = None,
         speeds: SpeedChecks | None = None,
+        limits: RateLimits | None = None,
     ) -> None:
         self.registry = registry
         self.db = db
         self.signer = signer  # a private swarm's tracker signs every route it pins (protocol.tickets)
         # Open sessions one member (a private swarm's gateway, by its certificate) may hold; None: no limit.
         self.max_sessions_per_client = max_sessions_per_client
-        self._reported: dict[tuple[str, str], None] = {}  # insertion-ordered: the oldest go first
+        self.failures = FailureLedger()  # which failure reports count (once per session and node, ...)
         self.hints = PrefixHints()
         # Route claims and observed speed floors; the tracker's node list shares them.
         self.speeds = speeds if speeds is not None else SpeedChecks()
+        self.limits = limits if limits is not None else RateLimits()  # per member: reports, repairs
 
     def load(self, session_id: str) -> dict[str, Any]:
         session = self.db.load_session(session_id)
@@ -446,6 +461,7 @@ class SessionsApi:
         return JSONResponse({"deleted": sid})
 
     async def repair(self, request: Request) -> Response:
+        self.limits.check(limited_caller(request), REPAIRS, time.time())
         sid = request.path_params["session_id"]
         req = parse_body(RepairRequest, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         session = self.load(sid)
@@ -455,8 +471,9 @@ class SessionsApi:
         pinned = pinned_hops(session)
         if req.failed_node not in {h.node_id for h in pinned}:  # checked first: nothing is recorded otherwise
             raise InvalidRequest(f"node {req.failed_node} is not on session {sid}'s route", param="failed_node")
-        self.registry.record_failure(req.failed_node, req.reason or "failed during decode")
-        self.registry.suspend(req.failed_node)
+        # Counted once per session and node: a member repairing its own session in a loop used to
+        # record a failure each time (reliability 0.33 -> 0.0014 in 20 s).
+        _, counts = self._count_failure(request, sid, req.failed_node, req.reason or "failed during decode")
         live, why_not = self._eligible(bool(session.get("trusted_only")), session["model"])
         fix = _preferred_repair(pinned, req.failed_node, req.prefer, live, session["model"])
         preferred = fix is not None
@@ -470,6 +487,10 @@ class SessionsApi:
                 raise Overloaded(f"{exc.message}; {why_not}", retry_after_s=5, code=NO_TRUSTED_ROUTE) from None
         hops = [*session["hops"][: fix.first], *hops_json(fix.nodes), *session["hops"][fix.first + fix.removed :]]
         self.db.repin_session(sid, hops)
+        # Suspended only now that the repair proceeds: one that cannot (no replacement) used to take
+        # the node off the live set each time, so a loop of them kept an honest node off every route.
+        if counts:
+            self.registry.suspend(req.failed_node)
         self.speeds.route_repaired(sid, [h["node_id"] for h in hops], live)
         replaced = {"first": fix.first, "count": len(fix.nodes), "removed": fix.removed}
         answer = {
@@ -545,6 +566,7 @@ class SessionsApi:
         """A hop failed outside a repair. Only a node on the named open session's route can be reported,
         and once per session: a report loop cannot push a node's reliability down, nor suspend a node
         that no session of the reporter uses."""
+        self.limits.check(limited_caller(request), FAILURES, time.time())
         node_id = request.path_params["node_id"]
         req = parse_body(FailureReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         session = self.load(req.session_id)
@@ -553,15 +575,25 @@ class SessionsApi:
             raise Conflict(f"session {req.session_id} is {session['status']}: report failures while it is open")
         if node_id not in {h["node_id"] for h in session["hops"]}:
             raise InvalidRequest(f"node {node_id} is not on session {req.session_id}'s route", param="session_id")
-        key = (req.session_id, node_id)
-        if key in self._reported:
+        first, counts = self._count_failure(request, req.session_id, node_id, req.reason or "reported failed")
+        if not first or not counts:  # this member reported this node within the window: nothing more
             return JSONResponse({"recorded": node_id, "duplicate": True})
-        self._reported[key] = None
-        while len(self._reported) > _REPORTS_KEPT:
-            del self._reported[next(iter(self._reported))]
-        self.registry.record_failure(node_id, req.reason or "reported failed")
+        failed = next((n for n in self.registry.live_nodes() if n.node_id == node_id), None)
         self.registry.suspend(node_id)
+        # A node that fails at prefill has seen the prompt: floored like an implausible report, it stops
+        # winning the routes it could read prompts on and fail (the gateway retrying elsewhere). Not a
+        # trusted one: the operator vouched for it, and a floor would hand its traffic to untrusted nodes.
+        if failed is None or not failed.trusted:
+            self.speeds.failed(node_id)
         return JSONResponse({"recorded": node_id, "duplicate": False})
+
+    def _count_failure(self, request: Request, session_id: str, node_id: str, reason: str) -> tuple[bool, bool]:
+        """Record a failure of ``node_id`` on ``session_id``'s route when it counts (``FailureLedger``):
+        whether this is the first word of it, and whether it counts (then the node may be suspended)."""
+        first, counts = self.failures.count(session_id, node_id, limited_caller(request), time.time())
+        if first and counts:
+            self.registry.record_failure(node_id, reason)
+        return first, counts
 
     async def record_billing(self, request: Request) -> Response:
         req = parse_body(BillingReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
