@@ -75,6 +75,7 @@ def test_only_the_gateway_and_the_upstream_hop_drive_a_session_on_every_verb() -
     token, tokens = _open(swarm, route, ticket, signer)
     head, middle, tail = (swarm.transport.services[u] for u in route)
     position = len(PROMPT) + len(tokens) - 1
+    repair = signer.sign(repair_ticket(ticket, ticket_hops(route), repair_from=1, ttl_s=60))
 
     async def attacks() -> None:
         for caller in ("spy", "gw2", "middle"):  # a stranger, another gateway, a hop that is not upstream
@@ -87,8 +88,8 @@ def test_only_the_gateway_and_the_upstream_hop_drive_a_session_on_every_verb() -
                 head.session_state(SID, caller)
             with pytest.raises(Forbidden):
                 await head.delete(SID, token, caller)
-            reroute = RerouteRequest(SID, (urls[3],), "r1", replay=1, step=position, ticket=token)
-            with pytest.raises(Forbidden):
+            reroute = RerouteRequest(SID, tuple(route[1:]), "r1", replay=1, step=position, ticket=repair)
+            with pytest.raises(Forbidden):  # even holding a genuine repair ticket
                 await head.reroute(reroute, caller=caller)
         with pytest.raises(Forbidden):  # the tail is driven by the middle (and the gateway), not the head
             tail.session_state(SID, "head")
@@ -101,6 +102,7 @@ def test_only_the_gateway_and_the_upstream_hop_drive_a_session_on_every_verb() -
         with pytest.raises(Forbidden):
             await head.handle(dataclasses.replace(first, ticket=stolen), caller="middle")
         assert head.session_state(SID, GW)["position"] == position  # nothing appended, nothing rewound
+        assert head.session_state(SID, "ops", admin=True)["position"] == position  # an admin reads
 
     asyncio.run(attacks())
     assert asyncio.run(decode(swarm, route[0], tokens, 8)) == want

@@ -104,7 +104,9 @@ def _node_app(shard: ShardBackend, config: NodeConfig, revoked: RevokedSerials) 
 
     async def session(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
-        return JSONResponse(node.session_state(sid, _caller(request.scope, config)))
+        member = scope_member(request.scope)
+        admin = member is not None and member.role == "admin"  # operators read; only drivers drive
+        return JSONResponse(node.session_state(sid, _caller(request.scope, config), admin=admin))
 
     async def delete_session(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])

@@ -41,12 +41,17 @@ route) the request names, that the verifying node is on the route, and its kind.
 forged, expired or misdirected ticket is ``Unauthorized``; a token that is not shaped like a
 ticket at all is ``InvalidRequest``. Nothing else escapes, whatever the input.
 
-What a ticket does not do: it is a bearer capability for one session on one route until it
-expires. Every hop of the route sees it (each forwards it to the next), so a malicious hop on the
-route can replay it to the other hops of that route for that session; nodes pin the session's
-route at open, so it cannot steer them elsewhere. Without TLS an eavesdropper can replay it too.
-Keep the lifetime short: nodes check a ticket when a session opens and on every reroute/replay,
-and a session outlives the ticket it opened with.
+Beyond the signature, a ticket names the session's ``owner`` (the gateway that opened it) and a
+route ``epoch`` (one more at every repair). Nodes bind the *drivers* a ticket implies
+(:meth:`RouteTicket.drivers`: the owner, and the hop before the node) and serve later requests on
+the session only from their member certificates (``node.authority``); they refuse a ticket older
+than the newest epoch they verified, and tickets of sessions that ended on them.
+
+What a ticket does not do: it is a capability for one session on one route until it expires, and
+every hop of the route sees it (each forwards it to the next). Holding it is not enough to drive
+a session (the drivers are checked by certificate), but it still opens a session where the holder
+is a driver. Keep the lifetime short: nodes check a ticket when a session opens, on every
+reroute/replay and once per epoch on each hop, and a session outlives the ticket it opened with.
 """
 
 from __future__ import annotations
