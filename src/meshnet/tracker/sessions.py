@@ -41,7 +41,8 @@ from meshnet.ids import RouteId, SessionId, new_route_id, new_session_id
 from meshnet.layers import LayerRange
 from meshnet.protocol.prefix import HASH_BYTES, MAX_PREFIX_BLOCKS
 from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, repair_ticket, route_ticket
-from meshnet.security.membership import Member, scope_member
+from meshnet.security.identity import Member
+from meshnet.security.membership import scope_member
 from meshnet.tracker.billing import FORMULA, MAX_DECODE_S
 from meshnet.tracker.db import BillingRow, TrackerDB, member
 from meshnet.tracker.plausibility import SpeedChecks
