@@ -712,7 +712,10 @@ class NodeService:
         that merely learns a session id cannot end it (401 ``route_ticket_*``)."""
         s = self._existing(sid)
         if self.config.tickets is not None:
-            self.config.tickets.verify(ticket, session_id=sid, route_id=s.route_id, current=False)
+            signed = self.config.tickets.verify(ticket, session_id=sid, route_id=s.route_id, current=False)
+            if s.auth is not None and ticket is not None and any(h.node_id == self.config.node_id for h in signed.hops):
+                with contextlib.suppress(Unauthorized):  # a repair's new upstream may end it too; older: as before
+                    s.auth.learn(signed, ticket, self.config.node_id)
         self._check_driver(s, caller, None, "close")  # the ticket alone does not do: every hop sees it
         if s.forward is not None:
             with contextlib.suppress(Exception):
