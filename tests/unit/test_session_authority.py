@@ -84,6 +84,12 @@ def test_only_the_gateway_and_the_upstream_hop_drive_a_session_on_every_verb() -
             _not_driver(appended)
             with pytest.raises(Forbidden):  # the rewind that wipes the session
                 await head.handle(step(99, 1, rewind=True), caller=caller)
+            with pytest.raises(Forbidden):  # a verify chunk, a prefill chunk
+                await head.handle(step(99, position, drafts=[5, 6]), caller=caller)
+            with pytest.raises(Forbidden):
+                await head.handle(prefill([7, 8], position, route=route, final=True, first=False), caller=caller)
+            with pytest.raises(Forbidden):  # a KV snapshot to a standby
+                await head.snapshot(SID, repair, caller)
             with pytest.raises(Forbidden):
                 head.session_state(SID, caller)
             with pytest.raises(Forbidden):
