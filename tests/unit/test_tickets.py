@@ -54,21 +54,21 @@ SPARE = TicketHop("node-d", "http://10.0.0.4:7004", "8:16")
 
 GOLDEN_KEY_ID = "21fe31dfa154a261"
 GOLDEN_PAYLOAD = (
-    '{"expires_at":1700000300.0,"hops":['
+    '{"epoch":0,"expires_at":1700000300.0,"hops":['
     '{"layers":"0:8","node_id":"node-a","url":"http://10.0.0.1:7001"},'
     '{"layers":"8:16","node_id":"node-b","url":"http://10.0.0.2:7002"},'
     '{"layers":"16:24","node_id":"node-c","url":"http://10.0.0.3:7003"}],'
-    '"issued_at":1700000000.0,"kind":"route","model_digest":"sha256:abcd","repair_from":null,'
+    '"issued_at":1700000000.0,"kind":"route","model_digest":"sha256:abcd","owner":"","repair_from":null,'
     '"route_id":"rte-4567","session_id":"ses-0123","tracker_key_id":"21fe31dfa154a261"}'
 )
 GOLDEN_TOKEN = (
-    "mnt1.eyJleHBpcmVzX2F0IjoxNzAwMDAwMzAwLjAsImhvcHMiOlt7ImxheWVycyI6IjA6OCIsIm5vZGVfaWQiOiJub2RlLWEiLCJ"
-    "1cmwiOiJodHRwOi8vMTAuMC4wLjE6NzAwMSJ9LHsibGF5ZXJzIjoiODoxNiIsIm5vZGVfaWQiOiJub2RlLWIiLCJ1cmwiOiJodHR"
-    "wOi8vMTAuMC4wLjI6NzAwMiJ9LHsibGF5ZXJzIjoiMTY6MjQiLCJub2RlX2lkIjoibm9kZS1jIiwidXJsIjoiaHR0cDovLzEwLjA"
-    "uMC4zOjcwMDMifV0sImlzc3VlZF9hdCI6MTcwMDAwMDAwMC4wLCJraW5kIjoicm91dGUiLCJtb2RlbF9kaWdlc3QiOiJzaGEyNTY"
-    "6YWJjZCIsInJlcGFpcl9mcm9tIjpudWxsLCJyb3V0ZV9pZCI6InJ0ZS00NTY3Iiwic2Vzc2lvbl9pZCI6InNlcy0wMTIzIiwidHJ"
-    "hY2tlcl9rZXlfaWQiOiIyMWZlMzFkZmExNTRhMjYxIn0.gcNIRmAcLKldYi5IjOaeWkAS2Oe4Ad1VivDvLlQxCwMIR9pg6_hcv9c"
-    "4yxpnLfF-h3ICVm-jPBhEvufOV8y1Dw"
+    "mnt1.eyJlcG9jaCI6MCwiZXhwaXJlc19hdCI6MTcwMDAwMDMwMC4wLCJob3BzIjpbeyJsYXllcnMiOiIwOjgiLCJub2RlX2lkIjo"
+    "ibm9kZS1hIiwidXJsIjoiaHR0cDovLzEwLjAuMC4xOjcwMDEifSx7ImxheWVycyI6Ijg6MTYiLCJub2RlX2lkIjoibm9kZS1iIiw"
+    "idXJsIjoiaHR0cDovLzEwLjAuMC4yOjcwMDIifSx7ImxheWVycyI6IjE2OjI0Iiwibm9kZV9pZCI6Im5vZGUtYyIsInVybCI6Imh"
+    "0dHA6Ly8xMC4wLjAuMzo3MDAzIn1dLCJpc3N1ZWRfYXQiOjE3MDAwMDAwMDAuMCwia2luZCI6InJvdXRlIiwibW9kZWxfZGlnZXN"
+    "0Ijoic2hhMjU2OmFiY2QiLCJvd25lciI6IiIsInJlcGFpcl9mcm9tIjpudWxsLCJyb3V0ZV9pZCI6InJ0ZS00NTY3Iiwic2Vzc2l"
+    "vbl9pZCI6InNlcy0wMTIzIiwidHJhY2tlcl9rZXlfaWQiOiIyMWZlMzFkZmExNTRhMjYxIn0.slaxBtLrHzKw9Tgz6brm4OmBmdG"
+    "2az-W5_jIorNgUDDb0OT8yB0erUGakobv9IH-DLChpaew482ehig6ZeFxDA"
 )
 
 
@@ -317,7 +317,7 @@ def test_a_signed_payload_with_bad_fields(
 
 def test_a_signed_payload_without_fields(signer: TicketSigner, verifier: TicketVerifier) -> None:
     raw = json.dumps({"tracker_key_id": signer.key_id}).encode()
-    with pytest.raises(InvalidRequest, match="needs the fields expires_at, hops, issued_at, kind"):
+    with pytest.raises(InvalidRequest, match="needs the fields epoch, expires_at, hops, issued_at, kind"):
         verifier.verify(_sign_raw(raw), now=NOW)
 
 

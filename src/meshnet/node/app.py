@@ -25,6 +25,7 @@ from starlette.websockets import WebSocket
 
 from meshnet.backends.shard import ShardBackend
 from meshnet.cores import CoreLease
+from meshnet.errors import Unauthorized
 from meshnet.httputil import EXCEPTION_HANDLERS, check_declared_length, error_message, read_body
 from meshnet.ids import SessionId
 from meshnet.node import channel
@@ -94,7 +95,7 @@ def _node_app(
             body = await read_body(request, config.max_body_bytes, "this node")
             sid = SessionId(request.path_params["session_id"])
             hop = http_binding.decode_request(verb, sid, request.headers, body, max_body_bytes=config.max_body_bytes)
-            answer = await node.handle(hop, client=_quota_client(request.scope))
+            answer = await node.handle(hop, client=_quota_client(request.scope), caller=_caller(request.scope, config))
             assert answer is not None
             return JSONResponse(answer.to_json(), status_code=answer.status)
 
@@ -102,29 +103,19 @@ def _node_app(
 
     async def reroute(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
-        answer = await node.reroute(http_binding.decode_reroute(sid, request.headers))
+        rerouting = http_binding.decode_reroute(sid, request.headers)
+        answer = await node.reroute(rerouting, caller=_caller(request.scope, config))
         return JSONResponse(answer.to_json())
 
     async def session(request: Request) -> Response:
-        return JSONResponse(node.session_state(SessionId(request.path_params["session_id"])))
-
-    async def on_step(
-        sid: SessionId, headers: Mapping[str, str], body: bytes, verify: bool, direct: Direct
-    ) -> dict[str, Any] | None:
-        node.metrics.channel_steps.inc()
-        verb = Verb.VERIFY if verify else Verb.DECODE
-        hop = http_binding.decode_request(verb, sid, headers, body, max_body_bytes=config.max_body_bytes)
-        answer = await node.handle(hop, direct)
-        return None if answer is None else answer.to_json()
-
-    async def decode_channel(websocket: WebSocket) -> None:
-        await channel.serve(
-            websocket, node_id=config.node_id, peers=peers, max_body_bytes=config.max_body_bytes, on_step=on_step
-        )
+        sid = SessionId(request.path_params["session_id"])
+        member = scope_member(request.scope)
+        admin = member is not None and member.role == "admin"  # operators read; only drivers drive
+        return JSONResponse(node.session_state(sid, _caller(request.scope, config), admin=admin))
 
     async def delete_session(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
-        await node.delete(sid, request.headers.get(H.TICKET))
+        await node.delete(sid, request.headers.get(H.TICKET), _caller(request.scope, config))
         return JSONResponse({"deleted": sid})
 
     async def health(_: Request) -> Response:
@@ -145,7 +136,7 @@ def _node_app(
         *_snapshot_routes(node),
         Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
         Route("/v1/sessions/{session_id}", session, methods=["GET"]),
-        WebSocketRoute(CHANNEL_PATH, decode_channel),
+        WebSocketRoute(CHANNEL_PATH, _channel_endpoint(node, peers)),
         Route("/v1/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
@@ -169,11 +160,36 @@ def _channel_sender(dialer: channel.Dialer) -> ChannelSend:
     return send
 
 
+def _channel_endpoint(node: NodeService, peers: dict[str, channel.Peer]) -> Any:
+    """The decode channel: every ``STEP`` on it is driven by the member that opened the channel."""
+    config = node.config
+
+    async def decode_channel(websocket: WebSocket) -> None:
+        caller = _caller(websocket.scope, config)
+
+        async def on_step(
+            sid: SessionId, headers: Mapping[str, str], body: bytes, verify: bool, direct: Direct
+        ) -> dict[str, Any] | None:
+            node.metrics.channel_steps.inc()
+            verb = Verb.VERIFY if verify else Verb.DECODE
+            hop = http_binding.decode_request(verb, sid, headers, body, max_body_bytes=config.max_body_bytes)
+            answer = await node.handle(hop, direct, caller=caller)
+            return None if answer is None else answer.to_json()
+
+        await channel.serve(
+            websocket, node_id=config.node_id, peers=peers, max_body_bytes=config.max_body_bytes, on_step=on_step
+        )
+
+    return decode_channel
+
+
 def _prefix_endpoint(node: NodeService) -> Any:
     async def prefix(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
         answer = await node.prefix(
-            http_binding.decode_prefix(sid, request.headers), client=_quota_client(request.scope)
+            http_binding.decode_prefix(sid, request.headers),
+            client=_quota_client(request.scope),
+            caller=_caller(request.scope, node.config),
         )
         return JSONResponse(answer.to_json())
 
@@ -185,7 +201,8 @@ def _snapshot_routes(node: NodeService) -> list[Route]:
 
     async def snapshot(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
-        return JSONResponse(await node.snapshot(sid, request.headers.get(H.TICKET)), status_code=202)
+        caller = _caller(request.scope, node.config)
+        return JSONResponse(await node.snapshot(sid, request.headers.get(H.TICKET), caller), status_code=202)
 
     async def receive(request: Request) -> Response:
         check_declared_length(request, node.config.max_body_bytes, "this node")
@@ -196,7 +213,9 @@ def _snapshot_routes(node: NodeService) -> list[Route]:
     async def restore(request: Request) -> Response:
         sid = SessionId(request.path_params["session_id"])
         restoring = http_binding.decode_restore(sid, request.headers)
-        answer = await node.restore(restoring, client=_quota_client(request.scope))
+        answer = await node.restore(
+            restoring, client=_quota_client(request.scope), caller=_caller(request.scope, node.config)
+        )
         return JSONResponse(answer.to_json())
 
     async def drop(request: Request) -> Response:
@@ -339,6 +358,20 @@ async def _sweep(node: NodeService) -> None:
 def _consume(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()  # logged by the prober itself
+
+
+def _caller(scope: Any, config: NodeConfig) -> str | None:
+    """The member id a request (or a decode channel) came from, by its TLS certificate: in a
+    private swarm it must be one of the session's drivers (node.authority). A private swarm's node
+    serves members only (``RequireMember``); one reached without a certificate refuses, rather
+    than treat the caller as an in-process one."""
+    member = scope_member(scope)
+    if member is None and config.tickets is not None:
+        raise Unauthorized(
+            "this node of a private swarm serves its members only: connect with your swarm certificate",
+            code="certificate_required",
+        )
+    return None if member is None else member.member_id
 
 
 def _quota_client(scope: Any) -> str | None:

@@ -80,6 +80,7 @@ from meshnet.errors import (
 )
 from meshnet.ids import SessionId
 from meshnet.node.advert import Traffic
+from meshnet.node.authority import ClosedSessions, SessionAuthority
 from meshnet.node.batcher import DecodeBatcher
 from meshnet.node.channel import Direct
 from meshnet.node.checks import check_drafts, check_model, check_next_hops, sampling_params, shard_inputs
@@ -102,7 +103,7 @@ from meshnet.protocol.messages import (
     RestoreRequest,
     Verb,
 )
-from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, TicketKind, TicketVerifier
+from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, RouteTicket, TicketKind, TicketVerifier
 from meshnet.protocol.wire import TensorFrame, encode_tensor, frame_values
 from meshnet.routes import hop_timeout_s
 from meshnet.sampling import Sampler
@@ -172,6 +173,7 @@ class NodeService:
             self.prefix_cache = PrefixCache(config.prefix_cache_bytes, release=shard.release)
             shard.store.on_evict = self.prefix_cache.evicted
         self._pushes: set[asyncio.Task[None]] = set()  # snapshots on their way to standbys
+        self.closed = ClosedSessions()  # a private swarm's ended sessions: no ticket re-opens them (node.authority)
         # One record per session: the store's, with this node's binding attached (``_bound``); a
         # session that ends in the store (closed, expired) gives back its seam log with it.
         shard.store.on_end = self._ended
@@ -179,12 +181,15 @@ class NodeService:
 
     # -- requests ------------------------------------------------------------------------------
     async def handle(
-        self, request: HopRequest, direct: Direct | None = None, *, client: str | None = None
-    ) -> HopAnswer | None:
+        self, request: HopRequest, direct: Direct | None = None, *, client: str | None = None,
+        caller: str | None = None,
+    ) -> HopAnswer | None:  # fmt: skip
         """Compute a request's positions and pass them on; the answer. A ``direct`` step goes on
         over the decode channel and answers nothing here (``None``) but on the tail, whose answer
         goes straight to the gateway with every hop's entry. ``client``: who sent it, when the
-        transport knows (a private swarm's member id): a session it opens counts to its quota."""
+        transport knows (a private swarm's member id): a session it opens counts to its quota.
+        ``caller``: the sending member's id (any role; ``None``: in process), which in a private
+        swarm must be one of the session's drivers here (node.authority)."""
         check_model(self.info, request.model)
         if request.drafts:
             check_drafts(self.info, self.config.node_id, request.drafts)
@@ -192,7 +197,7 @@ class NodeService:
             raise InvalidRequest(f"a decode-channel step is never replayed: drop {H.REPLAY}")
         began = time.perf_counter()
         tokens, hidden = shard_inputs(self.info, request)
-        s = self._session(request, client)
+        s = self._session(request, client, caller)
         if s.busy:
             raise SessionBusy(
                 f"session {request.session} already has a request in flight on this node; send one at a time"
@@ -257,6 +262,7 @@ class NodeService:
                     await previous  # its outcome is the session's break reason, checked below
             s.check_open()
             assert self.channel_send is not None, "a decode-channel step came to a node without channels"
+            onward = self._with_ticket(s, onward)
             try:
                 timeout = hop_timeout_s(self.config.hop_timeout_s, len(s.next_hops))
                 await self.channel_send(s.next_hops[0], onward, direct.onward(me.to_json()), timeout)
@@ -291,6 +297,8 @@ class NodeService:
 
     async def _forward(self, s: NodeSession, request: HopRequest | PrefixRequest) -> HopAnswer:
         """Send ``request`` to the session's next hop; a failure breaks the session here."""
+        if isinstance(request, HopRequest):
+            request = self._with_ticket(s, request)
         try:
             timeout = hop_timeout_s(self.config.hop_timeout_s, len(s.next_hops))
             return await self.transport.send(s.next_hops[0], request, timeout_s=timeout)
@@ -339,7 +347,9 @@ class NodeService:
         await self.rewind(s, kept)
 
     # -- prefix caching --------------------------------------------------------------------------
-    async def prefix(self, request: PrefixRequest, *, client: str | None = None) -> HopAnswer:
+    async def prefix(
+        self, request: PrefixRequest, *, client: str | None = None, caller: str | None = None
+    ) -> HopAnswer:
         """Open a session that adopts the KV of its prompt's leading cached blocks (at most
         ``request.reuse``, and no more than every hop after this one holds): answers ``CACHED``
         with the positions every hop now holds, from 0 (nothing cached) on."""
@@ -349,7 +359,7 @@ class NodeService:
             raise Conflict(f"session {sid} is already open here; a prefix request is a session's first request")
         claim = request.prefix
         s = self._open(sid, route_id=request.route_id, sampling=request.sampling, next_hops=request.next_hops,
-                       ticket=request.ticket, client=client, prefix=claim)  # fmt: skip
+                       ticket=request.ticket, client=client, prefix=claim, caller=caller)  # fmt: skip
         s.busy = True
         try:
             blocks = await self._adopt(s, claim, request.reuse)
@@ -454,13 +464,14 @@ class NodeService:
         self.metrics.prefix_bytes.set(cache.used)
 
     # -- KV snapshots (node.snapshots) -----------------------------------------------------------
-    async def snapshot(self, sid: SessionId, ticket: str | None) -> dict[str, Any]:
+    async def snapshot(self, sid: SessionId, ticket: str | None, caller: str | None = None) -> dict[str, Any]:
         """Take this hop's KV of a session and push it to the standby that ``ticket`` names: a
         tracker-signed repair ticket of the contingency "this hop fails and the standby replaces
         it" (``POST /v1/sessions/{id}/standbys``: the tracker names trusted, same-layer,
         bit-identical nodes only). Answered once the snapshot is taken; it travels in the background."""
         verifier = self._snapshot_tickets()
         s = self._existing(sid)
+        self._check_driver(s, caller, None, "snapshot")
         signed = verifier.verify(ticket, session_id=sid, route_id=s.route_id, kind=REPAIR)
         assert signed.repair_from is not None  # a repair ticket names its replaced hop
         standby = signed.hops[signed.repair_from]
@@ -540,7 +551,9 @@ class NodeService:
             )
         return {"held": taken.position, "session": sid}
 
-    async def restore(self, request: RestoreRequest, *, client: str | None = None) -> HopAnswer:
+    async def restore(
+        self, request: RestoreRequest, *, client: str | None = None, caller: str | None = None
+    ) -> HopAnswer:
         """Open a route repair's session here from the snapshot this node holds as the failed hop's
         standby; the positions it holds (``RESTORED``). The upstream then replays only the rest."""
         verifier = self._snapshot_tickets()
@@ -549,8 +562,11 @@ class NodeService:
         if self._bound(sid) is not None:
             raise Conflict(f"session {sid} is already open here")
         signed = verifier.verify(request.ticket, session_id=sid, route_id=request.route_id, node_id=me, kind=REPAIR)
+        assert request.ticket is not None
+        auth = self._admit(signed, request.ticket, caller)
         self._check_quota(client)
         s = self._binding(sid, request.route_id, request.sampling, signed.onward_urls(me), client)
+        s.auth = auth
         cache = self.prefix_cache
         taken = cache.take(sid) if cache is not None else None
         if taken is None:
@@ -604,7 +620,7 @@ class NodeService:
         self.logs.trim(s, position, before)
         del s.ids_seen[position:]
 
-    async def reroute(self, request: RerouteRequest) -> HopAnswer:
+    async def reroute(self, request: RerouteRequest, *, caller: str | None = None) -> HopAnswer:
         """Point the session at new next hops; with ``replay`` > 0, rebuild them from the seam log.
 
         Every position but the newest is replayed in exactly the chunks it was first computed in
@@ -622,10 +638,14 @@ class NodeService:
         s = self._existing(sid)
         if request.route_id != s.route_id:
             raise Conflict(f"session {sid} is pinned to route {s.route_id}, not {request.route_id}")
-        hops = self._ticketed_hops(request.ticket, sid, s.route_id, request.next_hops, kind=REPAIR)
+        hops, signed = self._ticketed_hops(request.ticket, sid, s.route_id, request.next_hops, kind=REPAIR)
+        self._check_driver(s, caller, None, "reroute")  # even with the session's genuine repair ticket
         hops = check_next_hops(self.info, self.config.node_id, hops)
         if s.busy:
             raise SessionBusy(f"session {sid} has a request in flight on this node; reroute it after that")
+        if signed is not None and s.auth is not None and request.ticket is not None:
+            s.auth.learn(signed, request.ticket, self.config.node_id)  # a superseded repair is refused here
+            s.auth.sent_epoch = -1  # the new next hops get it on the replay (and the others on the resent step)
         s.busy = True
         try:
             return await self._reroute(s, hops, request)
@@ -686,7 +706,7 @@ class NodeService:
         answer = await self._forward(s, replayed(Verb.DECODE, position - 1, position))
         return answer.after(me)
 
-    async def delete(self, sid: SessionId, ticket: str | None = None) -> None:
+    async def delete(self, sid: SessionId, ticket: str | None = None, caller: str | None = None) -> None:
         """Free a session here, then on the next hop (the delete travels down the chain).
 
         In a private swarm only a holder of the session's ticket may: a genuine tracker ticket for
@@ -695,7 +715,11 @@ class NodeService:
         that merely learns a session id cannot end it (401 ``route_ticket_*``)."""
         s = self._existing(sid)
         if self.config.tickets is not None:
-            self.config.tickets.verify(ticket, session_id=sid, route_id=s.route_id, current=False)
+            signed = self.config.tickets.verify(ticket, session_id=sid, route_id=s.route_id, current=False)
+            if s.auth is not None and ticket is not None and any(h.node_id == self.config.node_id for h in signed.hops):
+                with contextlib.suppress(Unauthorized):  # a repair's new upstream may end it too; older: as before
+                    s.auth.learn(signed, ticket, self.config.node_id)
+        self._check_driver(s, caller, None, "close")  # the ticket alone does not do: every hop sees it
         if s.forward is not None:
             with contextlib.suppress(Exception):
                 await s.forward  # its outcome was already recorded; only the order matters
@@ -720,10 +744,13 @@ class NodeService:
             ends.append(self.transport.drop_snapshot(s.standby[0], sid, s.standby[1]))
         await asyncio.gather(*ends)
 
-    def session_state(self, sid: SessionId) -> dict[str, Any]:
+    def session_state(self, sid: SessionId, caller: str | None = None, *, admin: bool = False) -> dict[str, Any]:
         """``GET /v1/sessions/{id}``: what this node holds of a session (a gateway asks it to find
-        where a decode-channel step stopped)."""
+        where a decode-channel step stopped); in a private swarm only for its drivers and, read
+        only, the swarm's admins (``admin``: the caller's certificate is of that role)."""
         s = self._existing(sid)
+        if not admin:
+            self._check_driver(s, caller, None, "read")
         return {
             "session": sid,
             "node": self.config.node_id,
@@ -741,8 +768,11 @@ class NodeService:
             self.prefix_cache.sweep(time.time())
 
     def _ended(self, session: Session[Any]) -> None:
-        if isinstance(session.attached, NodeSession):
-            self.logs.drop(session.attached)
+        s = session.attached
+        if isinstance(s, NodeSession):
+            self.logs.drop(s)
+            if s.auth is not None:  # no ticket of an epoch it reached opens it again (node.authority)
+                self.closed.close(s.session, s.auth.epoch)
 
     # -- validation ------------------------------------------------------------------------------
     def _ticketed_hops(
@@ -753,12 +783,13 @@ class NodeService:
         hops: tuple[str, ...],
         *,
         kind: TicketKind | None,
-    ) -> tuple[str, ...]:
+    ) -> tuple[tuple[str, ...], RouteTicket | None]:
         """The next hops a session may use: in a private swarm, those of its tracker-signed ticket
-        (which must name this node; a request naming other hops is refused), else the request's."""
+        (which must name this node; a request naming other hops is refused), else the request's;
+        and the verified ticket (``None`` in an open swarm)."""
         verifier = self.config.tickets
         if verifier is None:
-            return hops
+            return hops, None
         node = self.config.node_id
         signed = verifier.verify(ticket, session_id=sid, route_id=route_id, node_id=node, kind=kind)
         onward = signed.onward_urls(node)
@@ -769,7 +800,34 @@ class NodeService:
                 param=H.NEXT_HOPS,
                 code=CODE_MISMATCH,
             )
-        return onward
+        return onward, signed
+
+    def _admit(self, signed: RouteTicket, token: str, caller: str | None) -> SessionAuthority:
+        """Who drives a session this ticket opens here; refused when it was closed here at the
+        ticket's epoch, or when ``caller`` is not one of its drivers."""
+        self.closed.check(signed)
+        auth = SessionAuthority.of(signed, token, self.config.node_id, caller)
+        auth.check(caller, signed.session_id, self.config.node_id, "open")
+        return auth
+
+    def _check_driver(self, s: NodeSession, caller: str | None, ticket: str | None, what: str) -> None:
+        """In a private swarm, ``caller`` may ``what`` the session here. A ticket the request carries
+        is taken first: a newer epoch (a repair) names this hop's new upstream, an older one is refused."""
+        auth, verifier = s.auth, self.config.tickets
+        if auth is None or verifier is None:
+            return
+        if ticket is not None:
+            node = self.config.node_id
+            signed = verifier.verify(ticket, session_id=s.session, route_id=s.route_id, node_id=node, current=False)
+            auth.learn(signed, ticket, node)
+        auth.check(caller, s.session, self.config.node_id, what)
+
+    def _with_ticket(self, s: NodeSession, request: HopRequest) -> HopRequest:
+        """``request`` as it goes to the next hop: with the session's newest ticket, once per epoch."""
+        if s.auth is None:
+            return request
+        token = s.auth.onward(request.ticket)
+        return request if token == request.ticket else dataclasses.replace(request, ticket=token)
 
     def _bound(self, sid: SessionId) -> NodeSession | None:
         """This node's record of a session it serves on a route (None: it serves no such session)."""
@@ -786,7 +844,7 @@ class NodeService:
             raise SessionNotFound(f"no session {sid} on this node")
         return s
 
-    def _session(self, request: HopRequest, client: str | None = None) -> NodeSession:
+    def _session(self, request: HopRequest, client: str | None = None, caller: str | None = None) -> NodeSession:
         sid = request.session
         s = self._bound(sid)
         if s is None:
@@ -799,24 +857,26 @@ class NodeService:
                 )
             return self._open(
                 sid, route_id=request.route_id, sampling=request.sampling, next_hops=request.next_hops or (),
-                ticket=request.ticket, client=client, prefix=request.prefix,
+                ticket=request.ticket, client=client, prefix=request.prefix, caller=caller,
             )  # fmt: skip
         if request.route_id is not None and request.route_id != s.route_id:
             raise Conflict(f"session {sid} is pinned to route {s.route_id}, not {request.route_id}")
+        self._check_driver(s, caller, request.ticket, "drive")
         s.check_open()
         return s
 
     def _open(
         self, sid: SessionId, *, route_id: str | None, sampling: str | None, next_hops: tuple[str, ...],
-        ticket: str | None, client: str | None, prefix: PrefixClaim | None,
+        ticket: str | None, client: str | None, prefix: PrefixClaim | None, caller: str | None = None,
     ) -> NodeSession:  # fmt: skip
         """Open a session here from its first request's binding (route, next hops, the tail's sampling)."""
         self._check_quota(client)
         if not route_id:
             raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
-        hops = self._ticketed_hops(ticket, sid, route_id, next_hops, kind=None)
+        hops, signed = self._ticketed_hops(ticket, sid, route_id, next_hops, kind=None)
+        auth = None if signed is None or ticket is None else self._admit(signed, ticket, caller)
         s = self._binding(sid, route_id, sampling, hops, client)
-        s.prefix = prefix
+        s.prefix, s.auth = prefix, auth
         self.shard.open_session(sid)
         self.shard.store.get(sid).attached = s
         return s

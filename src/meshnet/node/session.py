@@ -17,6 +17,7 @@ from typing import Any
 
 from meshnet.errors import MeshnetError, SessionBroken
 from meshnet.ids import SessionId
+from meshnet.node.authority import SessionAuthority
 from meshnet.protocol.ledger import ChunkLedger
 from meshnet.protocol.messages import PrefixClaim
 from meshnet.protocol.wire import TensorFrame
@@ -49,6 +50,7 @@ class NodeSession:
     client: str | None = None  # the swarm member that opened it here (per-client quotas), if known
     prefix: PrefixClaim | None = None  # its prompt's blocks, for the prefix cache (node.prefix_cache)
     standby: tuple[str, str] | None = None  # (URL, ticket) of the standby its KV snapshot went to
+    auth: SessionAuthority | None = None  # a private swarm's: who drives it here, its ticket's epoch
 
     def check_open(self) -> None:
         if self.broken:

@@ -41,12 +41,17 @@ route) the request names, that the verifying node is on the route, and its kind.
 forged, expired or misdirected ticket is ``Unauthorized``; a token that is not shaped like a
 ticket at all is ``InvalidRequest``. Nothing else escapes, whatever the input.
 
-What a ticket does not do: it is a bearer capability for one session on one route until it
-expires. Every hop of the route sees it (each forwards it to the next), so a malicious hop on the
-route can replay it to the other hops of that route for that session; nodes pin the session's
-route at open, so it cannot steer them elsewhere. Without TLS an eavesdropper can replay it too.
-Keep the lifetime short: nodes check a ticket when a session opens and on every reroute/replay,
-and a session outlives the ticket it opened with.
+Beyond the signature, a ticket names the session's ``owner`` (the gateway that opened it) and a
+route ``epoch`` (one more at every repair). Nodes bind the *drivers* a ticket implies
+(:meth:`RouteTicket.drivers`: the owner, and the hop before the node) and serve later requests on
+the session only from their member certificates (``node.authority``); they refuse a ticket older
+than the newest epoch they verified, and tickets of sessions that ended on them.
+
+What a ticket does not do: it is a capability for one session on one route until it expires, and
+every hop of the route sees it (each forwards it to the next). Holding it is not enough to drive
+a session (the drivers are checked by certificate), but it still opens a session where the holder
+is a driver. Keep the lifetime short: nodes check a ticket when a session opens, on every
+reroute/replay and once per epoch on each hop, and a session outlives the ticket it opened with.
 """
 
 from __future__ import annotations
@@ -73,11 +78,13 @@ from meshnet.routes import Hop
 
 __all__ = [
     "CLOCK_SKEW_S",
+    "CODE_CLOSED",
     "CODE_EXPIRED",
     "CODE_INVALID",
     "CODE_MALFORMED",
     "CODE_MISMATCH",
     "CODE_MISSING",
+    "CODE_SUPERSEDED",
     "MAX_TICKET_BYTES",
     "REPAIR",
     "ROUTE",
@@ -109,6 +116,9 @@ CODE_INVALID = "route_ticket_invalid"  # 401: unknown signing key, or the signat
 CODE_EXPIRED = "route_ticket_expired"  # 401: past its expiry, or issued in the future
 CODE_MISMATCH = "route_ticket_mismatch"  # 401: genuine, but for another session/route/node/kind
 CODE_MALFORMED = "route_ticket_malformed"  # 400: not shaped like a ticket at all
+CODE_SUPERSEDED = "route_ticket_superseded"  # 401: genuine, but a later repair (higher epoch) replaced it
+CODE_CLOSED = "route_ticket_closed"  # 401: genuine, but its session was closed on this node
+MAX_EPOCH = 2**31 - 1  # a route's repairs: far more than any session lives through
 
 TicketKind = Literal["route", "repair"]
 ROUTE: TicketKind = "route"  # issued when the tracker opens a session
@@ -129,6 +139,8 @@ _TICKET_FIELDS = frozenset(
         "expires_at",
         "repair_from",
         "tracker_key_id",
+        "epoch",
+        "owner",
     }
 )
 
@@ -177,7 +189,10 @@ class RouteTicket:
     ``repair_from`` is ``None`` on a ``route`` ticket and, on a ``repair`` ticket, the index of the
     first replaced hop (the hops before it are the old route's). ``tracker_key_id`` names the
     signing key; it is empty on a ticket not signed yet (:meth:`TicketSigner.sign` fills it in).
-    Invalid values raise ``ValueError`` saying what is wrong.
+    ``epoch`` counts the route's repairs (0 on the route ticket, one more on each repair): a node
+    that saw an epoch refuses every older ticket of the session. ``owner`` is the member id of
+    the gateway that opened the session (empty: the tracker knows none), which alone may drive
+    the session's head (:meth:`drivers`). Invalid values raise ``ValueError`` saying what is wrong.
     """
 
     kind: TicketKind
@@ -189,6 +204,8 @@ class RouteTicket:
     expires_at: float
     repair_from: int | None = None
     tracker_key_id: str = ""
+    epoch: int = 0
+    owner: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in (ROUTE, REPAIR):
@@ -201,6 +218,10 @@ class RouteTicket:
         _check_repair_from(self.kind, self.repair_from, len(self.hops))
         if self.tracker_key_id and not _KEY_ID_PATTERN.fullmatch(self.tracker_key_id):
             raise ValueError(f"a tracker key id is {KEY_ID_HEX_CHARS} lowercase hex digits, or empty before signing")
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or not 0 <= self.epoch <= MAX_EPOCH:
+            raise ValueError(f"a ticket's epoch is an integer 0..{MAX_EPOCH}, got {self.epoch!r}")
+        if self.owner:
+            _check_text("owner", self.owner, MAX_ID_CHARS)
 
     def index_of(self, node_id: str) -> int:
         """This node's place on the route (0: the head); ``Unauthorized`` when it is not on it."""
@@ -214,6 +235,14 @@ class RouteTicket:
             param=TICKET_HEADER,
             code=CODE_MISMATCH,
         )
+
+    def drivers(self, node_id: str) -> frozenset[str]:
+        """The members that may drive this node's part of the session: the gateway that opened it
+        (``owner``) and, past the head, the hop before this node on the route (it forwards the
+        steps). ``Unauthorized`` when the node is not on the route."""
+        i = self.index_of(node_id)
+        upstream = {self.hops[i - 1].node_id} if i > 0 else set()
+        return frozenset({self.owner} if self.owner else set()) | upstream
 
     def next_hop_after(self, node_id: str) -> TicketHop | None:
         """The hop this node forwards to, or ``None`` at the tail."""
@@ -236,6 +265,8 @@ class RouteTicket:
             "expires_at": float(self.expires_at),
             "repair_from": self.repair_from,
             "tracker_key_id": self.tracker_key_id,
+            "epoch": self.epoch,
+            "owner": self.owner,
         }
 
 
@@ -247,11 +278,16 @@ def route_ticket(
     *,
     ttl_s: float,
     now: float | None = None,
+    owner: str = "",
+    epoch: int = 0,
 ) -> RouteTicket:
-    """The ``route`` ticket of a session the tracker just opened, valid ``ttl_s`` from ``now``."""
+    """The ``route`` ticket of a session the tracker just opened, valid ``ttl_s`` from ``now``;
+    ``owner``: the gateway that opened it; ``epoch``: the repairs its route went through."""
     issued = time.time() if now is None else now
     _check_ttl(ttl_s)
-    return RouteTicket(ROUTE, session_id, route_id, model_digest, tuple(hops), issued, issued + ttl_s)
+    return RouteTicket(
+        ROUTE, session_id, route_id, model_digest, tuple(hops), issued, issued + ttl_s, epoch=epoch, owner=owner
+    )
 
 
 def repair_ticket(
@@ -261,6 +297,7 @@ def repair_ticket(
     repair_from: int,
     ttl_s: float,
     now: float | None = None,
+    epoch: int | None = None,
 ) -> RouteTicket:
     """The ``repair`` ticket that replaces ``old``'s hops from index ``repair_from`` on.
 
@@ -269,7 +306,8 @@ def repair_ticket(
     (a repaired route keeps its id: nodes pinned it) and the model digest; the hops before
     ``repair_from`` must be ``old``'s, unchanged — they are the nodes that accept the reroute. What
     changes: the kind (``repair``), the hops from ``repair_from`` on, the validity window (``ttl_s``
-    from ``now``) and the key id (emptied: whichever key signs the repair names itself). ``old`` may
+    from ``now``), the epoch (``old``'s + 1 unless ``epoch`` says: a standby's contingency ticket
+    keeps the current one) and the key id (emptied: whichever key signs the repair names itself). ``old`` may
     itself be a repair ticket (a route repaired twice). ``ValueError`` on a repair that breaks this.
     """
     if not 0 <= repair_from < len(new_hops):
@@ -291,6 +329,8 @@ def repair_ticket(
         issued,
         issued + ttl_s,
         repair_from=repair_from,
+        epoch=old.epoch + 1 if epoch is None else epoch,
+        owner=old.owner,
     )
 
 
@@ -488,6 +528,9 @@ def _parse(obj: dict[str, Any]) -> RouteTicket:
         repair_from = obj["repair_from"]
         if repair_from is not None and (isinstance(repair_from, bool) or not isinstance(repair_from, int)):
             raise ValueError("the ticket's repair_from must be an integer or null")
+        epoch = obj["epoch"]
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise ValueError("the ticket's epoch must be an integer")
         kind = _string(obj, "kind")
         if kind not in (ROUTE, REPAIR):
             raise ValueError(f"a ticket's kind is {ROUTE!r} or {REPAIR!r}, not {kind[:40]!r}")
@@ -501,6 +544,8 @@ def _parse(obj: dict[str, Any]) -> RouteTicket:
             expires_at=_number(obj, "expires_at"),
             repair_from=repair_from,
             tracker_key_id=_string(obj, "tracker_key_id"),
+            epoch=epoch,
+            owner=_string(obj, "owner"),
         )
     except ValueError as exc:
         raise _malformed(f"the ticket's payload is not a valid ticket: {exc}") from None

@@ -46,6 +46,7 @@ from meshnet.ids import RouteId, SessionId, new_route_id, new_session_id
 from meshnet.layers import LayerRange
 from meshnet.protocol.prefix import HASH_BYTES, MAX_PREFIX_BLOCKS
 from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, repair_ticket, route_ticket
+from meshnet.security.identity import Member
 from meshnet.security.membership import scope_member
 from meshnet.tracker.billing import FORMULA, MAX_DECODE_S
 from meshnet.tracker.db import BillingRow, TrackerDB, member
@@ -191,6 +192,12 @@ def limited_caller(request: Request) -> str | None:
     admin (the operator's own tools) and in an open swarm, which know no limits."""
     member = scope_member(request.scope)
     return None if member is None or member.role == "admin" else member.member_id
+
+
+def _may_see(who: Member | None, session: dict[str, Any]) -> bool:
+    """Whether ``who`` may see ``session``: its owner, an admin, anyone in an open swarm."""
+    owner = session.get("owner")
+    return who is None or owner is None or who.role == "admin" or who.member_id == owner
 
 
 def _check_owner(request: Request, session: dict[str, Any], what: str) -> None:
@@ -389,7 +396,7 @@ class SessionsApi:
             "cached_tokens": choices[0].cached_tokens,
         }
         if self.signer is not None:
-            extra["ticket"] = self.signer.sign(self._ticket(session))
+            extra["ticket"] = self.signer.sign(self._ticket({**session, "owner": _caller(request)}))
         return JSONResponse({**session, **extra}, status_code=201)
 
     def _check_quota(self, caller: str | None) -> None:
@@ -434,19 +441,27 @@ class SessionsApi:
         return select_routes(live, req.model, req.total_layers, request=expected, exclude=req.exclude)
 
     def _ticket(self, session: dict[str, Any], *, hops: list[dict[str, Any]] | None = None) -> RouteTicket:
-        """The route ticket of ``session`` (on ``hops``, else its pinned ones)."""
+        """The route ticket of ``session`` (on ``hops``, else its pinned ones): it names the gateway
+        that opened it (only it drives the head) and, as its epoch, the repairs the route went through."""
         return route_ticket(
             SessionId(session["session_id"]), RouteId(session["route_id"]), session["model"],
             [TicketHop(h["node_id"], h["url"], h["layers"]) for h in (hops or session["hops"])], ttl_s=TICKET_TTL_S,
+            owner=session.get("owner") or "", epoch=int(session.get("repairs") or 0),
         )  # fmt: skip
 
-    async def list_sessions(self, _: Request) -> Response:
+    async def list_sessions(self, request: Request) -> Response:
+        """The open sessions: in a private swarm only the caller's own (an admin's: all), so a member
+        cannot learn the ids, routes and nodes of another gateway's sessions."""
         self.db.expire_sessions(SESSION_IDLE_S)
-        sessions = [{k: v for k, v in s.items() if k != "owner"} for s in self.db.open_sessions()]
+        caller = scope_member(request.scope)
+        mine = [s for s in self.db.open_sessions() if _may_see(caller, s)]
+        sessions = [{k: v for k, v in s.items() if k != "owner"} for s in mine]
         return JSONResponse({"sessions": sessions})
 
     async def get_session(self, request: Request) -> Response:
         session = self.load(request.path_params["session_id"])
+        if not _may_see(scope_member(request.scope), session):  # as if it did not exist: ids are no oracle
+            raise NotFound(f"no session {session['session_id']} on this tracker")
         session.pop("owner", None)  # who drives it is the tracker's business
         return JSONResponse(session)
 
@@ -486,7 +501,7 @@ class SessionsApi:
                     raise
                 raise Overloaded(f"{exc.message}; {why_not}", retry_after_s=5, code=NO_TRUSTED_ROUTE) from None
         hops = [*session["hops"][: fix.first], *hops_json(fix.nodes), *session["hops"][fix.first + fix.removed :]]
-        self.db.repin_session(sid, hops)
+        self.db.repin_session(sid, hops)  # one more repair: the ticket's epoch (nodes refuse older ones)
         # Suspended only now that the repair proceeds: one that cannot (no replacement) used to take
         # the node off the live set each time, so a loop of them kept an honest node off every route.
         if counts:
@@ -501,7 +516,7 @@ class SessionsApi:
             "preferred": preferred,  # the gateway's standby took the failed hop's place: it restores its snapshot
         }
         if self.signer is not None:  # the nodes before the replaced ones accept the reroute with it
-            answer["ticket"] = self._repair_ticket(session, hops, fix.first)
+            answer["ticket"] = self._repair_ticket(session, hops, fix.first, bump=True)
         return JSONResponse(answer)
 
     async def standbys(self, request: Request) -> Response:
@@ -550,17 +565,20 @@ class SessionsApi:
                     "node_id": node.node_id,
                     "url": node.url,
                     "layers": str(node.layers),
-                    "ticket": self._repair_ticket(session, hops, index),
+                    "ticket": self._repair_ticket(session, hops, index, bump=False),
                 }
             )
         why_not = f"{'; '.join(missing)}." if missing else None
         return JSONResponse({"standbys": chosen, "why_not": why_not})
 
-    def _repair_ticket(self, session: dict[str, Any], hops: list[dict[str, Any]], first: int) -> str:
-        """The signed repair ticket of ``session``'s route becoming ``hops`` from hop ``first`` on."""
+    def _repair_ticket(self, session: dict[str, Any], hops: list[dict[str, Any]], first: int, *, bump: bool) -> str:
+        """The signed repair ticket of ``session``'s route becoming ``hops`` from hop ``first`` on; of
+        the next epoch for a repair (``bump``), of the current one for a standby's contingency (it
+        only lets a snapshot travel and be restored: the repair that uses it issues its own)."""
         assert self.signer is not None
-        new = self._ticket(session, hops=hops)
-        return self.signer.sign(repair_ticket(self._ticket(session), new.hops, repair_from=first, ttl_s=TICKET_TTL_S))
+        old, new = self._ticket(session), self._ticket(session, hops=hops)
+        epoch = old.epoch + 1 if bump else old.epoch
+        return self.signer.sign(repair_ticket(old, new.hops, repair_from=first, ttl_s=TICKET_TTL_S, epoch=epoch))
 
     async def report_failure(self, request: Request) -> Response:
         """A hop failed outside a repair. Only a node on the named open session's route can be reported,
