@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnet.backends.base import TextEngine
 from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError, UnknownModel
-from meshnet.gateway import dashboard
+from meshnet.gateway import dashboard, swarm_view
 from meshnet.gateway.auth import ApiKeyMiddleware, KeyRing, key_policy
 from meshnet.gateway.chat_template import ChatTemplate
 from meshnet.gateway.generation import (
@@ -707,23 +707,22 @@ async def swarm(state: GatewayState, _: Request) -> Response:
         info = state.engine.info
         local = {"node": "local", "layers": str(info.layers), "health": {"status": "ok"}}
         return JSONResponse({"tracker": None, "nodes": [local], "sessions": sessions})
-    async with httpx.AsyncClient(timeout=5.0, verify=state.tracker_tls or True) as client:
-        try:
-            nodes = (await client.get(f"{state.tracker}/v1/nodes")).json()["nodes"]
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            return JSONResponse(
-                {"tracker": state.tracker, "error": f"tracker unreachable: {exc}", "sessions": sessions}
-            )
+    # Members' answers are read bounded, typed and without their errors' text (gateway.swarm_view).
+    async with httpx.AsyncClient(timeout=swarm_view.PROBE_S, verify=state.tracker_tls or True) as client:
+        listed = await swarm_view.fetch_json(client, f"{state.tracker}/v1/nodes", swarm_view.MAX_NODES_BYTES)
+        nodes = listed.get("nodes") if isinstance(listed, dict) else None
+        if not isinstance(nodes, list):
+            return JSONResponse({"tracker": state.tracker, "error": "tracker unreachable", "sessions": sessions})
 
         async def probe(node: dict[str, Any]) -> dict[str, Any]:
-            try:
-                health = (await client.get(f"{node['url']}/v1/health")).json()
-            except (httpx.HTTPError, ValueError) as exc:
-                health = {"status": "unreachable", "reason": str(exc)}
-            return {**node, "health": health}
+            url = node.get("url")
+            answer = await swarm_view.fetch_json(client, f"{url}/v1/health", swarm_view.MAX_HEALTH_BYTES)
+            return {**node, "health": swarm_view.node_health(answer)}
 
-        nodes = list(await asyncio.gather(*(probe(n) for n in nodes)))
-    return JSONResponse({"tracker": state.tracker, "nodes": nodes, "sessions": sessions})
+        probed = await asyncio.gather(
+            *(probe(n) for n in nodes if isinstance(n, dict) and isinstance(n.get("url"), str))
+        )
+    return JSONResponse({"tracker": state.tracker, "nodes": list(probed), "sessions": sessions})
 
 
 async def prometheus(state: GatewayState, _: Request) -> Response:
