@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from meshnet.backends.base import TextEngine
 from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError, UnknownModel
 from meshnet.gateway import dashboard, swarm_view
-from meshnet.gateway.auth import ApiKeyMiddleware, KeyRing, key_policy
+from meshnet.gateway.auth import ApiKeyMiddleware, KeyRing, admit_generations, key_policy, key_routes
 from meshnet.gateway.chat_template import ChatTemplate
 from meshnet.gateway.generation import (
     Delta,
@@ -41,6 +41,7 @@ from meshnet.gateway.generation import (
 from meshnet.gateway.logprobs import LogprobsShape
 from meshnet.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
+from meshnet.gateway.origin import HostPolicy, OriginGuard
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, TelemetryHub
 from meshnet.gateway.tools import ParsedReply, ToolPlan
 from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response, read_body
@@ -82,9 +83,12 @@ def create_app(
     chat_template: str | None = None,
     api_keys: KeyRing | None = None,
     tracker_tls: ssl.SSLContext | None = None,
+    allowed_hosts: HostPolicy | None = None,
 ) -> Starlette:
     """Compose a gateway around one engine; the caller owns the engine's lifetime. ``chat_template``
-    replaces the model's own; with ``api_keys`` the API needs a key (``gateway.auth``)."""
+    replaces the model's own; with ``api_keys`` the API needs a key (``gateway.auth``); with
+    ``allowed_hosts`` a request for another ``Host`` is refused (``gateway.origin``: the CLI always
+    gives one), and a browser request from another origin always is."""
     hub = TelemetryHub()
     metrics = GatewayMetrics()
     info = engine.info
@@ -117,6 +121,7 @@ def create_app(
         Route("/health", _with(state, health), methods=["GET"]),
         Route("/metrics", _with(state, prometheus), methods=["GET"]),
         *dashboard.routes(),  # the live web dashboard at / and /dashboard (docs/dashboard.md)
+        *key_routes(api_keys),  # its sign-in: the server-set key cookie (gateway.auth)
     ]
     app = Starlette(
         routes=routes,
@@ -126,6 +131,7 @@ def create_app(
     app.state.gateway = state
     if api_keys is not None:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+    app.add_middleware(OriginGuard, hosts=allowed_hosts)  # before any key is looked at
     # outermost: refused requests (401, 429) are counted too
     app.add_middleware(_CountRequests, metrics=metrics, paths=frozenset(r.path for r in routes))
     return app
@@ -344,6 +350,7 @@ async def _serve(
     id: the proposed or new one, then ``ID.1``, ``ID.2``...; a seeded choice ``i`` uses seed + i)."""
     gid = _generation_id(request)
     gids = [gid, *(GenerationId(f"{gid}.{i}") for i in range(1, body.n))]
+    admit_generations(request.scope, body.n)  # a key's concurrency counts each choice (gateway.auth)
     policy = key_policy(request.scope)
     if policy is not None and policy.trusted_only:
         gen = dataclasses.replace(gen, trusted_only=True)
