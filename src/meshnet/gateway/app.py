@@ -42,6 +42,7 @@ from meshnet.gateway.logprobs import LogprobsShape
 from meshnet.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
 from meshnet.gateway.origin import HostPolicy, OriginGuard
+from meshnet.gateway.prompt import chat_tokens
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, TelemetryHub
 from meshnet.gateway.tools import ParsedReply, ToolPlan
 from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response, read_body
@@ -205,16 +206,16 @@ async def chat_completions(state: GatewayState, request: Request) -> Response:
     tools = body.tool_plan(native=state.template.supports_tools)
     messages = [m.for_template() for m in body.messages]
 
-    def prepare() -> tuple[list[int], str, str]:
+    def render(chat: list[dict[str, Any]]) -> str:
         if tools is None:
-            text = state.template.render(messages)
-            grammar, param = body.output_grammar()
-        else:
-            text = state.template.render(tools.messages(messages), tools=tools.template_tools())
-            grammar, param = tools.grammar(), "tools"
-        # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
-        bos = state.engine.info.bos_token
-        return state.engine.tokenize(text, add_special=not (bos and text.startswith(bos))), grammar, param
+            return state.template.render(chat)
+        return state.template.render(tools.messages(chat), tools=tools.template_tools())
+
+    def prepare() -> tuple[list[int], str, str]:
+        grammar, param = body.output_grammar() if tools is None else (tools.grammar(), "tools")
+        # the template's control tokens are control tokens; the messages' contents are text (gateway.prompt)
+        tokens = chat_tokens(state.engine, render, messages, bos_token=state.engine.info.bos_token)
+        return tokens, grammar, param
 
     # A long prompt takes a while to render and tokenize: off the event loop, so other streams keep flowing.
     tokens, grammar, param = await run_in_threadpool(prepare)
@@ -352,8 +353,9 @@ async def _serve(
     gids = [gid, *(GenerationId(f"{gid}.{i}") for i in range(1, body.n))]
     admit_generations(request.scope, body.n)  # a key's concurrency counts each choice (gateway.auth)
     policy = key_policy(request.scope)
-    if policy is not None and policy.trusted_only:
-        gen = dataclasses.replace(gen, trusted_only=True)
+    if policy is not None:  # its prompt's cached blocks are the key's own (protocol.prefix)
+        gen = dataclasses.replace(gen, trusted_only=gen.trusted_only or policy.trusted_only,
+                                  prefix_namespace=policy.prefix_namespace)  # fmt: skip
     for one in gids:
         state.hub.check_free(one)
     headers = {GENERATION_ID: str(gid)}
@@ -394,7 +396,10 @@ async def _start(
     # Planning may ask a tracker over the network: off the event loop.
     size = {"prompt_tokens": len(gen.prompt_tokens), "max_tokens": gen.max_tokens}
     plan = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: state.engine.plan(**size, trusted_only=gen.trusted_only, prompt=gen.prompt_tokens)
+        None,
+        lambda: state.engine.plan(
+            **size, trusted_only=gen.trusted_only, prompt=gen.prompt_tokens, namespace=gen.prefix_namespace
+        ),
     )
     try:
         tel = _open_telemetry(state, gid, plan, len(gen.prompt_tokens))

@@ -89,6 +89,12 @@ class KeyPolicy:
     requests_per_minute: int = 0  # generation requests per sliding minute; 0: no limit
     trusted_only: bool = False  # every route of this key's generations over trusted nodes only
 
+    @property
+    def prefix_namespace(self) -> bytes:
+        """The namespace this key's prompt blocks are hashed in (protocol.prefix): its own, so no other
+        key reuses, or learns of, its cached prompts. The key's digest: what only its holder can name."""
+        return bytes.fromhex(self.key_digest)
+
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
             raise ValueError(f"key {self.name!r}: max_concurrency must be >= 1, got {self.max_concurrency}")

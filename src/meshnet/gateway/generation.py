@@ -50,6 +50,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     plan: RoutePlan | None = None
     trusted_only: bool = False  # its route over trusted nodes only (the API key's policy)
+    prefix_namespace: bytes = b""  # the prefix-cache namespace of its prompt (the API key's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,7 +112,7 @@ _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one
 class Tokenizer(Protocol):
     info: ModelInfo
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]: ...
 
     def token_bytes(self, token: int) -> bytes: ...
 
@@ -199,8 +199,8 @@ class RouteEngine:
         self.channels = Channels(client_tls) if decode_channel else None
 
     # -- tokenizer ---------------------------------------------------------------------------
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        return self.tokenizer.tokenize(text, add_special=add_special)
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def token_bytes(self, token: int) -> bytes:
         return self.tokenizer.token_bytes(token)
@@ -237,13 +237,15 @@ class RouteEngine:
         like_session: SessionId | None = None,
         trusted_only: bool = False,
         prompt: Sequence[int] = (),
+        namespace: bytes = b"",
     ) -> RoutePlan:
         """Pin a fresh route; ``like_session``: only one that computes bit-identically to that session's;
         ``trusted_only`` (or the gateway's ``--trusted-only``): over trusted nodes only; ``prompt``:
-        its blocks let the tracker prefer a route whose prefix caches hold them."""
+        its blocks let the tracker prefer a route whose prefix caches hold them, hashed in ``namespace``
+        (the API key's: protocol.prefix), which the generation on the route hashes its blocks in too."""
         trusted_only = trusted_only or self.trusted_only
         body: dict[str, Any] = {"model": self.info.model_id, "total_layers": self.info.n_layers}
-        hashes = block_hashes(prompt, self.prefill_chunk) if self.prefix_cache else []
+        hashes = block_hashes(prompt, self.prefill_chunk, namespace=namespace) if self.prefix_cache else []
         if hashes:
             body["prefix"] = {"block": self.prefill_chunk, "hashes": [h.hex() for h in hashes]}
         if exclude:
@@ -265,7 +267,8 @@ class RouteEngine:
         ticket, cached = data.get("ticket"), data.get("cached_tokens")
         return RoutePlan(SessionId(data["session_id"]), RouteId(data["route_id"]), self._hops(data["hops"]),
                          ticket=ticket if isinstance(ticket, str) else None, trusted_only=trusted_only,
-                         cached_tokens=cached if isinstance(cached, int) and cached > 0 else 0)  # fmt: skip
+                         cached_tokens=cached if isinstance(cached, int) and cached > 0 else 0,
+                         prefix_namespace=namespace)  # fmt: skip
 
     def _hops(self, hops: Sequence[dict[str, Any]]) -> tuple[Hop, ...]:
         total = self.info.n_layers
@@ -288,7 +291,7 @@ class RouteEngine:
             raise InvalidRequest("the prompt is empty after tokenization")
         run = _Run(plan, json.dumps(dataclasses.asdict(sampler.params)), Usage(), ChunkLedger(sends=False))
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
-        hashes = block_hashes(tokens, self.prefill_chunk) if self.prefix_cache else []
+        hashes = block_hashes(tokens, self.prefill_chunk, namespace=plan.prefix_namespace) if self.prefix_cache else []
         run.prefix = PrefixClaim(self.prefill_chunk, tuple(hashes)) if hashes else None
         for begin in range(0, len(tokens), self.prefill_chunk):
             run.add(tokens[begin : begin + self.prefill_chunk])
@@ -591,6 +594,7 @@ class RouteEngine:
         run.plan = self.plan(
             exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens), like_session=like,
             trusted_only=run.plan.trusted_only, prompt=tokens if run.prefix is not None else (),
+            namespace=run.plan.prefix_namespace,
         )  # fmt: skip
         run.usage = Usage()
         run.cached = 0
