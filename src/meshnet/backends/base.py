@@ -79,7 +79,9 @@ class RouteChange:
     """The route changed mid-generation because a hop failed (routes only).
 
     ``kind`` is ``"repair"`` (the failed hop was replaced and rebuilt; generation goes on where it
-    was) or ``"reroute"`` (a fresh route, prefilled from scratch). ``replayed`` positions were
+    was), ``"reroute"`` (a fresh route, prefilled from scratch) or ``"wait"`` (a hop had no room for
+    the session before its first token: first on the old ``plan``, the wait begins; then on the
+    fresh one planned after it, which the generation goes on with; nothing failed). ``replayed`` positions were
     recomputed on the new hops; ``seconds`` is from the failure to the route serving again.
     """
 

@@ -287,6 +287,11 @@ class GenerationService:
 
     def _on_route_change(self, tel: GenerationTelemetry, change: RouteChange) -> None:
         """A hop failed and the route engine recovered: say so, with the reason and the new route."""
+        if change.kind == "wait" and change.plan.session_id == tel.session_id:  # no room yet: waiting
+            _log.info("generation %s waits for room: %s", tel.generation_id, change.reason)
+            tel.emit(EventType.ROUTE_HEALTH, status="waiting", reason=change.reason, node=change.failed_node,
+                     hops=[])  # fmt: skip
+            return
         failed = next((h for h in tel.route if h.node == change.failed_node), None)
         tel.route, tel.session_id, tel.route_id = change.plan.hops, change.plan.session_id, change.plan.route_id
         tel.retries += 1
