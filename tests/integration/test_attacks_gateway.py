@@ -192,7 +192,7 @@ def test_an_oversized_health_answer_does_not_grow_the_gateway_and_errors_show_no
     """Why: "the gateway's /v1/swarm reads a member's /v1/health unbounded (a 200 MiB answer: gateway
     130 MiB -> 1.3 GiB) and reflects connection errors (a port oracle)". A member's fake node answers
     128 MiB; the gateway's peak memory stays put, the view holds none of it, and a node URL at a closed
-    port or at a TLS port that is no node reads the same fixed reason as the huge one."""
+    port or at an open port that speaks no TLS reads the same fixed reason as the huge one."""
     pid = scene.swarm.gateway.popen.pid  # type: ignore[union-attr]
     httpx.get(f"{scene.gateway}/v1/swarm", timeout=60)  # warm: the view's own first allocations
     before = _peak_rss_bytes(pid)
@@ -205,8 +205,8 @@ def test_an_oversized_health_answer_does_not_grow_the_gateway_and_errors_show_no
     assert spy["health"] == {"status": "unreachable", "reason": UNREACHABLE}
     assert grew < 24 * 2**20, f"the gateway grew by {grew / 2**20:.0f} MiB reading one health answer"
     # a closed port and an open TLS port that is not a node: the same words, nothing of the error
-    tracker_port = scene.tracker.rsplit(":", 1)[1]
-    for url in (f"https://127.0.0.1:{_free_port()}", f"https://127.0.0.1:{tracker_port}"):
+    plain_http = scene.keyed.url.rsplit(":", 1)[1]  # open, but no TLS
+    for url in (f"https://127.0.0.1:{_free_port()}", f"https://127.0.0.1:{plain_http}"):
         _register(scene, url)
         view = httpx.get(f"{scene.gateway}/v1/swarm", timeout=60)
         spy = next(n for n in view.json()["nodes"] if n["node_id"] == "spy")

@@ -109,4 +109,5 @@ async def _read(client: httpx.AsyncClient, url: str, limit: int) -> object | Non
             body += chunk
             if len(body) > limit:
                 return None
-    return json.loads(bytes(body))
+    parsed: object = json.loads(bytes(body))
+    return parsed
