@@ -220,11 +220,7 @@ def test_the_key_cookie_is_the_servers_and_is_refused_from_another_origin_or_hos
     """Why: "the API-key cookie is set from script (not HttpOnly) and honoured from any port of the
     host, with no Origin or Host check (DNS rebinding reaches a keyless loopback gateway)"."""
     keyed = scene.keyed.url
-    signed = httpx.post(f"{keyed}/dashboard/key", json={"key": ALICE}, timeout=30)
-    assert signed.status_code == 204, signed.text
-    cookie = signed.headers["set-cookie"]
-    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/v1/" in cookie
-    jar = {"Cookie": f"meshnet_api_key={ALICE}"}
+    jar = {"Cookie": f"meshnet_api_key={ALICE}"}  # what a browser holding the key's cookie sends
     port = keyed.rsplit(":", 1)[1]
     assert (
         httpx.get(f"{keyed}/v1/models", headers={**jar, "Sec-Fetch-Site": "same-origin"}, timeout=30).status_code == 200
@@ -232,11 +228,11 @@ def test_the_key_cookie_is_the_servers_and_is_refused_from_another_origin_or_hos
     # a page on another port of the same host: same-site, so a browser sends it the cookie
     other = {"Origin": "http://127.0.0.1:9", "Sec-Fetch-Site": "same-site"}
     assert httpx.get(f"{keyed}/v1/models", headers={**jar, **other}, timeout=30).status_code == 403
-    sneaky = httpx.get(f"{keyed}/v1/models", headers={**jar, "Sec-Fetch-Site": "same-site"}, timeout=30)
-    assert sneaky.status_code == 401  # no Origin (an <img>): the cookie still opens nothing
     assert httpx.post(f"{keyed}/v1/chat/completions", json={**CHAT, "model": scene.model},
                       headers={**jar, **other}, timeout=30).status_code == 403  # fmt: skip
-    # DNS rebinding: the attacker's name, resolved to 127.0.0.1, on the keyless gateway
+    sneaky = httpx.get(f"{keyed}/v1/models", headers={**jar, "Sec-Fetch-Site": "same-site"}, timeout=30)
+    assert sneaky.status_code == 401  # no Origin (an <img>): the cookie still opens nothing
+    # DNS rebinding: the attacker's name, resolved to 127.0.0.1, on the keyless gateway (and the keyed one)
     rebound = {"Host": f"rebind.attacker.example:{port}"}
     for url in (scene.gateway, keyed):
         answer = httpx.get(f"{url}/v1/models", headers=rebound, timeout=30)
@@ -244,6 +240,11 @@ def test_the_key_cookie_is_the_servers_and_is_refused_from_another_origin_or_hos
     post = httpx.post(f"{scene.gateway}/v1/chat/completions", json={**CHAT, "model": scene.model},
                       headers={"Origin": "http://evil.example", "Content-Type": "text/plain"}, timeout=30)  # fmt: skip
     assert post.status_code == 403
+    # the cookie is the server's: HttpOnly (no script reads it), Strict, for the API only
+    signed = httpx.post(f"{keyed}/dashboard/key", json={"key": ALICE}, timeout=30)
+    assert signed.status_code == 204, signed.text
+    cookie = signed.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/v1/" in cookie
 
 
 # -- users cannot forge turns -----------------------------------------------------------------------------
