@@ -298,7 +298,7 @@ class GenerationService:
         self.metrics.route_retries.labels(kind=change.kind).inc()
         self.metrics.route_recovery_seconds.labels(kind=change.kind).observe(change.seconds)
         self.metrics.route_replayed_positions.labels(kind=change.kind).inc(change.replayed)
-        _log.warning(
+        (_log.info if change.kind == "wait" else _log.warning)(  # a wait for room is no failure
             "route %s (attempt %d): generation %s session %s: node %s%s failed (%s); route now %s; "
             "%d positions replayed in %.3fs",
             change.kind,
