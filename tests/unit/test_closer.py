@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.errors import BadGateway, HopFailed, HopFull, hop_error
+from meshnet.errors import BadGateway, HopFailed, HopFull, Overloaded, hop_error
 from meshnet.gateway.closer import SessionCloser, acknowledged
 from tests.asgi import serve_in_thread
 
@@ -70,3 +71,72 @@ def test_a_hop_without_room_is_hop_full_not_a_failure(code: str) -> None:
     assert isinstance(deeper, HopFull) and deeper.failed_hop == "https://tail"
     plain = hop_error("boom", status=500, failed_hop=None, sender="https://head", sender_is_head=True, code="x")
     assert type(plain) is BadGateway and not isinstance(plain, HopFailed)
+
+
+class _RoomlessRoute:
+    """A RouteEngine whose prefill meets a hop without room ``full`` times (no sockets: the wire
+    methods are replaced), recording what the engine did about it."""
+
+    def __init__(self, tmp_path: Any, full: int, *, room_wait_s: float = 30.0) -> None:
+        from meshnet.backends.fake import FakeEngine
+        from meshnet.gateway.billing_outbox import BillingOutbox
+        from meshnet.gateway.route_engine import RouteEngine
+
+        tokenizer = FakeEngine()
+        outbox = BillingOutbox("http://tracker.invalid", spool_dir=tmp_path)
+        engine = RouteEngine(tokenizer, "http://tracker.invalid", n_ctx=64, decode_channel=False, outbox=outbox,
+                             room_wait_s=room_wait_s, speculative="off")  # fmt: skip
+        self.engine, self.full, self.closed, self.planned, self.reported = engine, full, [], [], []
+        self.info = tokenizer.info
+
+        def prefill(run: Any, tokens: Any, cancel: Any) -> Any:
+            if self.full:
+                self.full -= 1
+                raise HopFull("route hop answered 429: member 'gw' holds 2 sessions", failed_hop="http://head")
+            return None
+            yield  # a generator, as the real one
+
+        def plan(**kwargs: Any) -> Any:
+            self.planned.append(sorted(kwargs.get("exclude", ())))
+            if "head" in kwargs.get("exclude", ()):
+                raise Overloaded("no route without head")
+            return _plan(self.info)
+
+        engine._prefill = prefill  # type: ignore[method-assign]
+        engine.plan = plan  # type: ignore[method-assign]
+        engine._close = lambda plan: self.closed.append(plan.session_id)  # type: ignore[method-assign]
+        engine._report_failure = lambda *a: self.reported.append(a)  # type: ignore[method-assign]
+
+    def run(self) -> list[Any]:
+        from meshnet.gateway.billing_outbox import Usage
+        from meshnet.gateway.route_engine import _Run
+        from meshnet.protocol.ledger import ChunkLedger
+
+        run = _Run(_plan(self.info), "{}", Usage(), ChunkLedger(sends=False))
+        steps = self.engine._prefill_with_retries(run, [1, 2, 3], threading.Event())
+        return list(steps)
+
+
+def _plan(info: Any) -> Any:
+    from meshnet.ids import new_route_id, new_session_id
+    from meshnet.routes import Hop, RoutePlan
+
+    return RoutePlan(new_session_id(), new_route_id(), (Hop("head", "http://head", info.layers),))
+
+
+def test_a_hop_without_room_before_the_first_token_means_waiting_not_failing(tmp_path: Any) -> None:
+    route = _RoomlessRoute(tmp_path, full=2)
+    changes = route.run()
+    assert [c.kind for c in changes] == ["wait"] * 4  # per wait: "waiting" on the old session, then the new one
+    waiting, moved = changes[0], changes[1]
+    assert waiting.failed_node == "head" and "waiting 0.25 s for room" in waiting.reason
+    assert moved.plan.session_id != waiting.plan.session_id
+    assert route.planned == [["head"], [], ["head"], []]  # around the full node first; none: wait for it
+    assert len(route.closed) == 2 and route.reported == []  # what each attempt opened is freed; no failure
+
+
+def test_waiting_for_room_is_bounded_and_ends_in_a_503(tmp_path: Any) -> None:
+    route = _RoomlessRoute(tmp_path, full=100, room_wait_s=0.6)
+    with pytest.raises(Overloaded, match="no room on a route") as refused:
+        route.run()
+    assert refused.value.status == 503 and refused.value.retry_after_s == 5 and route.reported == []
