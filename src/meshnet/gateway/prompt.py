@@ -6,8 +6,9 @@ markers (``<|im_start|>``, ``<|eot_id|>``...) as text. Tokenized that way whole,
 ``<|im_end|>\\n<|im_start|>assistant\\n...`` into a message forges turns: the model sees control
 tokens the template never wrote. So when some message's content holds the text of a control token
 (it tokenizes differently with parsing on and off), the chat is rendered once more with each such
-content replaced by a random mark; the render is split at the marks, the template's pieces are
-tokenized with parsing on and the contents, put back where the marks were, with parsing off.
+content replaced by a random mark (a message's ``name`` likewise); the render is split at the marks,
+the template's pieces are tokenized with parsing on and the contents, put back where the marks
+were, with parsing off.
 
 That is exact only when the template passes contents through verbatim (every template seen so far
 does, some trimmed): the pieces with the contents put back must give the very text the real render
@@ -27,6 +28,7 @@ from meshnet.errors import InvalidRequest
 __all__ = ["chat_tokens"]
 
 Render = Callable[[list[dict[str, Any]]], str]
+_FIELDS = ("content", "name")  # what a client writes into a message that the template copies into the prompt
 
 
 class _Tokenizer(Protocol):
@@ -48,21 +50,24 @@ def chat_tokens(
     writes it; message contents are never read as control tokens."""
     text = render(list(messages))
     add = not (bos_token and text.startswith(bos_token))  # a template that writes the BOS gets no second one
-    risky = [i for i, m in enumerate(messages) if _forges(tokenizer, m.get("content"))]
+    risky = [(i, f) for i, m in enumerate(messages) for f in _FIELDS if _forges(tokenizer, m.get(f))]
     if not risky:
         return tokenizer.tokenize(text, add_special=add)
     nonce = secrets.token_hex(8)
-    marks = {f"\ue000meshnet-content-{i}-{nonce}\ue001": str(messages[i]["content"]) for i in risky}
-    marked = [dict(m, content=mark) for mark, m in zip(marks, (messages[i] for i in risky), strict=True)]
-    by_index = dict(zip(risky, marked, strict=True))
-    skeleton = render([by_index.get(i, m) for i, m in enumerate(messages)])
+    marks: dict[str, str] = {}
+    chat = [dict(m) for m in messages]
+    for i, field in risky:
+        mark = f"\ue000meshnet-{field}-{i}-{nonce}\ue001"
+        marks[mark] = str(messages[i][field])
+        chat[i][field] = mark
+    skeleton = render(chat)
     pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", skeleton)
     contents = _verbatim(pieces, marks, text)
     if contents is None or any(skeleton.count(mark) != 1 for mark in marks):
-        first = risky[0]
+        i, field = risky[0]
         raise InvalidRequest(
-            f"messages[{first}].content holds the text of a control token of this model, and its chat template "
-            "changes the content, so it cannot be kept as plain text: remove the control-token text",
+            f"messages[{i}].{field} holds the text of a control token of this model, and its chat template "
+            f"changes the {field}, so it cannot be kept as plain text: remove the control-token text",
             param="messages",
         )
     tokens: list[int] = []
