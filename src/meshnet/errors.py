@@ -17,6 +17,7 @@
     ├── PayloadTooLarge               413  payload_too_large
     ├── BadGateway                    502  bad_gateway        (the next hop failed or broke the session)
     │   ├── HopFailed                 502  hop_failed         (names the hop that failed: route repair)
+    │   │   └── HopFull               502  hop_full           (a hop had no room for the session: wait)
     │   └── RouteInconsistent         502  route_inconsistent (hops disagree on what they computed)
     ├── Overloaded                    503  overloaded_error   (carries Retry-After)
     │   ├── StoreFull                 503  kv_store_full
@@ -36,6 +37,7 @@ __all__ = [
     "EngineError",
     "Forbidden",
     "HopFailed",
+    "HopFull",
     "InvalidRequest",
     "MeshnetError",
     "NotFound",
@@ -180,10 +182,27 @@ class HopFailed(BadGateway):
         self.failed_hop = failed_hop
 
 
-def hop_error(message: str, *, status: object, failed_hop: object, sender: str, sender_is_head: bool) -> BadGateway:
+class HopFull(HopFailed):
+    """A hop had no room to open the session (its sessions or KV taken, or the caller's quota there
+    spent: a 503 ``kv_store_full`` or a 429); ``failed_hop`` names it. Nothing failed: before the
+    first token the gateway waits for room or goes elsewhere, and reports no failure."""
+
+    code = "hop_full"
+
+
+# The error codes of a hop that had no room for a session (HopFull).
+FULL_CODES = frozenset({"kv_store_full", "rate_limit_exceeded", "hop_full"})
+
+
+def hop_error(
+    message: str, *, status: object, failed_hop: object, sender: str, sender_is_head: bool, code: object = None
+) -> BadGateway:
     """What an error answer from the hop at ``sender`` means to the gateway: a failure naming the hop
     it names (``failed_hop``), or the sender itself when it is past the head or lost the session
-    (410: it restarted; replace, rebuild it); anything else of the head's own is a plain 502."""
+    (410: it restarted; replace, rebuild it); anything else of the head's own is a plain 502. An
+    answer with a ``code`` of ``FULL_CODES`` is a hop without room (``HopFull``), not a failure."""
+    if code in FULL_CODES:
+        return HopFull(message, failed_hop=str(failed_hop or sender))
     if failed_hop:
         return HopFailed(message, failed_hop=str(failed_hop))
     if not sender_is_head or status == 410:

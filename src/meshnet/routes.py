@@ -45,6 +45,7 @@ class RoutePlan:
     ticket: str | None = None  # a private swarm's tracker-signed route (or repair) ticket for the hops
     trusted_only: bool = False  # pinned over trusted nodes only (and so is every route that replaces it)
     cached_tokens: int = 0  # the prompt positions the tracker expects the route's prefix caches to hold
+    prefix_namespace: bytes = b""  # the prefix-cache namespace its prompt blocks are hashed in (the API key's)
 
     @property
     def layers(self) -> int:

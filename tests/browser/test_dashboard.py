@@ -121,7 +121,7 @@ def chat(page: WebDriver, text: str, max_tokens: int) -> tuple[dict[str, Any], l
 
 # Chromium logs each refused fetch as a console error; with API keys on, only these are expected.
 REFUSED = re.compile(
-    r"\S+/v1/\S+ - Failed to load resource: the server responded with a status of 401 \(Unauthorized\)"
+    r"\S+/(v1/\S+|dashboard/key) - Failed to load resource: the server responded with a status of 401 \(Unauthorized\)"
 )
 
 
@@ -135,8 +135,8 @@ def requests_made(driver: WebDriver) -> int:
 
 def test_with_api_keys_the_page_asks_for_a_key_and_then_works(tmp_path: Path) -> None:
     """A gateway with ``--api-keys``: the page asks for a key, refuses a wrong one with the gateway's
-    own message, and with the right one shows the swarm and streams a chat (the key as a bearer
-    token on fetches, as the ``meshnet_api_key`` cookie on the EventSource). First in the module,
+    own message, and with the right one shows the swarm and streams a chat (the key in the
+    ``meshnet_api_key`` cookie the gateway sets, HttpOnly, on every fetch and EventSource). First in the module,
     with a browser of its own: its swarm is gone before the module's starts, and its cookie with it."""
     from selenium.webdriver.common.by import By
 
@@ -194,7 +194,10 @@ def test_with_api_keys_the_page_asks_for_a_key_and_then_works(tmp_path: Path) ->
         # The right key: the swarm, the cookie, and a streamed chat whose live events arrive.
         use(key)
         seen = wait_until(lambda: (f := form())["segments"] == 3 and f, 30, "the layer map shows three nodes")
-        assert not seen["shown"] and seen["forget"] and seen["cookie"] == f"meshnet_api_key={key}"
+        # the gateway's cookie: HttpOnly (no script sees it), SameSite=Strict, for its API only
+        assert not seen["shown"] and seen["forget"] and "meshnet_api_key" not in seen["cookie"]
+        (cookie,) = [c for c in page.get_cookies() if c["name"] == "meshnet_api_key"]
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/v1/"
         wait_until(lambda: form()["conn"] == "live", 15, "the page is live")
         state, lengths = chat(page, "Write a short poem about the sea.", 32)
         assert state.get("done") == "1", state
@@ -217,6 +220,7 @@ def test_with_api_keys_the_page_asks_for_a_key_and_then_works(tmp_path: Path) ->
         page.find_element(By.ID, "key-forget").click()
         seen = wait_until(lambda: (f := form())["shown"] and f, 15, "the page asks for a key again")
         assert "meshnet_api_key" not in seen["cookie"] and not seen["forget"]
+        assert not [c for c in page.get_cookies() if c["name"] == "meshnet_api_key"]
         assert unexpected_console_errors(page) == []
 
 

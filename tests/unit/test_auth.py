@@ -142,8 +142,9 @@ class _PlanRecorder(FakeEngine):
         self.asked: list[bool] = []
 
     def plan(
-        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = ()
-    ) -> RoutePlan:
+        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = (),
+        namespace: bytes = b"",
+    ) -> RoutePlan:  # fmt: skip
         self.asked.append(trusted_only)
         return super().plan(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
 
@@ -159,3 +160,35 @@ def test_a_key_with_the_trusted_only_policy_gets_routes_over_trusted_nodes_only(
             answer = c.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers={"Authorization": f"Bearer {key}"})
             assert answer.status_code == 200, answer.text
     assert engine.asked == [True, True, False, False]  # every choice of alice's request, none of bob's
+
+
+class _NamespaceRecorder(FakeEngine):
+    """The fake engine, recording the prefix namespace every route was planned in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.namespaces: list[bytes] = []
+
+    def plan(
+        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = (),
+        namespace: bytes = b"",
+    ) -> RoutePlan:  # fmt: skip
+        self.namespaces.append(namespace)
+        return super().plan(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+
+
+def test_each_key_plans_its_prompts_in_a_prefix_namespace_of_its_own() -> None:
+    """Issue 28: the prefix cache must not tell one key whether another sent the same prompt."""
+    ring = KeyRing([KeyPolicy("alice", digest(ALICE)), KeyPolicy("bob", digest(BOB))])
+    engine = _NamespaceRecorder()
+    with TestClient(create_app(engine, api_keys=ring)) as c:
+        for key in (ALICE, BOB, ALICE):
+            assert (
+                c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+            )
+    alice, bob, again = engine.namespaces
+    assert alice == again == bytes.fromhex(digest(ALICE)) and bob == bytes.fromhex(digest(BOB)) and alice != bob
+    keyless = _NamespaceRecorder()
+    with TestClient(create_app(keyless)) as c:
+        assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert keyless.namespaces == [b""]

@@ -67,3 +67,16 @@ def test_the_quota_counts_the_calling_member_but_not_a_forwarding_node() -> None
     assert _quota_client({"meshnet.member": _member("admin", "ops")}) == "ops"
     assert _quota_client({"meshnet.member": _member("node", "head")}) is None
     assert _quota_client({}) is None  # an open swarm: no certificates, no per-client quota
+
+
+def test_the_per_client_quota_has_sane_defaults() -> None:
+    """Issue 28: by default no member may take a node whole (one slot stays for the others), and a
+    private tracker bounds a member's open sessions; an explicit value still wins."""
+    from meshnet.cli.main import _build_parser
+    from meshnet.cli.swarm import TRACKER_SESSIONS_PER_CLIENT, _per_client
+
+    parse = _build_parser().parse_args
+    assert _per_client(parse(["node", "--layers", "0:1"])) == 3  # --max-sessions 4
+    assert _per_client(parse(["node", "--layers", "0:1", "--max-sessions", "1"])) == 1
+    assert _per_client(parse(["node", "--layers", "0:1", "--max-sessions", "8", "--max-sessions-per-client", "8"])) == 8
+    assert parse(["tracker"]).max_sessions_per_client == TRACKER_SESSIONS_PER_CLIENT == 256

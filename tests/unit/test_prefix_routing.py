@@ -351,3 +351,12 @@ def test_hints_are_bounded_per_node_and_in_open_sessions(monkeypatch: pytest.Mon
     assert warm.cached_tokens == 0
     hints.closed("s3", ["b"])  # already closed: nothing more
     assert not hints.apply(nodes, HASHES)[1].prefix_held
+
+
+def test_a_namespace_seeds_the_chain_and_the_empty_one_is_the_old_chain():
+    tokens = list(range(300))
+    plain = block_hashes(tokens, 128)
+    assert block_hashes(tokens, 128, namespace=b"") == plain
+    alice, bob = block_hashes(tokens, 128, namespace=b"alice"), block_hashes(tokens, 128, namespace=b"bob")
+    assert len(alice) == len(bob) == len(plain) == 2
+    assert not set(alice) & set(bob) and not set(alice) & set(plain)  # equal prompts, no shared block

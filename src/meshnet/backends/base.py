@@ -79,7 +79,9 @@ class RouteChange:
     """The route changed mid-generation because a hop failed (routes only).
 
     ``kind`` is ``"repair"`` (the failed hop was replaced and rebuilt; generation goes on where it
-    was) or ``"reroute"`` (a fresh route, prefilled from scratch). ``replayed`` positions were
+    was), ``"reroute"`` (a fresh route, prefilled from scratch) or ``"wait"`` (a hop had no room for
+    the session before its first token: first on the old ``plan``, the wait begins; then on the
+    fresh one planned after it, which the generation goes on with; nothing failed). ``replayed`` positions were
     recomputed on the new hops; ``seconds`` is from the failure to the route serving again.
     """
 
@@ -101,18 +103,23 @@ class TextEngine(Protocol):
     max_concurrency: int
 
     def plan(
-        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = ()
-    ) -> RoutePlan:
+        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = (),
+        namespace: bytes = b"",
+    ) -> RoutePlan:  # fmt: skip
         """Pick (and pin) the route a generation of this size will use (``trusted_only``: over nodes
         of the trusted tier only; ``prompt``: its token ids, so a route whose prefix caches hold its
-        start may win). May block: call it off the event loop."""
+        start may win; ``namespace``: the prefix-cache namespace its blocks are hashed in, one per API
+        key, so no key finds another's prompts cached). May block: call it off the event loop."""
         ...
 
     def release(self, plan: RoutePlan) -> None:
         """Give back a planned route that will never run (the request was refused after planning)."""
         ...
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text`` (``add_special``: with the model's BOS); ``parse_special``: the text of a
+        control token (``<|im_end|>``) becomes that token, else it is tokenized as plain text."""
+        ...
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token contributes to the output text (empty for control tokens)."""

@@ -71,7 +71,7 @@ class FakeEngine:
     def grammar(self, text: str, *, param: str = "grammar") -> TokenGrammar:
         raise InvalidRequest("the fake engine has no vocabulary to compile a grammar against", param=param)
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         body = list(text.encode("utf-8"))
         return [BOS, *body] if add_special else body
 
@@ -82,8 +82,9 @@ class FakeEngine:
         return token == EOS
 
     def plan(
-        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = ()
-    ) -> RoutePlan:
+        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = (),
+        namespace: bytes = b"",
+    ) -> RoutePlan:  # fmt: skip
         return local_plan(self.info, self.url)  # one process holds the whole model: nothing leaves it
 
     def release(self, plan: RoutePlan) -> None:

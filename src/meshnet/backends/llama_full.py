@@ -72,8 +72,8 @@ class LlamaFullEngine:
         self._chunk = min(n_batch, self.n_ctx)
         self._busy = threading.Lock()
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        return self.vocab.tokenize(text, add_special=add_special)
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        return self.vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def token_bytes(self, token: int) -> bytes:
         return self.vocab.token_bytes(token)
@@ -85,8 +85,9 @@ class LlamaFullEngine:
         return self.vocab.grammar(text, param=param)
 
     def plan(
-        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = ()
-    ) -> RoutePlan:
+        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = (),
+        namespace: bytes = b"",
+    ) -> RoutePlan:  # fmt: skip
         return local_plan(self.info, self.url)  # one process holds the whole model: nothing leaves it
 
     def release(self, plan: RoutePlan) -> None:

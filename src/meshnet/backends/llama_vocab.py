@@ -101,12 +101,12 @@ class LlamaVocab:
         raw = self._ll.llama_vocab_get_text(self._vocab, token)
         return raw.decode("utf-8", "replace") if raw else ""
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
         size = len(data) + 8
         while True:
             buf = (self._ll.llama_token * size)()
-            n = int(self._ll.llama_tokenize(self._vocab, data, len(data), buf, size, add_special, True))
+            n = int(self._ll.llama_tokenize(self._vocab, data, len(data), buf, size, add_special, parse_special))
             if n >= 0:
                 return list(buf[:n])
             size = -n  # a negative result is the number of tokens needed

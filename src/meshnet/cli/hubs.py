@@ -11,6 +11,7 @@ from meshnet.cli.member_tls import member_tls_for, tracker_tls_for
 from meshnet.cli.serve import (
     api_keys_for,
     bind_socket,
+    host_policy,
     read_chat_template,
     serve_app,
     setup_logging,
@@ -105,6 +106,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             api_keys=keys,
             tracker_tls=client_tls,
             learn=engines.learn if args.learn_models == "on" else None,
+            allowed_hosts=host_policy(args),
         )
         serve_app(app, sock)
     finally:

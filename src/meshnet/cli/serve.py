@@ -20,6 +20,7 @@ from meshnet.httputil import is_loopback
 
 if TYPE_CHECKING:
     from meshnet.gateway.auth import KeyRing
+    from meshnet.gateway.origin import HostPolicy
 
 __all__ = ["bind_socket", "resolve_gguf", "run_serve", "serve_app", "setup_logging"]
 
@@ -126,6 +127,21 @@ def add_api_keys(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve the API without keys on a non-loopback --host (anyone who can reach it may use it)",
     )
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a DNS name clients reach this gateway by (repeatable), e.g. a reverse proxy's public name; "
+        "IP addresses and localhost always work, a request naming any other Host is refused (DNS rebinding)",
+    )
+
+
+def host_policy(args: argparse.Namespace) -> HostPolicy:
+    """The names of ``--allowed-host`` (gateway.origin)."""
+    from meshnet.gateway.origin import HostPolicy
+
+    return HostPolicy.of(args.allowed_host)
 
 
 def api_keys_for(args: argparse.Namespace, who: str) -> KeyRing | None:
@@ -247,6 +263,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=int(config.max_body_mb * 2**20),
         chat_template=template,
         api_keys=keys,
+        allowed_hosts=host_policy(args),
     )
     print(
         f"meshnet: {info.model_id} ({info.architecture}, {info.quantization}, {info.n_layers} layers) "

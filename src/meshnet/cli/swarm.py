@@ -50,6 +50,11 @@ def load_checks_dir(cache_dir: Path | None) -> Path:
     return (cache_dir or default_cache_dir()) / "load-checks"
 
 
+# A member's open sessions on a private swarm's tracker: far above any one gateway's honest use
+# (its concurrency and queue), far below what fills the tracker's database.
+TRACKER_SESSIONS_PER_CLIENT = 256
+
+
 def add_swarm_commands(sub: Any) -> None:
     node = sub.add_parser("node", help="serve one layer range of a GGUF to a route")
     source = node.add_mutually_exclusive_group()
@@ -82,7 +87,8 @@ def add_swarm_commands(sub: Any) -> None:
         type=at_least_one,
         default=None,
         help="in a private swarm: sessions one member (a gateway) may hold on this node at once; one more is "
-        "a 429 (default: --max-sessions, i.e. no limit per client; with several gateways, e.g. half of it)",
+        "a 429, which a gateway waits out (default: --max-sessions minus one, so no member can take the node "
+        "whole; meshnet up, whose own gateway is the only client, gives it every slot)",
     )
     add_decode_batch(node)
     node.add_argument(
@@ -197,7 +203,9 @@ def _add_tracker(sub: Any) -> None:
     tracker.add_argument(
         "--max-sessions-per-client",
         type=at_least_one,
-        help="with --swarm: open sessions one member (gateway) may hold at once; one more is 429 (default: no limit)",
+        default=TRACKER_SESSIONS_PER_CLIENT,
+        help="with --swarm: open sessions one member (gateway) may hold at once; one more is 429 "
+        f"(default {TRACKER_SESSIONS_PER_CLIENT})",
     )
     tracker.add_argument("--db", default="sqlite:///.meshnet/tracker.db", help="SQLAlchemy URL (sqlite or postgresql)")
     add_tracker_tls(tracker)
@@ -362,12 +370,13 @@ def _ticket_verifier(tls: Any) -> Any:
         usage_error(f"meshnet node: {exc.message}")
 
 
-def _per_client(args: argparse.Namespace) -> int | None:
-    """``--max-sessions-per-client`` (at most ``--max-sessions``); ``None``: no limit per client. Not
-    half by default: one gateway, the usual client of a swarm (and the only one of ``meshnet up``),
-    would get half of every node."""
+def _per_client(args: argparse.Namespace) -> int:
+    """``--max-sessions-per-client`` (at most ``--max-sessions``). By default one slot fewer than
+    ``--max-sessions``: a member that squats every session it may hold still leaves one for the
+    others, and the usual single gateway loses one slot, which it waits for rather than fails on
+    (gateway.route_engine); ``meshnet up`` passes ``--max-sessions`` (its gateway is the only client)."""
     if args.max_sessions_per_client is None:
-        return None
+        return max(1, int(args.max_sessions) - 1)
     if args.max_sessions_per_client > args.max_sessions:
         usage_error(
             f"meshnet node: --max-sessions-per-client {args.max_sessions_per_client} is more than --max-sessions "

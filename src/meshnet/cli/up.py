@@ -229,6 +229,8 @@ def run_up(args: argparse.Namespace) -> int:
                 "--backend", args.backend, "--threads", str(threads), "--wire-dtype", args.wire_dtype,
                 "--node-id", f"node-{i}", "--ctx", str(args.ctx),
                 "--max-sessions", str(args.max_sessions), "--decode-batch", str(args.decode_batch),
+                # its own gateway is the swarm's one client: every slot is its (the default keeps one free)
+                "--max-sessions-per-client", str(args.max_sessions),
                 *(["--core-lease", str(workdir / "cores.lock")] if lease else []),
                 *(["--allow-uncertified"] if args.allow_uncertified else []),
                 *(swarm.member_args("node", f"node-{i}", tracker_url) if swarm else []),
@@ -248,6 +250,7 @@ def run_up(args: argparse.Namespace) -> int:
             *(["--chat-template-file", str(args.chat_template_file)] if args.chat_template_file else []),
             *(["--api-keys", str(args.api_keys)] if args.api_keys else []),
             *(["--no-auth"] if args.no_auth else []),
+            *(arg for host in args.allowed_host for arg in ("--allowed-host", host)),
             *(swarm.member_args("gateway", "gateway", tracker_url) if swarm else []),
         ]  # fmt: skip
         gateway = _Child("gateway", gateway_args, workdir / "gateway.log")

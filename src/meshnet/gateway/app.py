@@ -26,8 +26,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnet.backends.base import TextEngine
 from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError
-from meshnet.gateway import dashboard
-from meshnet.gateway.auth import ApiKeyMiddleware, KeyRing, key_policy
+from meshnet.gateway import dashboard, swarm_view
+from meshnet.gateway.auth import ApiKeyMiddleware, KeyRing, admit_generations, key_policy, key_routes
 from meshnet.gateway.catalog import Learner, ModelCatalog, ServedModel
 from meshnet.gateway.chat_template import ChatTemplate
 from meshnet.gateway.generation import (
@@ -42,6 +42,8 @@ from meshnet.gateway.generation import (
 from meshnet.gateway.logprobs import LogprobsShape
 from meshnet.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from meshnet.gateway.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
+from meshnet.gateway.origin import HostPolicy, OriginGuard
+from meshnet.gateway.prompt import chat_tokens
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, TelemetryHub
 from meshnet.gateway.tools import ParsedReply, ToolPlan
 from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response, read_body
@@ -93,11 +95,14 @@ def create_app(
     tracker_tls: ssl.SSLContext | None = None,
     learn: Learner | None = None,
     more_engines: Sequence[TextEngine] = (),
+    allowed_hosts: HostPolicy | None = None,
 ) -> Starlette:
     """Compose a gateway around one engine; the caller owns the engine's lifetime. ``chat_template``
     replaces the model's own; with ``api_keys`` the API needs a key (``gateway.auth``). With
     ``swarm_tracker`` and ``learn`` it also serves the models the tracker knows (gateway.catalog);
-    ``more_engines`` are served beside the first from the start (the caller owns them too)."""
+    ``more_engines`` are served beside the first from the start (the caller owns them too). With
+    ``allowed_hosts`` a request for another ``Host`` is refused (``gateway.origin``: the CLI always
+    gives one), and a browser request from another origin always is."""
     hub = TelemetryHub()
     metrics = GatewayMetrics()
     catalog = ModelCatalog(
@@ -137,6 +142,7 @@ def create_app(
         Route("/health", _with(state, health), methods=["GET"]),
         Route("/metrics", _with(state, prometheus), methods=["GET"]),
         *dashboard.routes(),  # the live web dashboard at / and /dashboard (docs/dashboard.md)
+        *key_routes(api_keys),  # its sign-in: the server-set key cookie (gateway.auth)
     ]
     app = Starlette(
         routes=routes,
@@ -146,6 +152,7 @@ def create_app(
     app.state.gateway = state
     if api_keys is not None:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+    app.add_middleware(OriginGuard, hosts=allowed_hosts)  # before any key is looked at
     # outermost: refused requests (401, 429) are counted too
     app.add_middleware(_CountRequests, metrics=metrics, paths=frozenset(r.path for r in routes))
     return app
@@ -219,16 +226,16 @@ async def chat_completions(state: GatewayState, request: Request) -> Response:
     tools = body.tool_plan(native=state.template.supports_tools)
     messages = [m.for_template() for m in body.messages]
 
-    def prepare() -> tuple[list[int], str, str]:
+    def render(chat: list[dict[str, Any]]) -> str:
         if tools is None:
-            text = state.template.render(messages)
-            grammar, param = body.output_grammar()
-        else:
-            text = state.template.render(tools.messages(messages), tools=tools.template_tools())
-            grammar, param = tools.grammar(), "tools"
-        # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
-        bos = state.engine.info.bos_token
-        return state.engine.tokenize(text, add_special=not (bos and text.startswith(bos))), grammar, param
+            return state.template.render(chat)
+        return state.template.render(tools.messages(chat), tools=tools.template_tools())
+
+    def prepare() -> tuple[list[int], str, str]:
+        grammar, param = body.output_grammar() if tools is None else (tools.grammar(), "tools")
+        # the template's control tokens are control tokens; the messages' contents are text (gateway.prompt)
+        tokens = chat_tokens(state.engine, render, messages, bos_token=state.engine.info.bos_token)
+        return tokens, grammar, param
 
     # A long prompt takes a while to render and tokenize: off the event loop, so other streams keep flowing.
     tokens, grammar, param = await run_in_threadpool(prepare)
@@ -356,9 +363,11 @@ async def _serve(
     id: the proposed or new one, then ``ID.1``, ``ID.2``...; a seeded choice ``i`` uses seed + i)."""
     gid = _generation_id(request)
     gids = [gid, *(GenerationId(f"{gid}.{i}") for i in range(1, body.n))]
+    admit_generations(request.scope, body.n)  # a key's concurrency counts each choice (gateway.auth)
     policy = key_policy(request.scope)
-    if policy is not None and policy.trusted_only:
-        gen = dataclasses.replace(gen, trusted_only=True)
+    if policy is not None:  # its prompt's cached blocks are the key's own (protocol.prefix)
+        gen = dataclasses.replace(gen, trusted_only=gen.trusted_only or policy.trusted_only,
+                                  prefix_namespace=policy.prefix_namespace)  # fmt: skip
     for one in gids:
         state.hub.check_free(one)
     headers = {GENERATION_ID: str(gid)}
@@ -399,7 +408,10 @@ async def _start(
     # Planning may ask a tracker over the network: off the event loop.
     size = {"prompt_tokens": len(gen.prompt_tokens), "max_tokens": gen.max_tokens}
     plan = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: state.engine.plan(**size, trusted_only=gen.trusted_only, prompt=gen.prompt_tokens)
+        None,
+        lambda: state.engine.plan(
+            **size, trusted_only=gen.trusted_only, prompt=gen.prompt_tokens, namespace=gen.prefix_namespace
+        ),
     )
     try:
         tel = _open_telemetry(state, gid, plan, len(gen.prompt_tokens))
@@ -719,23 +731,22 @@ async def swarm(state: GatewayState, _: Request) -> Response:
         info = state.engine.info
         local = {"node": "local", "layers": str(info.layers), "health": {"status": "ok"}}
         return JSONResponse({"tracker": None, "nodes": [local], "sessions": sessions})
-    async with httpx.AsyncClient(timeout=5.0, verify=state.tracker_tls or True) as client:
-        try:
-            nodes = (await client.get(f"{state.tracker}/v1/nodes")).json()["nodes"]
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            return JSONResponse(
-                {"tracker": state.tracker, "error": f"tracker unreachable: {exc}", "sessions": sessions}
-            )
+    # Members' answers are read bounded, typed and without their errors' text (gateway.swarm_view).
+    async with httpx.AsyncClient(timeout=swarm_view.PROBE_S, verify=state.tracker_tls or True) as client:
+        listed = await swarm_view.fetch_json(client, f"{state.tracker}/v1/nodes", swarm_view.MAX_NODES_BYTES)
+        nodes = listed.get("nodes") if isinstance(listed, dict) else None
+        if not isinstance(nodes, list):
+            return JSONResponse({"tracker": state.tracker, "error": "tracker unreachable", "sessions": sessions})
 
         async def probe(node: dict[str, Any]) -> dict[str, Any]:
-            try:
-                health = (await client.get(f"{node['url']}/v1/health")).json()
-            except (httpx.HTTPError, ValueError) as exc:
-                health = {"status": "unreachable", "reason": str(exc)}
-            return {**node, "health": health}
+            url = node.get("url")
+            answer = await swarm_view.fetch_json(client, f"{url}/v1/health", swarm_view.MAX_HEALTH_BYTES)
+            return {**node, "health": swarm_view.node_health(answer)}
 
-        nodes = list(await asyncio.gather(*(probe(n) for n in nodes)))
-    return JSONResponse({"tracker": state.tracker, "nodes": nodes, "sessions": sessions})
+        probed = await asyncio.gather(
+            *(probe(n) for n in nodes if isinstance(n, dict) and isinstance(n.get("url"), str))
+        )
+    return JSONResponse({"tracker": state.tracker, "nodes": list(probed), "sessions": sessions})
 
 
 async def prometheus(state: GatewayState, _: Request) -> Response:

@@ -50,6 +50,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     plan: RoutePlan | None = None
     trusted_only: bool = False  # its route over trusted nodes only (the API key's policy)
+    prefix_namespace: bytes = b""  # the prefix-cache namespace of its prompt (the API key's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,13 +287,18 @@ class GenerationService:
 
     def _on_route_change(self, tel: GenerationTelemetry, change: RouteChange) -> None:
         """A hop failed and the route engine recovered: say so, with the reason and the new route."""
+        if change.kind == "wait" and change.plan.session_id == tel.session_id:  # no room yet: waiting
+            _log.info("generation %s waits for room: %s", tel.generation_id, change.reason)
+            tel.emit(EventType.ROUTE_HEALTH, status="waiting", reason=change.reason, node=change.failed_node,
+                     hops=[])  # fmt: skip
+            return
         failed = next((h for h in tel.route if h.node == change.failed_node), None)
         tel.route, tel.session_id, tel.route_id = change.plan.hops, change.plan.session_id, change.plan.route_id
         tel.retries += 1
         self.metrics.route_retries.labels(kind=change.kind).inc()
         self.metrics.route_recovery_seconds.labels(kind=change.kind).observe(change.seconds)
         self.metrics.route_replayed_positions.labels(kind=change.kind).inc(change.replayed)
-        _log.warning(
+        (_log.info if change.kind == "wait" else _log.warning)(  # a wait for room is no failure
             "route %s (attempt %d): generation %s session %s: node %s%s failed (%s); route now %s; "
             "%d positions replayed in %.3fs",
             change.kind,

@@ -6,7 +6,6 @@ module sees a ``ValidationError``.
 
 from __future__ import annotations
 
-import json
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -14,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from meshnet.backends.grammar import JSON_OBJECT_GRAMMAR, json_schema_grammar
 from meshnet.errors import InvalidRequest
 from meshnet.gateway.tools import FunctionSpec, ToolPlan, parse_choice, parse_functions
+from meshnet.gateway.validation import load_json
 from meshnet.sampling import SamplingParams
 
 __all__ = [
@@ -25,6 +25,8 @@ __all__ = [
 
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 8  # n: each choice is a generation of its own (its own route and prefill)
+MAX_SEED = 2**63 - 1  # OpenAI's seed is an int64; samplers past the gateway take nothing wider
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: a token id of any vocabulary fits in 10 digits
 
 
 class _Strict(BaseModel):
@@ -42,8 +44,8 @@ class _GenerationParams(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    top_k: int = Field(0, ge=0, le=2**31 - 1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -65,8 +67,11 @@ class _GenerationParams(_Strict):
 
     def check_supported(self) -> None:
         for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
-                raise InvalidRequest(f"logit_bias keys are token ids (digit strings), got {key!r}", param="logit_bias")
+            digits = key.strip()
+            # str.isdigit() is true of "²" and "٣" too, which int() refuses: ASCII digits only
+            if not (digits.isascii() and digits.isdigit() and len(digits) <= MAX_TOKEN_ID_DIGITS):
+                raise InvalidRequest(f"logit_bias keys are token ids (digit strings), got {key[:24]!r}",
+                                     param="logit_bias")  # fmt: skip
             if not -100.0 <= value <= 100.0:
                 raise InvalidRequest(f"logit_bias values lie within [-100, 100], got {value} for token {key}",
                                      param="logit_bias")  # fmt: skip
@@ -190,11 +195,12 @@ class ChatMessage(_Strict):
 
 
 def _arguments(call: AssistantToolCall) -> object:
-    try:
-        return json.loads(call.function.arguments)
-    except json.JSONDecodeError:
+    try:  # checked as the body is: no giant integers, no surrogates escaped inside the text
+        return load_json(call.function.arguments.encode("utf-8"))
+    except InvalidRequest as exc:
         raise InvalidRequest(
-            f"tool call {call.id}: function.arguments must be JSON text, got {call.function.arguments[:80]!r}",
+            f"tool call {call.id}: function.arguments must be JSON text, got {call.function.arguments[:80]!r} "
+            f"({exc.message})",
             param="messages",
         ) from None
 
@@ -309,10 +315,7 @@ RequestT = TypeVar("RequestT", bound=_GenerationParams)
 
 def parse_body(raw: bytes, schema: type[RequestT]) -> RequestT:
     """JSON bytes → a validated request, or ``InvalidRequest`` naming what to fix."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    data = load_json(raw)  # depth, integer sizes and surrogates checked (gateway.validation)
     if not isinstance(data, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:

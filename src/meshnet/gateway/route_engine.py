@@ -63,6 +63,7 @@ from meshnet.errors import (
     BadGateway,
     EngineError,
     HopFailed,
+    HopFull,
     InvalidRequest,
     MeshnetError,
     Overloaded,
@@ -71,6 +72,7 @@ from meshnet.errors import (
 )
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
 from meshnet.gateway.channels import Channels, ChannelUnavailable
+from meshnet.gateway.closer import SessionCloser
 from meshnet.gateway.speculative import SPECULATIVE_MODES, Drafter, DraftSource, ModelDraft, PromptLookup, WalkCosts
 from meshnet.httputil import error_field, error_message
 from meshnet.ids import RouteId, SessionId
@@ -106,13 +108,18 @@ SNAPSHOT_EVERY = 1024
 # How long a finished generation waits for its route to free the session (and keep its prompt
 # blocks) before the stream ends: milliseconds on a healthy route.
 CLOSE_WAIT_S = 2.0
+# A hop without room for a session (HopFull) before its first token: wait for room this long in all,
+# in waits doubling from the first, each at most the step.
+ROOM_WAIT_S = 60.0
+ROOM_WAIT_FIRST_S = 0.25
+ROOM_WAIT_MAX_STEP_S = 4.0
 _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
 
 
 class Tokenizer(Protocol):
     info: ModelInfo
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]: ...
 
     def token_bytes(self, token: int) -> bytes: ...
 
@@ -140,6 +147,8 @@ class _Run:
     prefix: PrefixClaim | None = None  # the prompt's blocks, for the hops' prefix caches
     cached: int = 0  # prompt positions the route took from its prefix caches (not computed)
     cold: bool = False  # reuse was refused once (the cached KV did not match the prompt): prefill everything
+    room_since: float | None = None  # when a hop first had no room for the session (HopFull): the wait began
+    room_waits: int = 0
     # KV snapshots (node.snapshots): hop node id -> (its standby's node id, the positions snapshotted)
     standbys: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     snapshot_at: int = 0  # the positions the hops' latest snapshots hold (0: none taken)
@@ -169,6 +178,7 @@ class RouteEngine:
         decode_channel: bool = True,
         client_tls: ssl.SSLContext | None = None,
         trusted_only: bool = False,
+        room_wait_s: float = ROOM_WAIT_S,
     ) -> None:
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
@@ -197,10 +207,12 @@ class RouteEngine:
         self.trusted_only = trusted_only  # every route (and the tracker's repairs of it) on trusted nodes only
         self.outbox = outbox if outbox is not None else BillingOutbox(self.tracker_url, tls=client_tls)
         self.channels = Channels(client_tls) if decode_channel else None
+        self.closer = SessionCloser(client_tls)  # every close retried until acknowledged
+        self.room_wait_s = room_wait_s  # how long a generation waits for a hop with room (HopFull)
 
     # -- tokenizer ---------------------------------------------------------------------------
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        return self.tokenizer.tokenize(text, add_special=add_special)
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def token_bytes(self, token: int) -> bytes:
         return self.tokenizer.token_bytes(token)
@@ -237,13 +249,15 @@ class RouteEngine:
         like_session: SessionId | None = None,
         trusted_only: bool = False,
         prompt: Sequence[int] = (),
+        namespace: bytes = b"",
     ) -> RoutePlan:
         """Pin a fresh route; ``like_session``: only one that computes bit-identically to that session's;
         ``trusted_only`` (or the gateway's ``--trusted-only``): over trusted nodes only; ``prompt``:
-        its blocks let the tracker prefer a route whose prefix caches hold them."""
+        its blocks let the tracker prefer a route whose prefix caches hold them, hashed in ``namespace``
+        (the API key's: protocol.prefix), which the generation on the route hashes its blocks in too."""
         trusted_only = trusted_only or self.trusted_only
         body: dict[str, Any] = {"model": self.info.model_id, "total_layers": self.info.n_layers}
-        hashes = block_hashes(prompt, self.prefill_chunk) if self.prefix_cache else []
+        hashes = block_hashes(prompt, self.prefill_chunk, namespace=namespace) if self.prefix_cache else []
         if hashes:
             body["prefix"] = {"block": self.prefill_chunk, "hashes": [h.hex() for h in hashes]}
         if exclude:
@@ -265,7 +279,8 @@ class RouteEngine:
         ticket, cached = data.get("ticket"), data.get("cached_tokens")
         return RoutePlan(SessionId(data["session_id"]), RouteId(data["route_id"]), self._hops(data["hops"]),
                          ticket=ticket if isinstance(ticket, str) else None, trusted_only=trusted_only,
-                         cached_tokens=cached if isinstance(cached, int) and cached > 0 else 0)  # fmt: skip
+                         cached_tokens=cached if isinstance(cached, int) and cached > 0 else 0,
+                         prefix_namespace=namespace)  # fmt: skip
 
     def _hops(self, hops: Sequence[dict[str, Any]]) -> tuple[Hop, ...]:
         total = self.info.n_layers
@@ -275,8 +290,9 @@ class RouteEngine:
         )
 
     def release(self, plan: RoutePlan) -> None:
-        with contextlib.suppress(MeshnetError):  # best effort: the tracker expires it otherwise
-            self._tracker("DELETE", f"/v1/sessions/{plan.session_id}", timeout_s=CLOSE_WAIT_S)
+        """Free the session on the tracker: retried until it is acknowledged (gateway.closer)."""
+        url = f"{self.tracker_url}/v1/sessions/{plan.session_id}"
+        self.closer.close(url, {}, client=self._client(), timeout_s=CLOSE_WAIT_S)
 
     # -- generation --------------------------------------------------------------------------
     def generate(
@@ -288,7 +304,7 @@ class RouteEngine:
             raise InvalidRequest("the prompt is empty after tokenization")
         run = _Run(plan, json.dumps(dataclasses.asdict(sampler.params)), Usage(), ChunkLedger(sends=False))
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
-        hashes = block_hashes(tokens, self.prefill_chunk) if self.prefix_cache else []
+        hashes = block_hashes(tokens, self.prefill_chunk, namespace=plan.prefix_namespace) if self.prefix_cache else []
         run.prefix = PrefixClaim(self.prefill_chunk, tuple(hashes)) if hashes else None
         for begin in range(0, len(tokens), self.prefill_chunk):
             run.add(tokens[begin : begin + self.prefill_chunk])
@@ -331,10 +347,15 @@ class RouteEngine:
     def _prefill_with_retries(
         self, run: _Run, tokens: list[int], cancel: threading.Event
     ) -> Generator[EngineStep, None, HopAnswer | None]:
-        """Prefill ``tokens``; a failed hop means a fresh route without it, from scratch."""
+        """Prefill ``tokens``; a failed hop means a fresh route without it, from scratch; a hop without
+        room for the session means waiting for room, on a route around it if there is one (``_wait``)."""
         while True:
             try:
                 answer = yield from self._prefill(run, tokens, cancel)
+            except HopFull as exc:
+                if not (yield from self._wait(run, tokens, exc, cancel)):
+                    return None
+                continue
             except HopFailed as exc:
                 began = time.monotonic()
                 failed = self._failed_hop(run, exc)
@@ -346,6 +367,46 @@ class RouteEngine:
                 verify_hops(run.ledger, run.plan.hops, answer.hops)
                 run.usage.add(run.plan.hops, prefill=len(tokens) - run.cached)
             return answer
+
+    def _wait(
+        self, run: _Run, tokens: list[int], full: HopFull, cancel: threading.Event
+    ) -> Generator[EngineStep, None, bool]:
+        """A hop had no room to open the session (its sessions taken: by zombies, by another member's
+        parked sessions, or by this gateway's own; or this gateway's quota there spent). Nothing
+        failed, so nothing is reported: free what the attempt opened, wait a while (doubling from
+        ``ROOM_WAIT_FIRST_S``; the telemetry says so), then plan again, around that hop if the
+        tracker can. After ``ROOM_WAIT_S`` the generation is refused with a 503 and ``Retry-After``,
+        never a 502. False: the client left meanwhile."""
+        now = time.monotonic()
+        if run.room_since is None:
+            run.room_since = now
+        waited = now - run.room_since
+        if waited >= self.room_wait_s:
+            raise Overloaded(f"{full.message}; no room on a route after waiting {waited:.0f} s: retry later",
+                             retry_after_s=5)  # fmt: skip
+        run.room_waits += 1
+        delay = min(ROOM_WAIT_MAX_STEP_S, ROOM_WAIT_FIRST_S * 2 ** (run.room_waits - 1), self.room_wait_s - waited)
+        hop = next((h for h in run.plan.hops if h.url == full.failed_hop), None)
+        node = hop.node if hop is not None else str(full.failed_hop)
+        self._close(run.plan)
+        reason = f"{full.message}; waiting {delay:.2f} s for room"
+        yield RouteChange("wait", reason, node, run.plan, run.retries, 0, 0.0)
+        if cancel.wait(delay):
+            return False
+        like = run.plan.session_id if run.streamed else None
+        ask: dict[str, Any] = {
+            "prompt_tokens": len(tokens), "like_session": like, "trusted_only": run.plan.trusted_only,
+            "prompt": tokens if run.prefix is not None else (), "namespace": run.plan.prefix_namespace,
+        }  # fmt: skip
+        try:  # around the full hop if the swarm has another for its layers
+            run.plan = self.plan(exclude=sorted(run.failed_nodes | {node}), **ask)
+        except (Overloaded, EngineError):  # it has not: wait for that one
+            run.plan = self.plan(exclude=sorted(run.failed_nodes), **ask)
+        run.usage, run.cached = Usage(), 0
+        run.standbys, run.snapshot_at = {}, 0
+        # the new session: the telemetry moves to it (a wait on the old one only said "waiting")
+        yield RouteChange("wait", f"{full.message}; waited for room", node, run.plan, run.retries, 0, _since(now))
+        return True
 
     def _drafter(self, plan: RoutePlan) -> Drafter | None:
         """This generation's drafter (``--speculative``), sharing the route's measured walk costs."""
@@ -591,6 +652,7 @@ class RouteEngine:
         run.plan = self.plan(
             exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens), like_session=like,
             trusted_only=run.plan.trusted_only, prompt=tokens if run.prefix is not None else (),
+            namespace=run.plan.prefix_namespace,
         )  # fmt: skip
         run.usage = Usage()
         run.cached = 0
@@ -735,8 +797,9 @@ class RouteEngine:
             message = f"route hop answered {response.status_code}: {error_message(response)}"
             failed = error_field(response, "failed_hop")
             raise hop_error(
-                message, status=response.status_code, failed_hop=failed, sender=hop_url, sender_is_head=True
-            )
+                message, status=response.status_code, failed_hop=failed, sender=hop_url, sender_is_head=True,
+                code=error_field(response, "code"),
+            )  # fmt: skip
         try:
             return HopAnswer.from_json(response.status_code, response.json())
         except ValueError as exc:  # a bad answer is a failed tail, repaired like a dead one
@@ -745,15 +808,16 @@ class RouteEngine:
 
     def _close(self, plan: RoutePlan) -> None:
         """Free the session's KV on every hop (the head forwards the delete; each hop keeps its prompt
-        blocks first) and on the tracker. The stream ends only after this (``run_worker``), so the
-        wait is short: a hop that does not answer in ``CLOSE_WAIT_S`` (stopped, or keeping a huge
-        prompt) goes on by itself, and an unreachable one frees the session at its idle TTL."""
-        with contextlib.suppress(httpx.HTTPError):
-            url = f"{plan.hops[0].url}/v1/sessions/{plan.session_id}"
-            self._client().delete(url, headers=_ticketed(plan), timeout=CLOSE_WAIT_S)
+        blocks first) and on the tracker. The stream ends only after the first attempt
+        (``run_worker``), so its wait is short (``CLOSE_WAIT_S``); one that is not acknowledged (a hop
+        still computing for the session, or unreachable for a moment) is retried from the closer's
+        thread until it is (gateway.closer): no zombie holds a slot of the route until its TTL."""
+        url = f"{plan.hops[0].url}/v1/sessions/{plan.session_id}"
+        self.closer.close(url, _ticketed(plan), client=self._client(), timeout_s=CLOSE_WAIT_S)
         self.release(plan)
 
     def close(self) -> None:
+        self.closer.shutdown()
         self.outbox.close()
         if self.channels is not None:
             self.channels.close()

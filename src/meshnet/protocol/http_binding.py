@@ -241,8 +241,9 @@ def error_from_response(response: httpx.Response, sender: str, *, sender_is_head
     message = f"next hop {sender} answered {response.status_code}: {error_message(response)}"
     deeper = error_field(response, "failed_hop")
     return hop_error(
-        message, status=response.status_code, failed_hop=deeper, sender=sender, sender_is_head=sender_is_head
-    )
+        message, status=response.status_code, failed_hop=deeper, sender=sender, sender_is_head=sender_is_head,
+        code=error_field(response, "code"),
+    )  # fmt: skip
 
 
 def _chunks(headers: Mapping[str, str], n: int) -> tuple[int, ...] | None:

@@ -382,7 +382,7 @@ def remote_error(error: MeshnetError, *, sender: str, sender_is_head: bool) -> M
     one error map of every transport (``errors.hop_error``)."""
     message = f"next hop {sender} answered {error.status}: {error.message}"
     return hop_error(message, status=error.status, failed_hop=error.failed_hop, sender=sender,
-                     sender_is_head=sender_is_head)  # fmt: skip
+                     sender_is_head=sender_is_head, code=error.code)  # fmt: skip
 
 
 def _count(value: object) -> bool:

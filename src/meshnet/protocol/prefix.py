@@ -5,10 +5,14 @@ gateway's prefill chunk: a block is computed as exactly one compute call, so cac
 bits a cold prefill would give, protocol.ledger). Block ``i``'s hash covers every token before
 its end, chained as vLLM and SGLang do::
 
-    h_0 = blake2b("meshnet-prefix" ‖ block)            (the seed: other block sizes never match)
+    h_0 = blake2b("meshnet-prefix" ‖ block ‖ namespace) (the seed: other block sizes never match)
     h_i = blake2b(h_{i-1} ‖ int32 LE ids of block i)    (8 bytes each)
 
-so equal hashes mean equal prefixes (up to a 2^-64 collision, which the ledger digests still
+The gateway hashes each API key's prompts in a namespace of its own (``namespace``: a digest of
+the key; empty on a gateway without keys), so a key never reuses, and so never learns from
+``cached_tokens`` or timing, what another key recently sent: the caches hold both, apart.
+
+Equal hashes mean equal prefixes (up to a 2^-64 collision, which the ledger digests still
 catch: the gateway checks the reused KV's digests against its own token ids before it streams a
 token). Only full blocks are hashed; a prompt holds ``len // block`` of them.
 
@@ -44,11 +48,15 @@ _PROBES = 4
 MAX_PREFIX_BLOCKS = 512
 
 
-def block_hashes(tokens: Sequence[int], block: int, *, limit: int = MAX_PREFIX_BLOCKS) -> list[bytes]:
-    """The chained hashes of the full ``block``-token blocks of ``tokens`` (at most ``limit``)."""
+def block_hashes(
+    tokens: Sequence[int], block: int, *, limit: int = MAX_PREFIX_BLOCKS, namespace: bytes = b""
+) -> list[bytes]:
+    """The chained hashes of the full ``block``-token blocks of ``tokens`` (at most ``limit``), in
+    ``namespace`` (folded into the seed: equal prompts in two namespaces share no hash)."""
     if block < 1:
         raise ValueError(f"a prefix block holds at least one token, got {block}")
-    previous = hashlib.blake2b(b"meshnet-prefix" + struct.pack("<I", block), digest_size=HASH_BYTES).digest()
+    seed = b"meshnet-prefix" + struct.pack("<I", block) + namespace
+    previous = hashlib.blake2b(seed, digest_size=HASH_BYTES).digest()
     out: list[bytes] = []
     for begin in range(0, min(len(tokens) // block, limit) * block, block):
         ids = struct.pack(f"<{block}i", *tokens[begin : begin + block])

@@ -4,8 +4,10 @@ The page (``index.html``, ``app.js``, ``style.css`` beside this module, shipped 
 reads only the gateway's public endpoints: it polls ``/v1/swarm``, ``/v1/health`` and
 ``/v1/generations``, follows each running generation's ``/v1/generations/{id}/events`` and streams
 a chat reply from ``/v1/chat/completions``. This module only serves the files (docs/dashboard.md);
-they need no API key, and with ``--api-keys`` the page asks for one (kept in the ``meshnet_api_key``
-cookie, which the gateway accepts as well as a bearer token: an ``EventSource`` cannot set headers).
+they need no API key, and with ``--api-keys`` the page asks for one and signs in with it at
+``/dashboard/key`` (``gateway.auth``): the gateway sets the ``meshnet_api_key`` cookie itself,
+``HttpOnly; SameSite=Strict`` for its ``/v1/`` endpoints, and accepts it there from its own page only
+(an ``EventSource`` cannot set headers, so a bearer token cannot do).
 """
 
 from __future__ import annotations

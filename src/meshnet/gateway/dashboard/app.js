@@ -8,8 +8,9 @@
 //   POST /v1/chat/completions          the chat box, streamed (SSE read from fetch's body)
 //
 // A gateway started with --api-keys answers 401 (invalid_api_key) without a key: the page then stops
-// polling and asks for one, keeps it in the meshnet_api_key cookie (an EventSource cannot set
-// headers; the gateway reads the cookie) and sends it as "Authorization: Bearer" on its fetches too.
+// polling and asks for one, and signs in with it (POST /dashboard/key): the gateway sets the
+// meshnet_api_key cookie itself, HttpOnly and SameSite=Strict, for its /v1/ endpoints only. No script
+// (this page's included) can read it; every fetch and EventSource of the page carries it.
 //
 // Everything a node, the tracker or the model says is data: it reaches the page only through
 // textContent and attribute setters, never as markup.
@@ -22,7 +23,7 @@ const MAX_STREAMS = 3; // EventSources at once: a browser opens at most 6 connec
 const MAX_SAMPLES = 400; // tokens/s points a generation's sparkline keeps (4 a second)
 const GONE_KEEP_MS = 60000; // a node the tracker stopped listing stays on the page this long
 const TERMINAL = new Set(["generation.completed", "generation.failed"]);
-const KEY_COOKIE = "meshnet_api_key";
+const KEY_PATH = "/dashboard/key"; // sign in (POST {key}), sign out (DELETE); the gateway sets the cookie
 
 const state = {
   model: null, // {id, layers, contextCap, architecture, quantization}
@@ -34,7 +35,7 @@ const state = {
   chat: { messages: [], busy: false, abort: null },
   lastUpdate: null,
   connected: null,
-  auth: { key: null, needed: false }, // the API key in use (from the cookie), and whether the gateway refused it
+  auth: { keys: false, signedIn: false, needed: false }, // keys needed; signed in; the key refused
 };
 
 // -- DOM helpers (text only) ------------------------------------------------------------------
@@ -113,32 +114,34 @@ function nodeId(node) {
 // Thrown by apiFetch on a 401: the key form is up and polling has stopped; callers just give up.
 class KeyRequired extends Error {}
 
-function readKeyCookie() {
-  for (const part of document.cookie.split(";")) {
-    const cut = part.indexOf("=");
-    if (cut < 0 || part.slice(0, cut).trim() !== KEY_COOKIE) continue;
-    try {
-      return decodeURIComponent(part.slice(cut + 1).trim()) || null;
-    } catch {
-      return null;
-    }
-  }
-  return null;
+function showSignedIn(signedIn) {
+  state.auth.signedIn = signedIn;
+  $("key-forget").hidden = !signedIn;
 }
 
-function storeKey(key) {
-  state.auth.key = key;
-  // No Secure flag: the gateway serves plain http (on loopback, usually). Strict: never sent cross-site.
-  document.cookie = key
-    ? `${KEY_COOKIE}=${encodeURIComponent(key)}; path=/; SameSite=Strict`
-    : `${KEY_COOKIE}=; path=/; Max-Age=0; SameSite=Strict`;
-  $("key-forget").hidden = !key;
+// The gateway checks the key and, if it is one of its keys, sets the cookie; its refusal is the API's.
+async function signIn(key) {
+  const response = await fetch(KEY_PATH, {
+    method: "POST",
+    cache: "no-store",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ key }),
+  });
+  if (response.status === 401) {
+    const body = await response.json().catch(() => null);
+    const error = body && body.error ? body.error : {};
+    needKey(error.message);
+    throw new KeyRequired(str(error.message, "this gateway needs an API key"));
+  }
+  if (!response.ok) throw new Error(await errorMessage(response));
 }
 
 // The gateway refused the request's key (or there was none): stop and ask for one.
 function needKey(message) {
   const first = !state.auth.needed;
   state.auth.needed = true;
+  state.auth.keys = true;
+  showSignedIn(false);
   $("key-message").textContent = str(message, "This gateway needs an API key.");
   $("auth").hidden = false;
   $("key-use").disabled = false;
@@ -157,35 +160,35 @@ function needKey(message) {
 async function useKey(key) {
   $("key-use").disabled = true;
   $("key-message").textContent = "checking the key…";
-  storeKey(key);
   state.auth.needed = false;
   try {
+    await signIn(key);
     await loadModel();
   } catch (err) {
-    if (err instanceof KeyRequired) {
-      storeKey(null); // a refused key is not kept; the form shows the gateway's answer
-    } else {
+    if (!(err instanceof KeyRequired)) {
       state.auth.needed = true;
       $("key-message").textContent = `cannot check the key: ${err.message}`;
     }
-    return;
+    return; // a refused key is not kept; the form shows the gateway's answer
   } finally {
     $("key-use").disabled = false;
   }
   $("key-input").value = "";
   $("key-message").textContent = "";
   $("auth").hidden = true;
+  showSignedIn(true);
   resume();
 }
 
-function forgetKey() {
-  storeKey(null);
+async function forgetKey() {
+  await fetch(KEY_PATH, { method: "DELETE", cache: "no-store" }).catch(() => null);
+  showSignedIn(false);
   $("key-input").value = "";
   resume(); // a gateway that needs a key says so again on the next call
 }
 
-function setupKeys() {
-  storeKey(readKeyCookie());
+async function setupKeys() {
+  showSignedIn(false);
   $("key-form").addEventListener("submit", (event) => {
     event.preventDefault();
     const key = $("key-input").value.trim();
@@ -196,14 +199,16 @@ function setupKeys() {
     useKey(key);
   });
   $("key-forget").addEventListener("click", forgetKey);
+  // Whether this gateway takes keys at all: then an API that answers means the page is signed in.
+  const info = await fetch(KEY_PATH, { cache: "no-store" }).then((r) => r.json()).catch(() => null);
+  state.auth.keys = Boolean(info && info.keys === true);
+  if (state.auth.keys && state.model && !state.auth.needed) showSignedIn(true);
 }
 
 // -- fetching ---------------------------------------------------------------------------------
-// fetch, with the key (when the page has one) as a bearer token; a 401 raises the key form.
+// fetch (the gateway's cookie, when the page signed in, goes with it by itself); a 401 raises the key form.
 async function apiFetch(path, init = {}) {
-  const headers = { ...(init.headers || {}) };
-  if (state.auth.key) headers.Authorization = `Bearer ${state.auth.key}`;
-  const response = await fetch(path, { cache: "no-store", ...init, headers });
+  const response = await fetch(path, { cache: "no-store", ...init });
   if (response.status === 401) {
     const body = await response.json().catch(() => null);
     const error = body && body.error ? body.error : {};
@@ -241,6 +246,7 @@ async function loadModel() {
     quantization: meta.quantization,
   };
   $("model-id").textContent = state.model.id;
+  if (state.auth.keys) showSignedIn(true); // the gateway's cookie opened the API
   const parts = [
     state.model.architecture,
     state.model.quantization,

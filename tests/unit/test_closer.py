@@ -1,0 +1,142 @@
+"""gateway.closer: a session's close is retried off the request path until acknowledged (issue 28:
+zombies), and a hop without room is a ``HopFull``, not a failure. A fake hop on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from meshnet.errors import BadGateway, HopFailed, HopFull, Overloaded, hop_error
+from meshnet.gateway.closer import SessionCloser, acknowledged
+from tests.asgi import serve_in_thread
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_what_acknowledges_a_close() -> None:
+    assert [acknowledged(s) for s in (200, 204, 404, 410)] == [True] * 4
+    assert [acknowledged(s) for s in (409, 429, 500, 502, 503)] == [False] * 5
+    assert [acknowledged(s) for s in (400, 401, 403)] == [None] * 3
+
+
+def test_a_busy_hop_is_closed_once_it_is_free_and_a_refusal_is_given_up() -> None:
+    answers = {"busy": [409, 409, 503, 204], "refused": [401, 401]}
+    seen: dict[str, list[float]] = {"busy": [], "refused": []}
+    lock = threading.Lock()
+
+    async def delete(request: Request) -> Response:
+        name = request.path_params["name"]
+        with lock:
+            seen[name].append(time.monotonic())
+            status = answers[name].pop(0) if answers[name] else 204
+        body = {"error": {"message": "busy", "type": "conflict_error", "param": None, "code": "session_busy"}}
+        return JSONResponse(body, status_code=status) if status >= 400 else Response(status_code=status)
+
+    app = Starlette(routes=[Route("/v1/sessions/{name}", delete, methods=["DELETE"])])
+    closer = SessionCloser(first_retry_s=0.05, max_retry_s=0.2)
+    with serve_in_thread(app) as base, httpx.Client() as client:
+        assert not closer.close(f"{base}/v1/sessions/busy", {"X-T": "t"}, client=client, timeout_s=2)
+        assert not closer.close(f"{base}/v1/sessions/refused", {}, client=client, timeout_s=2)
+        assert closer.wait_idle(10)
+        closer.shutdown()
+    assert len(seen["busy"]) == 4  # 409, 409, 503, then the 204 that closed it
+    gaps = [b - a for a, b in zip(seen["busy"], seen["busy"][1:], strict=False)]
+    assert gaps[1] >= gaps[0] * 0.9  # backing off, not hammering
+    assert len(seen["refused"]) == 1 and closer.given_up == 1  # a refusal will not change
+
+
+def test_an_unreachable_hop_is_retried_until_it_answers() -> None:
+    closer = SessionCloser(first_retry_s=0.05, max_retry_s=0.1, attempts=3)
+    with httpx.Client() as client:
+        assert not closer.close("http://127.0.0.1:9/v1/sessions/x", {}, client=client, timeout_s=0.5)
+    assert closer.wait_idle(10)
+    closer.shutdown()
+    assert closer.given_up == 1  # three attempts, then the hop's TTL
+
+
+@pytest.mark.parametrize("code", ["kv_store_full", "rate_limit_exceeded", "hop_full"])
+def test_a_hop_without_room_is_hop_full_not_a_failure(code: str) -> None:
+    head = hop_error("full", status=503, failed_hop=None, sender="https://head", sender_is_head=True, code=code)
+    assert isinstance(head, HopFull) and head.failed_hop == "https://head"
+    deeper = hop_error("full", status=502, failed_hop="https://tail", sender="https://head", sender_is_head=True,
+                       code=code)  # fmt: skip
+    assert isinstance(deeper, HopFull) and deeper.failed_hop == "https://tail"
+    plain = hop_error("boom", status=500, failed_hop=None, sender="https://head", sender_is_head=True, code="x")
+    assert type(plain) is BadGateway and not isinstance(plain, HopFailed)
+
+
+class _RoomlessRoute:
+    """A RouteEngine whose prefill meets a hop without room ``full`` times (no sockets: the wire
+    methods are replaced), recording what the engine did about it."""
+
+    def __init__(self, tmp_path: Any, full: int, *, room_wait_s: float = 30.0) -> None:
+        from meshnet.backends.fake import FakeEngine
+        from meshnet.gateway.billing_outbox import BillingOutbox
+        from meshnet.gateway.route_engine import RouteEngine
+
+        tokenizer = FakeEngine()
+        outbox = BillingOutbox("http://tracker.invalid", spool_dir=tmp_path)
+        engine = RouteEngine(tokenizer, "http://tracker.invalid", n_ctx=64, decode_channel=False, outbox=outbox,
+                             room_wait_s=room_wait_s, speculative="off")  # fmt: skip
+        self.engine, self.full, self.closed, self.planned, self.reported = engine, full, [], [], []
+        self.info = tokenizer.info
+
+        def prefill(run: Any, tokens: Any, cancel: Any) -> Any:
+            if self.full:
+                self.full -= 1
+                raise HopFull("route hop answered 429: member 'gw' holds 2 sessions", failed_hop="http://head")
+            return None
+            yield  # a generator, as the real one
+
+        def plan(**kwargs: Any) -> Any:
+            self.planned.append(sorted(kwargs.get("exclude", ())))
+            if "head" in kwargs.get("exclude", ()):
+                raise Overloaded("no route without head")
+            return _plan(self.info)
+
+        engine._prefill = prefill  # type: ignore[method-assign]
+        engine.plan = plan  # type: ignore[method-assign]
+        engine._close = lambda plan: self.closed.append(plan.session_id)  # type: ignore[method-assign]
+        engine._report_failure = lambda *a: self.reported.append(a)  # type: ignore[method-assign]
+
+    def run(self) -> list[Any]:
+        from meshnet.gateway.billing_outbox import Usage
+        from meshnet.gateway.route_engine import _Run
+        from meshnet.protocol.ledger import ChunkLedger
+
+        run = _Run(_plan(self.info), "{}", Usage(), ChunkLedger(sends=False))
+        steps = self.engine._prefill_with_retries(run, [1, 2, 3], threading.Event())
+        return list(steps)
+
+
+def _plan(info: Any) -> Any:
+    from meshnet.ids import new_route_id, new_session_id
+    from meshnet.routes import Hop, RoutePlan
+
+    return RoutePlan(new_session_id(), new_route_id(), (Hop("head", "http://head", info.layers),))
+
+
+def test_a_hop_without_room_before_the_first_token_means_waiting_not_failing(tmp_path: Any) -> None:
+    route = _RoomlessRoute(tmp_path, full=2)
+    changes = route.run()
+    assert [c.kind for c in changes] == ["wait"] * 4  # per wait: "waiting" on the old session, then the new one
+    waiting, moved = changes[0], changes[1]
+    assert waiting.failed_node == "head" and "waiting 0.25 s for room" in waiting.reason
+    assert moved.plan.session_id != waiting.plan.session_id
+    assert route.planned == [["head"], [], ["head"], []]  # around the full node first; none: wait for it
+    assert len(route.closed) == 2 and route.reported == []  # what each attempt opened is freed; no failure
+
+
+def test_waiting_for_room_is_bounded_and_ends_in_a_503(tmp_path: Any) -> None:
+    route = _RoomlessRoute(tmp_path, full=100, room_wait_s=0.6)
+    with pytest.raises(Overloaded, match="no room on a route") as refused:
+        route.run()
+    assert refused.value.status == 503 and refused.value.retry_after_s == 5 and route.reported == []
