@@ -313,6 +313,9 @@ UNADVERTISED = {
     "max_verify": 0,
     "trusted": False,  # an open swarm's nodes have no certificate, so no trusted tier
     "holds_prefixes": False,
+    "identity": None,
+    "max_positions": 0,
+    "context_length": 0,
 }
 
 
