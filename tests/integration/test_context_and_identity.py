@@ -122,12 +122,19 @@ def test_a_node_too_small_for_a_request_is_never_routed_to(tmp_path: Path) -> No
 
 
 def _route_of(gateway: Proc, answer: httpx.Response) -> list[dict[str, object]]:
+    """What each hop ran, from the generation's telemetry: route.accepted and model.selected agree."""
     gid = answer.headers["x-meshnet-generation-id"]
     events = httpx.get(f"{gateway.url}/v1/generations/{gid}/events", timeout=30).text
+    found = {}
     for line in events.splitlines():
-        if line.startswith("data: ") and '"route.accepted"' in line:
-            return list(json.loads(line[6:])["data"]["nodes"])
-    raise AssertionError(f"no route.accepted event:\n{events}")
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            found[event["type"]] = event
+    accepted, selected = found["route.accepted"]["nodes"], found["model.selected"]["hops"]
+    assert [(h["identity"], h["quantization"]) for h in accepted] == [
+        (h["identity"], h["quantization"]) for h in selected
+    ]
+    return list(accepted)
 
 
 def test_a_node_of_another_quantization_is_never_chained(tmp_path: Path) -> None:
