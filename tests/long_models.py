@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -20,13 +21,11 @@ FFN = 32
 _TOKENIZER_PREFIX = "tokenizer."
 
 
-def tiny_long_llama(out: Path, *, context: int = 131_072, seed: int = 0) -> Path:
-    """Write the tiny llama to ``out`` (a .gguf) and return it."""
+def tiny_long_llama(out: Path, *, context: int = 131_072, seed: int = 0, tokenizer: bool = True) -> Path:
+    """Write the tiny llama to ``out`` (a .gguf) and return it. ``tokenizer=False``: a 64-token
+    vocabulary and no tokenizer (gguf-py reads it in milliseconds; llama.cpp does not load it)."""
     import gguf
 
-    from meshnet.artifacts.bundled import bundled_gguf
-
-    source = gguf.GGUFReader(str(bundled_gguf()))
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name(out.stem)
     writer.add_context_length(context)
@@ -39,16 +38,7 @@ def tiny_long_llama(out: Path, *, context: int = 131_072, seed: int = 0) -> Path
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    n_vocab = 0
-    for name, field in source.fields.items():
-        if not name.startswith(_TOKENIZER_PREFIX) or name == "tokenizer.chat_template":
-            continue
-        value = field.contents()
-        if name == "tokenizer.ggml.tokens":
-            n_vocab = len(value)
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, value, kind, sub_type=sub)
+    n_vocab = _copy_tokenizer(writer) if tokenizer else 64
     rng = np.random.default_rng(seed)
 
     def weights(*shape: int) -> np.ndarray:
@@ -69,6 +59,25 @@ def tiny_long_llama(out: Path, *, context: int = 131_072, seed: int = 0) -> Path
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _copy_tokenizer(writer: Any) -> int:
+    """The bundled model's tokenizer metadata into ``writer``; its vocabulary size."""
+    import gguf
+
+    from meshnet.artifacts.bundled import bundled_gguf
+
+    n_vocab = 0
+    for name, field in gguf.GGUFReader(str(bundled_gguf())).fields.items():
+        if not name.startswith(_TOKENIZER_PREFIX) or name == "tokenizer.chat_template":
+            continue
+        value = field.contents()
+        if name == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, kind, sub_type=sub)
+    return n_vocab
 
 
 def requantized(out: Path, ftype: str = "Q8_0") -> Path:
