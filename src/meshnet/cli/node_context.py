@@ -40,6 +40,7 @@ def node_context(args: argparse.Namespace, *, trained: int, kv_bytes_per_token: 
     budget_mb = getattr(args, "kv_budget_mb", None)
     if budget_mb is not None and not budget_mb > 0:
         usage_error(f"meshnet node: --kv-budget-mb is a size in MiB, more than 0, not {budget_mb:g}")
+    budget: int | None
     if budget_mb is not None:
         budget, source = int(budget_mb * 2**20), "--kv-budget-mb"
     else:
