@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ServeConfig"]
+__all__ = ["PRODUCT_CONTEXT_CAP", "ServeConfig"]
+
+# The most positions one session may hold anywhere in Meshnet (128K): nodes default to the model's
+# trained context up to it, and the tracker refuses a request past it with a 400.
+PRODUCT_CONTEXT_CAP = 131_072
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,9 +30,18 @@ class Hop:
     url: str
     layers: LayerRange
     max_verify: int = 0  # drafted positions one verify chunk may add on this hop (speculative decoding)
+    identity: str | None = None  # the model identity it runs (one per route; docs/tracker.md)
+    quantization: str | None = None  # its weights' quantization, as it advertises it
+    max_positions: int = 0  # positions one session may hold on it (0: it did not say)
 
     def as_json(self) -> dict[str, str]:
-        return {"node": self.node, "url": self.url, "layers": str(self.layers)}
+        """What telemetry and the swarm view show of the hop: where it is and what it runs."""
+        shown = {"node": self.node, "url": self.url, "layers": str(self.layers)}
+        if self.identity is not None:
+            shown["identity"] = self.identity
+        if self.quantization is not None:
+            shown["quantization"] = self.quantization
+        return shown
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,3 +59,9 @@ class RoutePlan:
     @property
     def layers(self) -> int:
         return sum(len(h.layers) for h in self.hops)
+
+    @property
+    def max_positions(self) -> int:
+        """Positions a session may hold on this route: its smallest hop's (0: no hop said)."""
+        said = [h.max_positions for h in self.hops if h.max_positions > 0]
+        return min(said) if said else 0

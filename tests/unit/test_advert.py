@@ -157,6 +157,7 @@ def test_advert_fields():
     prober.latency_ms["http://next"] = 1.5
     fields = advert_fields(shard, Traffic(), prober)
     assert fields["kv_bytes_per_token"] == 32
+    assert fields["max_positions"] == 128  # the per-session cap: the tracker routes only what fits it
     assert fields["weight_bytes"] == 1234
     assert fields["latency_ms"] == {"http://next": 1.5}
 

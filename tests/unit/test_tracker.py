@@ -314,6 +314,9 @@ UNADVERTISED = {
     "trusted": False,  # an open swarm's nodes have no certificate, so no trusted tier
     "holds_prefixes": False,
     "placement": None,  # placed by hand (--layers START:STOP), not by the tracker
+    "identity": None,
+    "max_positions": 0,
+    "context_length": 0,
 }
 
 

@@ -22,7 +22,7 @@ from meshnet.layers import LayerRange
 if TYPE_CHECKING:
     from meshnet.artifacts.manifest import Manifest
 
-__all__ = ["KVPlan", "ModelShape", "format_plan", "plan", "read_shape", "shape_from_fields"]
+__all__ = ["KVPlan", "ModelShape", "format_plan", "plan", "read_shape", "shape_from_fields", "shape_from_manifest"]
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "f16": 2, "bf16": 2, "f32": 4, "q8_0": 1}
 GIB = 2**30
@@ -113,6 +113,11 @@ def read_shape(path: Path, *, cache_dtype: str | None = None, seam_dtype: str = 
         return _from_manifest(parse_manifest(path.read_bytes()), cache_dtype, seam_dtype)
     config = config.get("text_config", config)  # multimodal configs nest the language model's
     return _from_config(path.parent.name or path.stem, config, cache_dtype, seam_dtype)
+
+
+def shape_from_manifest(manifest: Manifest) -> ModelShape:
+    """A published model's shape, from its manifest's ``kv_cache`` record (its own cache dtype)."""
+    return _from_manifest(manifest, None, "bfloat16")
 
 
 def _from_manifest(manifest: Manifest, cache_dtype: str | None, seam_dtype: str) -> ModelShape:

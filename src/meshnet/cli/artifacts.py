@@ -219,7 +219,9 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
     so it can point new nodes at this one.
     """
     from meshnet.artifacts.fetch import assemble
+    from meshnet.artifacts.plan import shape_from_manifest
     from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
+    from meshnet.cli.node_context import node_context, shape_advert
     from meshnet.cli.swarm import default_cache_dir, load_checks_dir
     from meshnet.errors import InvalidRequest
     from meshnet.models.families import require_certified
@@ -236,8 +238,10 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
         layers = manifest.parse_layers(args.layers)
         path, embeddings = assemble(manifest, dest, layers, args.cache_dir or default_cache_dir())
         threads = args.threads or os.cpu_count() or 1
+        per_token = shape_from_manifest(manifest).kv_bytes_per_token_per_layer * len(layers)
+        per_session = node_context(args, trained=manifest.context_cap, kv_bytes_per_token=per_token)
         config = LlamaShardConfig(
-            n_ctx=args.ctx * args.max_sessions,
+            n_ctx=per_session * args.max_sessions,
             max_sessions=args.max_sessions,
             n_threads=threads,
             idle_ttl_s=args.session_ttl,
@@ -252,6 +256,8 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
     held = _say_seeding(args, swarm)
     advert = {
         "manifest": manifest.digest,
+        # One identity per route (docs/tracker.md): a published model is its manifest.
+        **shape_advert(manifest.context_cap, f"manifest:{manifest.digest}"),
         "files": list(held),
         "quantization": str(manifest.quantization["file_type"]),
         "threads": threads,

@@ -17,6 +17,7 @@ from meshnet.cli.serve import (
     setup_logging,
     usage_error,
 )
+from meshnet.config import PRODUCT_CONTEXT_CAP
 from meshnet.errors import MeshnetError
 
 __all__ = ["run_gateway", "run_tracker"]
@@ -78,7 +79,10 @@ def run_gateway(args: argparse.Namespace) -> int:
         sock.close()
         print(f"meshnet gateway: {exc.message}", file=sys.stderr)
         return 1 if isinstance(exc, FetchError) else 2
-    cap = min(args.ctx, vocab.info.n_ctx_train, 131072)
+    # The model's trained context up to the product cap; the nodes of each route may hold less, and
+    # the tracker routes a request only through nodes that hold it (docs/tracker.md).
+    trained_cap = min(vocab.info.n_ctx_train, PRODUCT_CONTEXT_CAP)
+    cap = trained_cap if args.ctx is None else min(args.ctx, trained_cap)
     try:
         draft = _draft_model(args, vocab, cap)
     except ValueError as exc:
@@ -159,7 +163,8 @@ class _Engines:
 
         vocab = vocab_of(publication, self.args)
         self.learned.append(vocab)
-        return self.route_engine(vocab, min(self.args.ctx, vocab.info.n_ctx_train, 131072))
+        trained_cap = min(vocab.info.n_ctx_train, PRODUCT_CONTEXT_CAP)
+        return self.route_engine(vocab, trained_cap if self.args.ctx is None else min(self.args.ctx, trained_cap))
 
     def close(self) -> None:
         for vocab in self.learned:

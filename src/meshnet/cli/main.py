@@ -106,7 +106,12 @@ def _add_up_parser(sub: Any) -> None:
         help="let each node compute with all the cores, one node at a time (a machine-wide lease), instead of "
         "splitting the cores between the nodes (measured slower on 2 cores: benchmarks/RESULTS.md, route)",
     )
-    up.add_argument("--ctx", type=int, default=2048, help="context per session (default 2048)")
+    up.add_argument(
+        "--ctx",
+        type=int,
+        help="context per session (default: the model's trained context, at most 131,072, lowered to what each "
+        "node's share of the memory holds)",
+    )
     up.add_argument(
         "--max-sessions",
         type=at_least_one,

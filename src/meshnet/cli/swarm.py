@@ -19,6 +19,7 @@ from meshnet.cli.member_tls import (
     check_plain_bind,
     member_tls_for,
 )
+from meshnet.cli.node_context import add_context_arguments, node_context, shape_advert
 from meshnet.cli.placement import add_placement_arguments, check_placement_args
 from meshnet.cli.serve import (
     add_allow_uncertified,
@@ -141,7 +142,13 @@ def add_swarm_commands(sub: Any) -> None:
     gateway.add_argument("--tracker", required=True, help="tracker URL")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
-    gateway.add_argument("--ctx", type=int, default=2048, help="context cap per generation (default 2048)")
+    gateway.add_argument(
+        "--ctx",
+        type=int,
+        default=None,
+        help="context cap per generation (default: the model's trained context, at most 131,072; each route's "
+        "nodes may hold less, and a generation stops at its route's)",
+    )
     gateway.add_argument("--max-concurrency", type=int, default=4, help="generations in flight (default 4)")
     gateway.add_argument("--prefill-chunk", type=int, default=128, help="tokens per prefill chunk (default 128)")
     gateway.add_argument(
@@ -220,7 +227,7 @@ def _add_compute(node: argparse.ArgumentParser) -> None:
         help="share this machine's cores with the other nodes given the same FILE: they compute one at a time, "
         "each with all its threads, and never spin against each other (meshnet up does this)",
     )
-    node.add_argument("--ctx", type=int, default=2048, help="context per session in tokens (default 2048)")
+    add_context_arguments(node)
 
 
 def add_speculative(parser: argparse.ArgumentParser) -> None:
@@ -462,7 +469,8 @@ def _load_shard(args: argparse.Namespace, gguf: Path) -> tuple[Any, dict[str, An
     vocab.close()
     layers = LayerRange.parse(args.layers, total)
     threads = args.threads or os.cpu_count() or 1
-    advert = {"quantization": vocab.info.quantization, "threads": threads}
+    trained, identity, kv_per_token = _model_facts(gguf, layers)
+    advert = {"quantization": vocab.info.quantization, "threads": threads, **shape_advert(trained, identity)}
     if args.backend == "torch":
         from meshnet.backends.torch_shard import StoreBudget, TorchShard, set_threads
 
@@ -474,8 +482,9 @@ def _load_shard(args: argparse.Namespace, gguf: Path) -> tuple[Any, dict[str, An
         return shard, advert
     from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
 
+    per_session = node_context(args, trained=trained, kv_bytes_per_token=kv_per_token)
     config = LlamaShardConfig(
-        n_ctx=args.ctx * args.max_sessions,
+        n_ctx=per_session * args.max_sessions,
         max_sessions=args.max_sessions,
         n_threads=threads,
         idle_ttl_s=args.session_ttl,
@@ -486,3 +495,22 @@ def _load_shard(args: argparse.Namespace, gguf: Path) -> tuple[Any, dict[str, An
         return LlamaShard(gguf, model_id=model_id, config=config), advert
     cache = args.cache_dir or default_cache_dir()
     return LlamaShard.from_model(gguf, layers, cache_dir=cache, model_id=model_id, config=config), advert
+
+
+def _model_facts(gguf: Path, layers: LayerRange) -> tuple[int, str, int]:
+    """The GGUF's trained context, its model identity (artifacts.identity: the same for every range
+    of the file) and the KV bytes per token of ``layers`` (artifacts.plan), from one metadata read."""
+    import gguf as gguf_py
+
+    from meshnet.artifacts.identity import identity_of_readers
+    from meshnet.artifacts.plan import shape_from_fields
+
+    reader = gguf_py.GGUFReader(str(gguf))
+    arch = str(reader.fields["general.architecture"].contents())
+    context = reader.fields.get(f"{arch}.context_length")
+    trained = int(context.contents()) if context is not None else 0
+    try:
+        per_token = shape_from_fields(gguf, reader.fields).kv_bytes_per_token_per_layer * len(layers)
+    except (MeshnetError, KeyError, ValueError):  # an architecture plan cannot size: the budget does not bound it
+        per_token = 0
+    return trained, identity_of_readers([reader]), per_token

@@ -36,6 +36,8 @@ import httpx
 from meshnet.cli.placement import auto_cap, wait_placed
 from meshnet.cli.serve import api_keys_for
 from meshnet.layers import LayerRange
+from meshnet.node.advert import host_hardware
+from meshnet.node.context import DEFAULT_MEMORY_SHARE
 
 __all__ = ["run_up", "split_layers", "swarm_layout"]
 
@@ -227,7 +229,7 @@ def run_up(args: argparse.Namespace) -> int:
             node_args = [
                 "node", "--gguf", str(gguf), *placed, "--port", "0", "--tracker", tracker_url,
                 "--backend", args.backend, "--threads", str(threads), "--wire-dtype", args.wire_dtype,
-                "--node-id", f"node-{i}", "--ctx", str(args.ctx),
+                "--node-id", f"node-{i}", *_context_args(args),
                 "--max-sessions", str(args.max_sessions), "--decode-batch", str(args.decode_batch),
                 # its own gateway is the swarm's one client: every slot is its (the default keeps one free)
                 "--max-sessions-per-client", str(args.max_sessions),
@@ -242,7 +244,8 @@ def run_up(args: argparse.Namespace) -> int:
         nodes = _wait_nodes(tracker_url, args.nodes, children[1:], deadline, swarm.admin_tls() if swarm else None)
         gateway_args = [
             "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),
-            "--host", args.host, "--ctx", str(args.ctx), "--max-concurrency", str(args.max_sessions),
+            "--host", args.host, *(["--ctx", str(args.ctx)] if args.ctx else []),
+            "--max-concurrency", str(args.max_sessions),
             "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens),
             *(["--draft-gguf", str(args.draft_gguf)] if args.draft_gguf else []),
             *(["--core-lease", str(workdir / "cores.lock")] if lease and args.draft_gguf else []),
@@ -343,3 +346,15 @@ def _banner(gateway: str, tracker: str, nodes: list[dict[str, Any]], swarm: Path
     lines += ["  Ctrl-C stops every process.", ""]
     print("\n".join(lines), flush=True)
     print(f"meshnet: listening on {gateway}", flush=True)
+
+
+def _context_args(args: argparse.Namespace) -> list[str]:
+    """A node's context flags: ``--ctx`` as given; without it each node takes the model's trained
+    context, lowered to its share of the memory available now (the nodes of one machine share it)."""
+    if args.ctx:
+        return ["--ctx", str(args.ctx)]
+    available = host_hardware().get("ram_available_bytes")
+    if available is None:
+        return []
+    share = DEFAULT_MEMORY_SHARE * available / max(1, args.nodes) / 2**20
+    return ["--kv-budget-mb", f"{share:.0f}"]

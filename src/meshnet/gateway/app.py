@@ -50,7 +50,7 @@ from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response, rea
 from meshnet.ids import GenerationId, new_generation_id, parse_generation_id
 from meshnet.models.families import certification
 from meshnet.protocol.headers import GENERATION_ID
-from meshnet.routes import RoutePlan
+from meshnet.routes import Hop, RoutePlan
 from meshnet.sampling import SamplingParams
 from meshnet.tracker.billing import FORMULA
 
@@ -345,9 +345,15 @@ def _open_telemetry(state: GatewayState, gid: GenerationId, plan: RoutePlan, pro
         layers=info.n_layers,
         context_cap=state.engine.n_ctx,
         certified=certified,
+        # What each hop runs (one model identity per route): the tokenizer's quantization above is the gateway's.
+        hops=[_runs(hop) for hop in tel.route],
         **warning,
     )
     return tel
+
+
+def _runs(hop: Hop) -> dict[str, Any]:
+    return {"node": hop.node, "layers": str(hop.layers), "identity": hop.identity, "quantization": hop.quantization}
 
 
 async def _serve(
@@ -406,7 +412,9 @@ async def _start(
 ) -> tuple[_Shape, AsyncIterator[StreamItem]]:
     """Plan a route for one choice, open its telemetry and queue it."""
     # Planning may ask a tracker over the network: off the event loop.
-    size = {"prompt_tokens": len(gen.prompt_tokens), "max_tokens": gen.max_tokens}
+    # The route must hold the prompt plus the max_tokens the client asked for; without one it may stop
+    # at the route's own context (finish_reason "length"), so none is asked of the route.
+    size = {"prompt_tokens": len(gen.prompt_tokens), "max_tokens": body.token_limit or 0}
     plan = await asyncio.get_running_loop().run_in_executor(
         None,
         lambda: state.engine.plan(

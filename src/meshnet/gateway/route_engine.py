@@ -61,6 +61,7 @@ from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteC
 from meshnet.backends.grammar import TokenGrammar
 from meshnet.errors import (
     BadGateway,
+    ContextOverflow,
     EngineError,
     HopFailed,
     HopFull,
@@ -273,6 +274,8 @@ class RouteEngine:
         response = self._tracker("POST", "/v1/sessions", json=body)
         if response.status_code == 503:
             raise Overloaded(f"no route: {error_message(response)}", retry_after_s=5)
+        if response.status_code == 400 and error_field(response, "code") == ContextOverflow.code:
+            raise ContextOverflow(error_message(response), param="max_tokens")  # past the model's or product's cap
         if response.status_code >= 400:
             raise EngineError(f"the tracker refused a route: {error_message(response)}")
         data = response.json()
@@ -285,9 +288,21 @@ class RouteEngine:
     def _hops(self, hops: Sequence[dict[str, Any]]) -> tuple[Hop, ...]:
         total = self.info.n_layers
         return tuple(
-            Hop(h["node_id"], h["url"], LayerRange.parse(h["layers"], total), int(h.get("max_verify") or 0))
+            Hop(
+                h["node_id"],
+                h["url"],
+                LayerRange.parse(h["layers"], total),
+                int(h.get("max_verify") or 0),
+                identity=_text_or_none(h.get("identity")),
+                quantization=_text_or_none(h.get("quantization")),
+                max_positions=int(h.get("max_positions") or 0),
+            )
             for h in hops
         )
+
+    def _context(self, plan: RoutePlan) -> int:
+        """Positions this generation may reach: the gateway's cap, or the route's smaller one."""
+        return min(self.n_ctx, plan.max_positions) if plan.max_positions else self.n_ctx
 
     def release(self, plan: RoutePlan) -> None:
         """Free the session on the tracker: retried until it is acknowledged (gateway.closer)."""
@@ -325,7 +340,7 @@ class RouteEngine:
                     first = i == 0
                     hop_ms = _hop_ms(answer) if first else ()
                     yield TokenStep(token, logprob, hop_ms, drafted * first, accepted * first, top)
-                    if len(tokens) + 1 > self.n_ctx:
+                    if len(tokens) + 1 > self._context(run.plan):
                         full = True
                         break
                     tokens.append(token)
@@ -431,7 +446,7 @@ class RouteEngine:
         if drafter is None:
             return []
         drafter.costs = self._walk_costs(plan)  # a repaired route has costs of its own
-        limit = min(*(h.max_verify for h in plan.hops), self.n_ctx - length)
+        limit = min(*(h.max_verify for h in plan.hops), self._context(plan) - length)
         return drafter.propose(limit) if limit > 0 else []
 
     def _decode_with_repair(
@@ -859,3 +874,7 @@ def _since(began: float) -> float:
 def _ticketed(plan: RoutePlan) -> dict[str, str]:
     """The headers of a ``DELETE`` on a node: a private swarm's nodes want the session's ticket."""
     return {} if plan.ticket is None else {H.TICKET: plan.ticket}
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None

@@ -293,6 +293,7 @@ def advert_fields(shard: ShardBackend, traffic: Traffic, prober: LatencyProber) 
     return {
         **traffic.fields(),
         "kv_bytes_per_token": shard.info.kv.bytes_per_token,
+        "max_positions": shard.info.max_positions,  # per session: the tracker routes only what fits
         "weight_bytes": shard.info.weight_bytes,
         "numerics": shard.info.numerics or None,
         "architecture": shard.info.architecture,

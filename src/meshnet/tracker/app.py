@@ -105,6 +105,10 @@ class Registration(BaseModel):
     architecture: str | None = Field(None, min_length=1, max_length=64)  # GGUF general.architecture
     seam: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=1, max_length=4)  # per position
     max_verify: int = Field(0, ge=0, le=1024)  # drafted positions one verify chunk may add (0: no speculation)
+    # What it runs, one identity per route (docs/tracker.md): "manifest:sha256:..." or "gguf-sha256:..."
+    identity: str | None = Field(None, min_length=1, max_length=128)
+    max_positions: int = Field(0, ge=0, le=2**31)  # positions one session may hold on it (0: not said)
+    context_length: int = Field(0, ge=0, le=2**31)  # the model's trained context (0: not said)
     # PrefixFilter.encode() of the prompt blocks in its prefix cache (2,732 characters); None: it holds none
     prefix_filter: str | None = Field(None, max_length=FILTER_BITS // 4)
     # A node started with --layers auto: what it can hold (tracker.placement_api; null: placed by hand)
@@ -177,6 +181,7 @@ class _Tracker:
             n.url
             for n in self.nodes.values()
             if n.model == node.model
+            and n.identity == node.identity  # a route never chains another identity: no latency to measure
             and n.layers.total == node.layers.total
             and n.layers.start == node.layers.stop
             and n.node_id != node.node_id
@@ -222,6 +227,9 @@ def _node_json(node: NodeRecord, *, probation: bool = False) -> dict[str, Any]:
         "seam": list(node.seam) if node.seam is not None else None,
         "max_verify": node.max_verify,
         "trusted": node.trusted,
+        "identity": node.identity,
+        "max_positions": node.max_positions,
+        "context_length": node.trained_context,
         # Whether its latest heartbeat advertised prefix-cached blocks; the 2 KiB filter is the router's.
         "holds_prefixes": node.prefix_filter is not None,
     }
@@ -347,6 +355,9 @@ def create_tracker_app(
             seam=tuple(reg.seam) if reg.seam is not None else None,
             max_verify=reg.max_verify,
             trusted=certified is not None and certified.trusted,
+            identity=reg.identity,
+            max_positions=reg.max_positions,
+            trained_context=reg.context_length,
             prefix_filter=_prefix_filter(reg.prefix_filter),
         )
         _check_same_model(node, tracker.live_nodes())

@@ -41,6 +41,7 @@ class PinnedHop:
     layers: LayerRange
     numerics: str | None = None
     wire_dtype: str = EXACT_WIRE
+    identity: str | None = None  # the model identity it runs: a replacement runs the same
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,8 @@ def equivalent_nodes(run: Sequence[PinnedHop], live: Sequence[NodeRecord]) -> li
         covered = [h for h in run if h.layers.start < stop and start < h.layers.stop]
         if not covered or node.numerics is None or any(h.numerics != node.numerics for h in covered):
             continue
+        if any(h.identity is not None and h.identity != node.identity for h in covered):
+            continue  # another model (a requantized copy under the same id) computes other bits
         if any(start < cut < stop for cut in lossy):
             continue  # it would drop a rounding the route did
         if stop < total and node.wire_dtype != lossy.get(stop, EXACT_WIRE):

@@ -135,6 +135,12 @@ class NodeRecord:
     architecture: str | None = None  # GGUF general.architecture (None: an older node did not say)
     seam: tuple[int, ...] | None = None  # per-position shape of what crosses its seams
     max_verify: int = 0  # drafted positions one verify chunk may add (speculative decoding)
+    # What it runs (docs/tracker.md, "One model identity per route"): the manifest digest of a
+    # published model, or a GGUF's content identity (artifacts.identity); None: an older node did not
+    # say. A chain joins only nodes of one identity.
+    identity: str | None = None
+    max_positions: int = 0  # positions one session may hold on it (its context); 0: it did not say
+    trained_context: int = 0  # the model's trained context (GGUF {arch}.context_length); 0: not said
     # The trust tier of its member certificate, read by a private swarm's tracker from the TLS
     # handshake of its registration (never from what it claims); a node of an open swarm is untrusted.
     trusted: bool = False
@@ -174,6 +180,9 @@ class RouteRequest:
     decode_tokens: int = 256
     prefix_block: int = 0
     prefix: tuple[bytes, ...] = ()
+    # Positions every node of the route must hold for one session (prompt + max_tokens): a node whose
+    # per-session context is smaller is never chosen. 0: the caller did not say, nothing is filtered.
+    positions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,18 +236,73 @@ def select_routes(
                 f"no node serves model {model!r} right now besides the {len(candidates)} excluded", retry_after_s=5
             )
         candidates = kept
-    # A chain only joins nodes that agree on the layer count. Which count is "right" is not the
-    # tracker's to know (one misconfigured node must not hide a complete chain that registered
-    # after it), so every count is planned on its own and the best chains of all counts compete.
+    candidates, short = _with_room(candidates, request.positions)
+    if not candidates:
+        raise Overloaded(_room_message(short, model, request.positions), retry_after_s=5)
+    # A chain only joins nodes that agree on the layer count and on the model identity. Which is
+    # "right" is not the tracker's to know (one misconfigured node must not hide a complete chain
+    # that registered after it), so every group is planned on its own and the best chains of all
+    # groups compete: a requantized copy under the same model id is never chained into another's route.
     found: list[_Partial] = []
-    for total in sorted({n.layers.total for n in candidates}):
+    for total, identity in sorted({_group(n) for n in candidates}, key=lambda g: (g[0], g[1] or "")):
         a, b = span if span is not None else (0, total)
         if 0 <= a < b <= total:
-            group = [n for n in candidates if n.layers.total == total and a <= n.layers.start and n.layers.stop <= b]
+            inside = [n for n in candidates if a <= n.layers.start and n.layers.stop <= b]
+            group = [n for n in inside if _group(n) == (total, identity)]
             found += _k_best(group, a, b, request, k)
     if not found:
-        raise Overloaded(_gap_message(candidates, model, span), retry_after_s=5)
+        mixed = _identities_note(candidates)
+        why = f"no nodes of one model identity cover {model!r}{mixed}" if mixed else ""
+        why = why or _gap_message(candidates, model, span)
+        if short:
+            why += "; " + _room_message(short, model, request.positions)
+        raise Overloaded(why, retry_after_s=5)
     return [_choice(_unlink(p), request) for p in heapq.nsmallest(k, found)]
+
+
+def _group(node: NodeRecord) -> tuple[int, str | None]:
+    return node.layers.total, node.identity
+
+
+def _with_room(nodes: Sequence[NodeRecord], positions: int) -> tuple[list[NodeRecord], list[NodeRecord]]:
+    """(the nodes whose per-session context holds ``positions``, the ones whose does not). A node
+    that did not say its context (0) is kept: an older node refuses past its cap itself."""
+    if positions <= 0:
+        return list(nodes), []
+    roomy = [n for n in nodes if n.max_positions <= 0 or n.max_positions >= positions]
+    return roomy, [n for n in nodes if 0 < n.max_positions < positions]
+
+
+def _room_message(short: Sequence[NodeRecord], model: str, positions: int) -> str:
+    most = max(short, key=lambda n: (n.max_positions, n.node_id))
+    return (
+        f"no route of {model!r} has room for {positions:,} positions per session (prompt + max_tokens): "
+        f"{len(short)} node(s) hold fewer (the most: {most.max_positions:,} on node {most.node_id}, layers "
+        f"{most.layers}); lower max_tokens or shorten the prompt, or retry when a node with a larger context joins"
+    )
+
+
+def _identities_note(candidates: Sequence[NodeRecord]) -> str:
+    """Why a complete cover may still be no route: nodes of different model identities never chain."""
+    by_identity: dict[str | None, list[str]] = {}
+    for node in sorted(candidates, key=lambda n: (n.layers.start, n.layers.stop, n.node_id)):
+        by_identity.setdefault(node.identity, []).append(f"{node.node_id} [{node.layers}]")
+    if len(by_identity) < 2:
+        return ""
+    groups = "; ".join(
+        f"{_short(identity)} ({_quantizations(candidates, identity)}): {', '.join(held)}"
+        for identity, held in sorted(by_identity.items(), key=lambda kv: kv[0] or "")
+    )
+    return f": nodes of different model identities are never chained into one route ({groups})"
+
+
+def _short(identity: str | None) -> str:
+    return "identity unknown" if identity is None else f"identity {identity[:28]}"
+
+
+def _quantizations(candidates: Sequence[NodeRecord], identity: str | None) -> str:
+    found = sorted({n.quantization or "?" for n in candidates if n.identity == identity})
+    return "/".join(found)
 
 
 # -- the dynamic programme ----------------------------------------------------------------------

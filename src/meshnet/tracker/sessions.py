@@ -40,7 +40,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.errors import Conflict, Forbidden, InvalidRequest, NotFound, Overloaded, RateLimited
+from meshnet.config import PRODUCT_CONTEXT_CAP
+from meshnet.errors import Conflict, ContextOverflow, Forbidden, InvalidRequest, NotFound, Overloaded, RateLimited
 from meshnet.httputil import read_body
 from meshnet.ids import RouteId, SessionId, new_route_id, new_session_id
 from meshnet.layers import LayerRange
@@ -168,15 +169,29 @@ def hops_json(chain: Sequence[NodeRecord]) -> list[dict[str, Any]]:
             "numerics": n.numerics,
             "wire_dtype": n.wire_dtype,
             "max_verify": n.max_verify,
+            **_runs(n),
         }
         for n in chain
     ]
 
 
+def _runs(node: NodeRecord) -> dict[str, Any]:
+    """What a hop runs (one identity per route) and the positions a session may hold on it, as far
+    as the node said (an older node says none of it)."""
+    said = {"identity": node.identity, "quantization": node.quantization, "max_positions": node.max_positions}
+    return {k: v for k, v in said.items() if v}
+
+
 def pinned_hops(session: dict[str, Any]) -> list[PinnedHop]:
     total = _total_layers(session)
     return [
-        PinnedHop(h["node_id"], LayerRange.parse(h["layers"], total), h.get("numerics"), h.get("wire_dtype", "float32"))
+        PinnedHop(
+            h["node_id"],
+            LayerRange.parse(h["layers"], total),
+            h.get("numerics"),
+            h.get("wire_dtype", "float32"),
+            h.get("identity"),
+        )
         for h in session["hops"]
     ]
 
@@ -248,6 +263,31 @@ def _why_no_standby(hop: PinnedHop, same: Sequence[NodeRecord], trusted: Sequenc
     return (
         f"none of the {len(trusted)} other trusted nodes serving layers {hop.layers} (hop {hop.node_id}) computes "
         "them bit-identically (same library, processor, threads and wire dtype)"
+    )
+
+
+def _positions(req: SessionRequest) -> int:
+    """Positions the session will hold: its prompt plus what it may generate (at least one token).
+    0 when the gateway did not say how long its prompt is: then nothing is checked."""
+    if req.prefill_tokens is None:
+        return 0
+    return req.prefill_tokens + max(1, req.max_tokens or 0)
+
+
+def _check_context(positions: int, req: SessionRequest, live: Sequence[NodeRecord]) -> None:
+    """A 400 before any route is chosen for a request no route could ever hold: past the product's
+    cap, or past the trained context the model's nodes advertise (positions past it give garbage)."""
+    if positions <= PRODUCT_CONTEXT_CAP:
+        trained = [n.trained_context for n in live if n.model == req.model and n.trained_context > 0]
+        if not trained or positions <= min(trained):
+            return
+        limit, what = min(trained), f"the trained context of {req.model!r}"
+    else:
+        limit, what = PRODUCT_CONTEXT_CAP, "the product's context cap"
+    raise ContextOverflow(
+        f"the prompt ({req.prefill_tokens:,} tokens) plus max_tokens ({max(1, req.max_tokens or 0):,}) is "
+        f"{positions:,} positions, past {what} ({limit:,}); lower max_tokens or shorten the prompt",
+        param="max_tokens",
     )
 
 
@@ -369,8 +409,10 @@ class SessionsApi:
             decode_tokens=defaults.decode_tokens if req.max_tokens is None else req.max_tokens,
             prefix_block=0 if req.prefix is None else req.prefix.block,
             prefix=() if req.prefix is None else tuple(bytes.fromhex(h) for h in req.prefix.hashes),
+            positions=_positions(req),
         )
         live, why_not = self._eligible(req.trusted_only, req.model)
+        _check_context(expected.positions, req, live)
         live = self.hints.apply(live, expected.prefix)
         try:
             choices = self._choose(req, expected, live)
@@ -493,7 +535,8 @@ class SessionsApi:
         fix = _preferred_repair(pinned, req.failed_node, req.prefer, live, session["model"])
         preferred = fix is not None
         if fix is None:
-            expected = RouteRequest(req.position, 256)
+            # The replacements must hold what the session holds now, and the next step.
+            expected = RouteRequest(req.position, 256, positions=req.position + 1)
             try:
                 fix = plan_repair(pinned, req.failed_node, live, session["model"], request=expected)
             except Overloaded as exc:
