@@ -154,9 +154,9 @@ def _from_config(name: str, config: dict[str, Any], cache_dtype: str | None, sea
 
 
 def _from_gguf(path: Path, cache_dtype: str, seam_dtype: str) -> ModelShape:
-    import gguf
+    from meshnet.artifacts.gguf_header import read_header
 
-    return shape_from_fields(path, gguf.GGUFReader(str(path)).fields, cache_dtype, seam_dtype)
+    return shape_from_fields(path, read_header(path).fields, cache_dtype, seam_dtype)
 
 
 def shape_from_fields(path: Path, fields: Any, cache_dtype: str = "f16", seam_dtype: str = "bfloat16") -> ModelShape:
