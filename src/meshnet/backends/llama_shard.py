@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from meshnet.artifacts.gguf_source import model_stem, split_parts
 from meshnet.artifacts.shard_file import (
     embeddings_path,
     layer_flags,
@@ -394,14 +395,17 @@ class LlamaShard(ShardBase[int]):
 
     @classmethod
     def from_model(cls, gguf: Path, layers: LayerRange | str, *, cache_dir: Path, **kwargs: Any) -> LlamaShard:
-        """Cut ``layers`` out of a full GGUF (cached by content of the source) and load it."""
-        stat = gguf.stat()
-        key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        """Cut ``layers`` out of a full GGUF or split set (cached by the identity of every part) and load it."""
+        stamps = []
+        for part in split_parts(gguf):
+            stat = part.stat()
+            stamps.append(f"{part.resolve()}:{stat.st_size}:{stat.st_mtime_ns}")
+        key = hashlib.sha256("|".join(stamps).encode()).hexdigest()[:16]
         text = str(layers) if isinstance(layers, LayerRange) else layers
-        path = cache_dir / f"{gguf.name.removesuffix('.gguf')}.{key}.{text.replace(':', '-')}.gguf"
+        path = cache_dir / f"{model_stem(gguf)}.{key}.{text.replace(':', '-')}.gguf"
         if not path.is_file():
             write_shard(gguf, layers, path)
-        kwargs.setdefault("model_id", gguf.name.removesuffix(".gguf"))
+        kwargs.setdefault("model_id", model_stem(gguf))
         return cls(path, **kwargs)
 
     # -- compute -----------------------------------------------------------------------------
