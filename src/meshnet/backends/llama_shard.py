@@ -24,6 +24,7 @@ import hashlib
 import heapq
 import os
 import platform
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from meshnet.artifacts.gguf_source import model_stem, split_parts
+from meshnet.artifacts.gguf_source import model_stem, open_gguf, split_parts
 from meshnet.artifacts.shard_file import (
     embeddings_path,
     layer_flags,
@@ -75,23 +76,36 @@ KV_PAD = 256
 
 
 class HeadEmbeddings:
-    """Token-embedding lookup from a GGUF's ``token_embd.weight``, dequantized per lookup."""
+    """Token-embedding lookup from a GGUF's ``token_embd.weight``, dequantized per lookup.
+
+    Rows are read from the file one by one (``os.pread``), never through a mapping: the kernel maps
+    a mapped file's neighbouring pages on every fault (64 KiB around it), so a few thousand scattered
+    lookups through an mmap made the whole table resident in the node's memory. Reads go through
+    the page cache, which is not the process's."""
 
     def __init__(self, path: Path) -> None:
         import gguf
 
-        reader = gguf.GGUFReader(str(path))
-        tensor = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        tensor = open_gguf(path).tensor("token_embd.weight")
         if tensor is None:
             raise InvalidRequest(f"{path} holds no token_embd.weight")
-        self._data = tensor.data
         self._qtype = tensor.tensor_type
         self._dequantize = gguf.quants.dequantize
-        self.n_vocab = int(tensor.shape[1]) if len(tensor.shape) > 1 else int(self._data.shape[0])
-        self.nbytes = int(tensor.n_bytes)
+        self._dtype, self._row_shape = tensor.dtype, tensor.shape[1:]
+        self.n_vocab = tensor.shape[0]
+        self.nbytes = tensor.nbytes
+        self._row_bytes = tensor.nbytes // self.n_vocab
+        self._offset = tensor.offset
+        self._fd = os.open(tensor.path, os.O_RDONLY)
+        self._close = weakref.finalize(self, os.close, self._fd)
 
     def __call__(self, tokens: I32) -> F32:
-        rows = self._data[tokens]
+        n = int(tokens.shape[0])
+        if n and not (int(tokens.min()) >= 0 and int(tokens.max()) < self.n_vocab):
+            raise InvalidRequest(f"a token id is outside the vocabulary of {self.n_vocab}")
+        size = self._row_bytes
+        data = b"".join(os.pread(self._fd, size, self._offset + int(t) * size) for t in tokens)
+        rows = np.frombuffer(data, dtype=self._dtype).reshape(n, *self._row_shape)
         return np.ascontiguousarray(self._dequantize(rows, self._qtype), dtype=np.float32)
 
 
