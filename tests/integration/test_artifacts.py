@@ -154,10 +154,10 @@ def test_nodes_from_the_manifest_fetch_only_their_layers_and_the_route_matches(
 
 
 def _chat(url: str, model: str, prompt: str) -> str:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
-    out = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=32
-    )
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180) as client:
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=32
+        )
     return out.choices[0].message.content or ""
 
 

@@ -46,11 +46,11 @@ def served(split_set: list[Path]) -> Iterator[Proc]:
 
 
 def _chat(url: str, prompt: str) -> str:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-    model = client.models.list().data[0].id
-    out = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=24
-    )
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as client:
+        model = client.models.list().data[0].id
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=24
+        )
     return out.choices[0].message.content or ""
 
 
