@@ -13,8 +13,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 __all__ = ["MODELS", "RealModel", "cache_dir", "real_model"]
 
 
@@ -64,6 +62,8 @@ def cache_dir() -> Path:
 def real_model(name: str) -> Path:
     """The cached GGUF of ``name``; skips the test (fails it where real models are required) if absent.
     Checks the size, not the digest (hashing 0.5 GB per test would cost seconds; the fetch script hashed it)."""
+    import pytest  # here, not at import: the fetch script runs before the test tools are installed
+
     model = MODELS[name]
     path = cache_dir() / model.filename
     if path.is_file() and path.stat().st_size == model.size:
