@@ -52,15 +52,25 @@ def _publish_peak(model: Path, out: Path) -> int:
     return int(done.stdout.rsplit("peak_rss_kib", 1)[1].split()[0]) * 1024
 
 
-def _mapped_gguf_bytes(proc: psutil.Process) -> int:
-    paths = {m.path for m in proc.memory_maps(grouped=True) if m.path.endswith(".gguf")}
-    return sum(Path(p).stat().st_size for p in paths)
+def _shard_bytes(model: Path, start: int, stop: int) -> int:
+    """Bytes of the files a node of ``start:stop`` holds: the shard it cut (``LlamaShard.from_model``
+    caches it by the source's identity) and a head's embedding table."""
+    from meshnet.artifacts.gguf_source import model_stem
+    from meshnet.cli.swarm import default_cache_dir
+
+    key = f"{model_stem(model)}.*.{start}-{stop}"
+    shard = max(default_cache_dir().glob(f"{key}.gguf"), key=lambda p: p.stat().st_mtime)
+    embd = shard.with_name(shard.name.removesuffix(".gguf") + ".embd.gguf")
+    return shard.stat().st_size + (embd.stat().st_size if embd.is_file() else 0)
 
 
 def _decode(url: str) -> float:
+    import httpx
+
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     rates = []
     for _ in range(REPEATS):
-        body = {"prompt": PROMPT, "max_tokens": DECODE_TOKENS, "temperature": 0, "model": "m"}
+        body = {"prompt": PROMPT, "max_tokens": DECODE_TOKENS, "temperature": 0, "model": model}
         rates.append(decode_rate(DECODE_TOKENS, stream_completion(url, body, uuid.uuid4().hex)))
     return median(rates)
 
@@ -101,7 +111,7 @@ def run() -> Section:
                 args = node.cmdline()
                 start, stop = (int(v) for v in args[args.index("--layers") + 1].split(":"))
                 kv = shape.kv_bytes_per_token_per_layer * (stop - start) * CTX * MAX_SESSIONS
-                files, rss = _mapped_gguf_bytes(node), node.memory_info().rss
+                files, rss = _shard_bytes(model, start, stop), node.memory_info().rss
                 ratios.append(rss / (files + kv))
                 section.add(
                     f"node {start}:{stop}: RSS ÷ (files + KV budget)",
@@ -114,7 +124,7 @@ def run() -> Section:
     section.add(f"route decode ({cores} nodes)", f"{route_decode:.1f} tok/s")
     section.add("route decode ÷ serve decode", f"{ratio:.3f}", "≥ 0.85", ratio >= 0.85)
     section.notes.append(
-        "A node's files are the shard GGUFs it maps (its range; a head's embedding table is read, not mapped). "
+        "A node's files are the shard GGUF of its range and a head's embedding table (read, not mapped). "
         "The rest of a node's RSS is the interpreter and libraries (~70 MiB) and llama.cpp's compute buffers."
     )
     return section

@@ -20,12 +20,14 @@ import openai
 import psutil
 import pytest
 
+from meshnet.cli.swarm import default_cache_dir
 from tests.procs import Proc, meshnet_process
 from tests.realmodels import real_model, write_split
 
 pytestmark = pytest.mark.real
 
 MODEL = "qwen2.5-coder-0.5b"
+MODEL_ID = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 PROMPTS = ("Write a Python function that reverses a string.", "What does HTTP status 404 mean?")
 # Peak resident memory of the process itself: VmHWM (``ru_maxrss`` would carry the forking parent's
 # peak across exec, and pytest's process holds the split set it wrote).
@@ -85,8 +87,10 @@ def _held(node: psutil.Process) -> tuple[int, int, int]:
     """A node's resident bytes, the bytes of the GGUF files it maps, and its KV budget."""
     args = node.cmdline()
     start, stop = (int(v) for v in args[args.index("--layers") + 1].split(":"))
-    paths = {m.path for m in node.memory_maps(grouped=True) if m.path.endswith(".gguf")}
-    files = sum(Path(p).stat().st_size for p in paths)
+    # The shard it cut (LlamaShard.from_model caches it by the source's identity) and a head's table.
+    shard = max(default_cache_dir().glob(f"{MODEL_ID}.*.{start}-{stop}.gguf"), key=lambda p: p.stat().st_mtime)
+    embd = shard.with_name(shard.name.removesuffix(".gguf") + ".embd.gguf")
+    files = shard.stat().st_size + (embd.stat().st_size if embd.is_file() else 0)
     kv = _KV_BYTES * (stop - start) * 2048 * 2
     return node.memory_info().rss, files, kv
 
@@ -105,7 +109,7 @@ def test_publish_of_a_split_set_streams_it_and_a_node_serves_it(
     print(f"\nreal split {MODEL}: publish peak RSS {peak / 2**20:.0f} MiB = {peak / model_size:.3f} x the model")
     doc = json.loads((out / "manifest.json").read_bytes())
     assert [s["name"] for s in doc["gguf_splits"]] == [p.name for p in split_set]
-    assert doc["model"]["id"] == "qwen2.5-coder-0.5b-instruct-q4_k_m"
+    assert doc["model"]["id"] == MODEL_ID
     # The vocabulary and the interpreter are a fixed cost; the model's bytes are streamed, never held.
     assert peak < 0.3 * model_size
     assert {f["layers"] for f in doc["files"]} == {"0:8", "8:16", "16:24"}

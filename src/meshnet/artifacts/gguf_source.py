@@ -212,8 +212,8 @@ def open_gguf(path: Path) -> GGUFSource:
     tensors: list[TensorBytes] = []
     for part, reader in zip(parts, readers, strict=True):
         size = part.stat().st_size
-        for info in reader.tensors:
-            entry = _tensor_bytes(info, part)
+        for tensor_info in reader.tensors:
+            entry = _tensor_bytes(tensor_info, part)
             if entry.offset + entry.nbytes > size:
                 raise InvalidRequest(f"{part} ends inside tensor {entry.name}: the file is truncated")
             tensors.append(entry)
