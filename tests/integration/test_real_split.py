@@ -68,7 +68,7 @@ def test_up_on_the_first_file_of_a_split_set_gives_serves_text(
         assert [_chat(up.url, p) for p in PROMPTS] == expected
         nodes = [c for c in psutil.Process(up.popen.pid).children(recursive=True) if " node " in " ".join(c.cmdline())]
         held = {n.cmdline()[n.cmdline().index("--layers") + 1]: _held(n) for n in nodes}
-    print(f"\nreal split {MODEL}: node RSS / files mapped / KV budget (MiB):",
+    print(f"\nreal split {MODEL}: node RSS / files / KV budget (MiB):",
           {k: tuple(round(v / 2**20) for v in t) for k, t in sorted(held.items())})  # fmt: skip
     assert len(held) == 3
     for rss, files, kv in held.values():
