@@ -76,24 +76,30 @@ def real_model(name: str) -> Path:
 
 def write_split(source: Path, folder: Path, max_part_bytes: int) -> list[Path]:
     """Rewrite the GGUF ``source`` as a llama.cpp split set in ``folder`` (gguf-py's own splitter:
-    ``GGUFWriter(split_max_size=...)``, as big models are published); its files, in order."""
+    ``GGUFWriter(split_max_size=...)``, as big models are published); its files, in order.
+    Tensor bytes are streamed from ``source`` (``TensorBytes``), so a big model costs little memory."""
+    from typing import Any, cast
+
     import gguf
 
-    reader = gguf.GGUFReader(str(source))
-    arch = str(reader.fields["general.architecture"].contents())
+    from meshnet.artifacts.gguf_source import open_gguf
+
+    opened = open_gguf(source)
     folder.mkdir(parents=True, exist_ok=True)
     stem = source.name.removesuffix(".gguf")
-    writer = gguf.GGUFWriter(str(folder / f"{stem}.gguf"), arch, split_max_size=max_part_bytes)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+    writer = gguf.GGUFWriter(str(folder / f"{stem}.gguf"), opened.architecture, split_max_size=max_part_bytes)
+    for field in opened.fields.values():
+        if field.name == "general.architecture":
             continue
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    for tensor in opened.tensors:
+        writer.add_tensor_info(tensor.name, tensor.shape, tensor.dtype, tensor.nbytes, tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in opened.tensors:
+        writer.write_tensor_data(cast(Any, tensor))
     writer.close()
     parts = sorted(folder.glob(f"{stem}-*-of-*.gguf"))
     assert len(parts) > 1, f"{source.name} fits in one part of {max_part_bytes} bytes"
