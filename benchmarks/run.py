@@ -35,6 +35,7 @@ BENCHES = {
     "artifacts": "bench_artifacts",
     "chaos": "bench_chaos",
     "families": "bench_families",
+    "real": "bench_real",
 }
 # Run only when asked for by name (`make chaos`): they take most of an hour.
 SLOW = {"chaos"}

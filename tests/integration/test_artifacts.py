@@ -116,11 +116,12 @@ def test_nodes_from_the_manifest_fetch_only_their_layers_and_the_route_matches(
             meshnet_process(["tracker", "--port", "0", "--db", f"sqlite:///{tmp_path / 'tracker.db'}"])
         )
         # Node A holds every published file (the publisher's folder): it serves 0:10 and seeds all.
-        a = stack.enter_context(
-            meshnet_process([*node, "--layers", "0:10", "--dest", str(published), "--tracker", tracker.url])
-        )
+        # It takes BitTorrent peers on every interface, and advertises its own host, which others can dial.
+        a_args = [*node, "--layers", "0:10", "--dest", str(published), "--tracker", tracker.url]
+        a = stack.enter_context(meshnet_process([*a_args, "--listen", "0.0.0.0:0"]))
         peer = _SEEDING.search(a.output())
         assert peer is not None and peer.group(1) == "4", a.output()
+        assert peer.group(2).startswith("127.0.0.1:"), a.output()
         others = []
         for layers in ("10:20", "20:30"):
             dest = tmp_path / layers.replace(":", "-")
@@ -142,6 +143,7 @@ def test_nodes_from_the_manifest_fetch_only_their_layers_and_the_route_matches(
         listing = httpx.get(f"{tracker.url}/v1/nodes", timeout=10).json()
         nodes = listing["nodes"] if isinstance(listing, dict) else listing
         digest = load_source(manifest_path)[0].digest
+        assert {n["layers"]: n["bt_peer"].split(":")[0] for n in nodes}["0:10"] == "127.0.0.1"
         assert {n["layers"]: (n["manifest"], len(n["files"])) for n in nodes} == {
             "0:10": (digest, 4),
             "10:20": (digest, 1),
@@ -152,10 +154,10 @@ def test_nodes_from_the_manifest_fetch_only_their_layers_and_the_route_matches(
 
 
 def _chat(url: str, model: str, prompt: str) -> str:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
-    out = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=32
-    )
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180) as client:
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=32
+        )
     return out.choices[0].message.content or ""
 
 

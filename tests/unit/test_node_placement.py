@@ -9,43 +9,38 @@ import gguf
 import pytest
 
 from meshnet.artifacts.bundled import bundled_gguf
-from meshnet.artifacts.gguf_header import read_header
+from meshnet.artifacts.gguf_source import open_gguf
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
 from meshnet.node.placement import AutoPlacement, allows, ask_from_gguf
 
 
-def test_the_fast_header_reads_what_gguf_py_reads_but_the_string_arrays() -> None:
+def test_the_sizes_the_ask_reads_are_gguf_py_s() -> None:
     path = bundled_gguf()
-    header = read_header(path)
     reader = gguf.GGUFReader(str(path))
-    assert header.tensor_bytes == {t.name: int(t.n_bytes) for t in reader.tensors}
-    skipped = {k for k, f in header.fields.items() if f.contents() is None}
-    assert skipped == {"general.languages", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"}
-    for key, field in reader.fields.items():
-        if not key.startswith("GGUF.") and key not in skipped:
-            assert header.fields[key].contents() == field.contents(), key
+    assert _sizes(path) == {t.name: int(t.n_bytes) for t in reader.tensors}
 
 
 def test_a_file_that_is_no_gguf_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"NOPE" + bytes(60))
     with pytest.raises(InvalidRequest, match="no GGUF magic"):
-        read_header(bad)
-    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + (10**6).to_bytes(8, "little") * 2)
-    with pytest.raises(InvalidRequest, match="cannot read the GGUF header"):
-        read_header(bad)
+        ask_from_gguf(bad, kv_tokens=1, budget_bytes=1 << 20, max_layers=None)
+
+
+def _sizes(path: Path) -> dict[str, int]:
+    return {t.name: t.nbytes for t in open_gguf(path).tensors}
 
 
 def test_the_ask_of_the_bundled_model_counts_weights_kv_and_the_tables() -> None:
     tokens = 2 * 512
     ask = ask_from_gguf(bundled_gguf(), kv_tokens=tokens, budget_bytes=64 << 20, max_layers=None)
-    header = read_header(bundled_gguf())
-    block0 = sum(v for k, v in header.tensor_bytes.items() if k.startswith("blk.0."))
+    sizes = _sizes(bundled_gguf())
+    block0 = sum(v for k, v in sizes.items() if k.startswith("blk.0."))
     assert ask["layer_bytes"][0] == block0 + 768 * tokens  # 768 KV bytes per position per layer (f16)
     assert ask["boundaries"] == list(range(31))
-    table = header.tensor_bytes["token_embd.weight"]
-    assert (ask["head_bytes"], ask["tail_bytes"]) == (table, table + header.tensor_bytes["output_norm.weight"])
+    table = sizes["token_embd.weight"]
+    assert (ask["head_bytes"], ask["tail_bytes"]) == (table, table + sizes["output_norm.weight"])
     assert allows(ask, LayerRange(10, 20, 30))
     assert not allows(ask, LayerRange(0, 30, 30))  # the whole model needs ~100 MB of the 64 MiB
     assert not allows({**ask, "max_layers": 5}, LayerRange(10, 20, 30))

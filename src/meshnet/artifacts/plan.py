@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshnet.artifacts.gguf_source import model_stem
 from meshnet.artifacts.shard_file import trunk_layers
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
@@ -159,9 +160,9 @@ def _from_config(name: str, config: dict[str, Any], cache_dtype: str | None, sea
 
 
 def _from_gguf(path: Path, cache_dtype: str, seam_dtype: str) -> ModelShape:
-    import gguf
+    from meshnet.artifacts.gguf_header import read_header
 
-    return shape_from_fields(path, gguf.GGUFReader(str(path)).fields, cache_dtype, seam_dtype)
+    return shape_from_fields(path, read_header(path).fields, cache_dtype, seam_dtype)
 
 
 def shape_from_fields(path: Path, fields: Any, cache_dtype: str = "f16", seam_dtype: str = "bfloat16") -> ModelShape:
@@ -184,9 +185,10 @@ def shape_from_fields(path: Path, fields: Any, cache_dtype: str = "f16", seam_dt
     if lora:
         rope = get(f"{arch}.rope.dimension_count")
         return ModelShape(
-            path.stem, layers, hidden, "mla", cache_bytes, seam_bytes, kv_lora_rank=lora, qk_rope_head_dim=rope
+            model_stem(path), layers, hidden, "mla", cache_bytes, seam_bytes, kv_lora_rank=lora, qk_rope_head_dim=rope
         )
-    return ModelShape(path.stem, layers, hidden, "gqa", cache_bytes, seam_bytes, kv_heads=kv_heads, head_dim=head_dim)
+    name = model_stem(path)
+    return ModelShape(name, layers, hidden, "gqa", cache_bytes, seam_bytes, kv_heads=kv_heads, head_dim=head_dim)
 
 
 def _size(n: float) -> str:

@@ -12,6 +12,11 @@ Output folder::
 ``<name>`` is the torrent's name (the model id), so serving ``OUT`` over HTTP makes ``OUT``'s URL a
 BEP 19 web seed: a client asks for ``URL/<name>/<file>``. Every file is written atomically; the
 manifest last, so a folder with a manifest is complete.
+
+The source may be a llama.cpp split set (pass its first file): every part is read, and the
+manifest's ``gguf_splits`` lists each part. Tensor bytes are streamed (``gguf_source``), and the
+torrent's piece hashes are computed here with bounded reads (``torrent.create_torrent``), so
+publishing costs a few MiB of memory beyond the vocabulary whatever the model's size.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshnet.artifacts.gguf_header import Field
+from meshnet.artifacts.gguf_source import model_stem, open_gguf
 from meshnet.artifacts.manifest import (
     MANIFEST_NAME,
     ROLE_EMBEDDINGS,
@@ -34,7 +41,7 @@ from meshnet.artifacts.manifest import (
     parse_manifest,
 )
 from meshnet.artifacts.plan import shape_from_fields
-from meshnet.artifacts.shard_file import range_starts, trunk_layers, write_shard
+from meshnet.artifacts.shard_file import range_starts_of, trunk_layers, write_shard
 from meshnet.artifacts.torrent import DEFAULT_PIECE_LENGTH, create_torrent, magnet_of, read_torrent
 from meshnet.artifacts.vocab import VOCAB_NAME, vocab_entry, write_vocab
 from meshnet.errors import InvalidRequest
@@ -107,23 +114,16 @@ def _shard_name(r: LayerRange) -> str:
 
 
 def publish(source: Path, out: Path, options: PublishOptions | None = None) -> Manifest:
-    import gguf
-
+    """Publish the GGUF ``source`` (a plain file or a split set's first file) into ``out``."""
     opts = options or PublishOptions()
-    if not source.is_file():
-        raise InvalidRequest(f"GGUF file not found: {source}", param="gguf")
-    reader = gguf.GGUFReader(str(source))
+    reader = open_gguf(source)
     fields = reader.fields
-
-    def meta(key: str, default: Any = None) -> Any:
-        return fields[key].contents() if key in fields else default
-
-    if int(meta("split.count", 1)) > 1:
-        raise InvalidRequest(f"{source.name} is one part of a split GGUF: merge it first (llama-gguf-split --merge)")
+    meta = reader.meta
     arch = str(meta("general.architecture"))
     total = trunk_layers(meta, arch)
-    ranges = split_ranges(total, ranges=opts.ranges, layers_per_file=opts.layers_per_file, starts=range_starts(source))
-    model_id = opts.model_id or source.name.removesuffix(".gguf")
+    starts = range_starts_of(fields)
+    ranges = split_ranges(total, ranges=opts.ranges, layers_per_file=opts.layers_per_file, starts=starts)
+    model_id = opts.model_id or model_stem(source)
     name = re.sub(r"[^A-Za-z0-9._-]", "-", model_id).lstrip(".-") or "model"
     folder = out / name
     expected = {_shard_name(r) for r in ranges} | {_shard_name(ranges[0]).replace(".gguf", ".embd.gguf"), VOCAB_NAME}
@@ -137,7 +137,7 @@ def publish(source: Path, out: Path, options: PublishOptions | None = None) -> M
     files: list[dict[str, Any]] = []
     layer_map: list[dict[str, Any]] = []
     for r in ranges:
-        shard = write_shard(source, r, folder / _shard_name(r), reader=reader)
+        shard = write_shard(source, r, folder / _shard_name(r), opened=reader)
         kept = [t for t in source_tensors if _in_shard(t, r, shard.vocab_cut)]
         group = [_file_entry(shard.path, ROLE_SHARD, r, kept)]
         if shard.embeddings is not None:
@@ -169,14 +169,14 @@ def publish(source: Path, out: Path, options: PublishOptions | None = None) -> M
         "tokenizer": {
             "model": str(meta("tokenizer.ggml.model", "")),
             "files": [tail],  # the tail keeps the full vocabulary; the other shards carry a 1-token stub
-            "sha256": _tokenizer_sha256(reader),
+            "sha256": _tokenizer_sha256(fields),
             "vocab_size": int(meta(f"{arch}.vocab_size", 0) or len(meta("tokenizer.ggml.tokens", []))),
         },
         "quantization": {
             "file_type": _file_type(meta("general.file_type")),
             "tensor_types": dict(sorted(collections.Counter(t.tensor_type.name for t in reader.tensors).items())),
         },
-        "gguf_splits": [{"name": source.name, "size": source.stat().st_size, "sha256": file_sha256(source)}],
+        "gguf_splits": [{"name": p.name, "size": p.stat().st_size, "sha256": file_sha256(p)} for p in reader.parts],
         "backends": list(BACKENDS),
         "context_cap": int(meta(f"{arch}.context_length", 0)),
         "kv_cache": {
@@ -226,14 +226,13 @@ def _file_entry(path: Path, role: str, r: LayerRange, tensors: list[str]) -> dic
     }
 
 
-def _tokenizer_sha256(reader: Any) -> str:
-    """SHA-256 over the exact GGUF bytes of every ``tokenizer.*`` key (name, then value)."""
+def _tokenizer_sha256(fields: dict[str, Field]) -> str:
+    """SHA-256 over the exact GGUF bytes of every ``tokenizer.*`` key (name, then the entry)."""
     digest = hashlib.sha256()
-    for name, field in sorted(reader.fields.items()):
+    for name, field in sorted(fields.items()):
         if name.startswith("tokenizer."):
             digest.update(name.encode() + b"\0")
-            for part in field.parts:
-                digest.update(part.tobytes())
+            digest.update(field.raw)
     return digest.hexdigest()
 
 

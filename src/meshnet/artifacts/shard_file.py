@@ -23,7 +23,10 @@ The recipe (docs/backends.md; verified on llama-cpp-python 0.3.36):
 Adjacent shard files merge into one (``merge_shards``): blocks renumbered, per-layer arrays
 concatenated, everything else from the last part (the tail's vocabulary if it is one).
 
-Writes are atomic: a temporary file is renamed into place only when complete.
+The source may be a llama.cpp split set (``meshnet.artifacts.gguf_source``): every part is read,
+and tensor bytes are streamed from the parts with bounded reads, never mapped or held whole, so
+cutting a model costs a few MiB of memory whatever its size. Writes are atomic: a temporary file
+is renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-import numpy as np
-
+from meshnet.artifacts.gguf_header import read_header
+from meshnet.artifacts.gguf_source import GGUFSource, TensorBytes, open_gguf
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
 from meshnet.models.families import Family, family
@@ -76,15 +79,13 @@ class ShardFiles:
 
 
 def read_architecture(path: Path) -> str:
-    """A GGUF's ``general.architecture``; ``InvalidRequest`` for a file that is not a GGUF."""
-    import gguf
-
+    """A GGUF's ``general.architecture`` (a split set's: its first file holds the metadata);
+    ``InvalidRequest`` for a file that is not a GGUF."""
     if not path.is_file():
         raise InvalidRequest(f"GGUF file not found: {path}", param="gguf")
     try:
-        reader = gguf.GGUFReader(str(path))
-        return str(_field_value(reader.fields["general.architecture"]))
-    except (OSError, ValueError, KeyError) as exc:
+        return str(_field_value(read_header(path).fields["general.architecture"]))
+    except KeyError as exc:
         raise InvalidRequest(f"cannot read the architecture of {path}: {exc}", param="gguf") from None
 
 
@@ -113,9 +114,8 @@ def range_starts(path: Path) -> list[int]:
     when the family has none): a multiple of its cut step, a layer that computes its own sparse
     selection, and for a hybrid model a layer right after a full-attention one (so that every
     range ends with attention and, cut on the pattern, holds both kinds)."""
-    import gguf
 
-    return range_starts_of(gguf.GGUFReader(str(path)).fields)
+    return range_starts_of(read_header(path).fields)
 
 
 def range_starts_of(fields: Any) -> list[int]:
@@ -184,9 +184,8 @@ def layer_flags(path: Path, key: str, n_layer: int, *, default: bool) -> list[bo
 
 def layer_values(path: Path, key: str, n_layer: int, *, default: int) -> list[int]:
     """A per-layer integer array of a GGUF's metadata; ``default`` for every layer when absent."""
-    import gguf
 
-    fields = gguf.GGUFReader(str(path)).fields
+    fields = read_header(path).fields
     if key not in fields:
         return [default] * n_layer
     return [int(v) for v in _field_value(fields[key])][:n_layer]
@@ -194,9 +193,8 @@ def layer_values(path: Path, key: str, n_layer: int, *, default: int) -> list[in
 
 def recurrent_layers(path: Path, arch: str, n_layer: int) -> list[bool]:
     """The recurrent-layer flags of a GGUF (a full model or a shard file) of a hybrid family."""
-    import gguf
 
-    return _recurrent_flags(gguf.GGUFReader(str(path)).fields, arch, n_layer)
+    return _recurrent_flags(read_header(path).fields, arch, n_layer)
 
 
 def embeddings_path(shard_path: Path) -> Path:
@@ -214,19 +212,20 @@ def _block_index(name: str) -> int | None:
 
 
 def write_shard(
-    source: Path, layers: LayerRange | str, out: Path, *, cut_vocab: bool | None = None, reader: Any = None
+    source: Path,
+    layers: LayerRange | str,
+    out: Path,
+    *,
+    cut_vocab: bool | None = None,
+    opened: GGUFSource | None = None,
 ) -> ShardFiles:
-    """Write the shard GGUF for ``layers`` of ``source`` to ``out`` (and the head's sidecar).
+    """Write the shard GGUF for ``layers`` of ``source`` (a GGUF or a split set's first file) to
+    ``out`` (and the head's sidecar).
 
-    ``reader``: a ``gguf.GGUFReader`` of ``source`` already open (parsing a big vocabulary takes
-    seconds; a caller cutting several ranges parses once).
+    ``opened``: ``open_gguf(source)`` already done (parsing a big vocabulary takes seconds; a
+    caller cutting several ranges parses once).
     """
-    import gguf
-
-    if not source.is_file():
-        raise InvalidRequest(f"GGUF file not found: {source}", param="gguf")
-    if reader is None:
-        reader = gguf.GGUFReader(str(source))
+    reader = opened if opened is not None else open_gguf(source)
     arch = str(_field_value(reader.fields["general.architecture"]))
     total = trunk_layers(reader.fields, arch)
     if isinstance(layers, str):
@@ -295,7 +294,7 @@ def write_shard(
         why = "computes logits" if layers.is_tail else f"runs on token ids (its first {token_layers} layers read them)"
         raise InvalidRequest(f"the {'tail' if layers.is_tail else 'head'} shard {why} and must keep its vocabulary")
 
-    tensors = list(_shard_tensors(reader, layers, cut))
+    tensors = list(_shard_tensors(reader.tensors, layers, cut))
     _write_gguf(
         out,
         arch,
@@ -313,28 +312,27 @@ def write_shard(
         embeddings=sidecar,
         layers=layers,
         vocab_cut=cut,
-        tensor_bytes=sum(int(d.nbytes) for _, d, _ in tensors),
+        tensor_bytes=sum(t.nbytes for _, t in tensors),
         tensors=len(tensors),
     )
 
 
-def _shard_tensors(reader: Any, layers: LayerRange, cut: bool) -> Iterator[tuple[str, np.ndarray[Any, Any], Any]]:
-    for tensor in reader.tensors:
-        name: str = tensor.name
-        data = tensor.data
+def _shard_tensors(source: tuple[TensorBytes, ...], layers: LayerRange, cut: bool) -> Iterator[tuple[str, TensorBytes]]:
+    for tensor in source:
+        name = tensor.name
         block = _block_index(name)
         if block is not None:
             if layers.start <= block < layers.stop:  # never a prediction block: stop <= trunk
                 rest = name.split(".", 2)[2]
-                yield f"blk.{block - layers.start}.{rest}", data, tensor.tensor_type
+                yield f"blk.{block - layers.start}.{rest}", tensor
             continue
         if cut and name in ("token_embd.weight", "output.weight"):
             # One row: the loader requires the tensor; llama.cpp's lm_head then costs nothing.
-            yield name, data[:1], tensor.tensor_type
+            yield name, tensor.first_rows(1)
             continue
         # output_norm (required by the loader), rope_freqs (needed by every block), and any other
         # model-wide tensor: kept whole; they are small.
-        yield name, data, tensor.tensor_type
+        yield name, tensor
 
 
 def _copy_metadata(reader: Any, writer: Any, *, arch: str, layers: LayerRange, total: int, cut: bool) -> None:
@@ -352,8 +350,8 @@ def _copy_metadata(reader: Any, writer: Any, *, arch: str, layers: LayerRange, t
     blocks = int(_field_value(reader.fields[f"{arch}.block_count"]))  # trunk + prediction blocks
     for field in reader.fields.values():
         name: str = field.name
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue  # written by GGUFWriter itself
+        if name.startswith(("GGUF.", "split.")) or name == "general.architecture":
+            continue  # written by GGUFWriter itself; a shard is one file, never part of a split set
         if cut and name.startswith("tokenizer.") and name not in _VOCAB_ONLY_KEYS:
             continue
         value = _field_value(field)
@@ -426,33 +424,17 @@ def _no_sliding_layer(fields: Any, arch: str, seams: Family, n: int) -> tuple[in
     return UNBOUNDED_WINDOW, [True] * n
 
 
-def _write_embeddings(reader: Any, arch: str, path: Path) -> None:
-    import gguf
-
-    tensor = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+def _write_embeddings(source: GGUFSource, arch: str, path: Path) -> None:
+    tensor = source.tensor("token_embd.weight")
     if tensor is None:
         raise InvalidRequest("the model has no token_embd.weight; cannot build a head shard")
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        writer = gguf.GGUFWriter(str(tmp), arch)
-        writer.add_tensor_info(
-            tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
-        )
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
-        writer.close()
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _write_gguf(path, arch, lambda writer: None, [(tensor.name, tensor)], source.endianess)
 
 
 def read_shard_range(path: Path) -> tuple[LayerRange, bool] | None:
     """The layer range and vocab-cut flag a shard file was written for (None for a full model)."""
-    import gguf
 
-    fields = gguf.GGUFReader(str(path)).fields
+    fields = read_header(path).fields
     if SHARD_START_KEY not in fields:
         return None
     start, stop, total = (int(_field_value(fields[k])) for k in (SHARD_START_KEY, SHARD_STOP_KEY, SHARD_TOTAL_KEY))
@@ -471,7 +453,7 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
 
     if not parts:
         raise InvalidRequest("nothing to merge")
-    readers = [gguf.GGUFReader(str(p)) for p in parts]
+    readers = sources = [open_gguf(p) for p in parts]
     ranges: list[LayerRange] = []
     for path, reader in zip(parts, readers, strict=True):
         if SHARD_START_KEY not in reader.fields:
@@ -489,15 +471,15 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
     last = readers[-1] if kept[-1] or not (kept[0] and ranges[0].is_head) else readers[0]
     arch = str(_field_value(last.fields["general.architecture"]))
     cut = bool(_field_value(last.fields[SHARD_VOCAB_CUT_KEY]))
-    tensors: list[tuple[str, np.ndarray[Any, Any], Any]] = []
-    for part, reader in zip(ranges, readers, strict=True):
+    tensors: list[tuple[str, TensorBytes]] = []
+    for part, source in zip(ranges, sources, strict=True):
         offset = part.start - layers.start
-        for tensor in reader.tensors:
+        for tensor in source.tensors:
             block = _block_index(tensor.name)
             if block is not None:
                 rest = tensor.name.split(".", 2)[2]
-                tensors.append((f"blk.{block + offset}.{rest}", tensor.data, tensor.tensor_type))
-    tensors += [(t.name, t.data, t.tensor_type) for t in last.tensors if _block_index(t.name) is None]
+                tensors.append((f"blk.{block + offset}.{rest}", tensor))
+    tensors += [(t.name, t) for t in last.tensors if _block_index(t.name) is None]
 
     relative = {f"{arch}.{key}" for key in family(arch).leading_layer_keys}
     window_key = f"{arch}.attention.sliding_window"
@@ -532,7 +514,7 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
         embeddings=None,
         layers=layers,
         vocab_cut=cut,
-        tensor_bytes=sum(int(d.nbytes) for _, d, _ in tensors),
+        tensor_bytes=sum(t.nbytes for _, t in tensors),
         tensors=len(tensors),
     )
 
@@ -565,24 +547,27 @@ def _write_gguf(
     out: Path,
     arch: str,
     metadata: Callable[[Any], None],
-    tensors: list[tuple[str, np.ndarray[Any, Any], Any]],
+    tensors: list[tuple[str, TensorBytes]],
     endianess: Any,
 ) -> None:
-    """Write a GGUF atomically: to a hidden partial file, renamed over ``out`` only when complete."""
+    """Write a GGUF atomically: to a hidden partial file, renamed over ``out`` only when complete.
+    Tensor bytes are copied from their files in bounded reads (``TensorBytes.tofile``), in the
+    byte order they were written in (the writer takes the source's, so nothing is swapped)."""
     import gguf
 
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        writer = gguf.GGUFWriter(str(tmp), arch)
+        writer = gguf.GGUFWriter(str(tmp), arch, endianess=endianess)
         metadata(writer)
-        for name, data, qtype in tensors:
-            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, qtype)
+        for name, tensor in tensors:
+            writer.add_tensor_info(name, tensor.shape, tensor.dtype, tensor.nbytes, tensor.tensor_type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for _, data, _ in tensors:
-            writer.write_tensor_data(data, tensor_endianess=endianess)
+        for _, tensor in tensors:
+            # GGUFWriter asks its argument only for ``nbytes`` and ``tofile``: a TensorBytes streams.
+            writer.write_tensor_data(cast(Any, tensor), tensor_endianess=endianess)
         writer.close()
         os.replace(tmp, out)
     finally:

@@ -15,8 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from meshnet.errors import InvalidRequest
+from meshnet.httputil import is_wildcard
 
-__all__ = ["DEFAULT_PIECE_LENGTH", "TorrentFiles", "create_torrent", "make_session", "parse_endpoint", "read_torrent"]
+__all__ = [
+    "DEFAULT_PIECE_LENGTH",
+    "TorrentFiles",
+    "create_torrent",
+    "make_session",
+    "parse_endpoint",
+    "peer_address",
+    "read_torrent",
+]
 
 DEFAULT_PIECE_LENGTH = 1 << 20  # 1 MiB: small enough for loopback tests, few hashes for big models
 _ALERT_QUEUE = 10_000
@@ -27,6 +36,26 @@ def parse_endpoint(text: str, field: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise InvalidRequest(f"{field} {text!r} must look like HOST:PORT, e.g. 127.0.0.1:6881", param=field)
     return host.strip("[]"), int(port)
+
+
+def peer_address(listen: str, port: int, advertised_host: str | None) -> str:
+    """The ``HOST:PORT`` other hosts dial to fetch from a session listening on ``listen``.
+
+    A session bound to one address is reached there. One bound to every interface
+    (``0.0.0.0:6881``, ``[::]:6881``) is reached at the host the node advertises itself at
+    (``advertised_host``: its ``--advertise-url``'s host, else its ``--host``); a wildcard there
+    too leaves no address to give, which is an ``InvalidRequest`` saying what to pass.
+    """
+    host, _ = parse_endpoint(listen, "--listen")
+    if is_wildcard(host) or not host:
+        if advertised_host is None or is_wildcard(advertised_host) or not advertised_host:
+            raise InvalidRequest(
+                f"--listen {listen} takes BitTorrent peers on every interface, and {host or '*'} is not an address "
+                "other hosts can dial; give --listen THIS-HOST'S-ADDRESS:PORT or the node's --advertise-url",
+                param="listen",
+            )
+        host = advertised_host
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def make_session(listen: str = "127.0.0.1:0", *, verbose_alerts: bool = True) -> Any:

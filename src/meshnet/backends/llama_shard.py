@@ -24,6 +24,7 @@ import hashlib
 import heapq
 import os
 import platform
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from meshnet.artifacts.gguf_source import model_stem, open_gguf, split_parts
 from meshnet.artifacts.shard_file import (
     embeddings_path,
     layer_flags,
@@ -71,23 +73,36 @@ KV_PAD = 256
 
 
 class HeadEmbeddings:
-    """Token-embedding lookup from a GGUF's ``token_embd.weight``, dequantized per lookup."""
+    """Token-embedding lookup from a GGUF's ``token_embd.weight``, dequantized per lookup.
+
+    Rows are read from the file one by one (``os.pread``), never through a mapping: the kernel maps
+    a mapped file's neighbouring pages on every fault (64 KiB around it), so a few thousand scattered
+    lookups through an mmap made the whole table resident in the node's memory. Reads go through
+    the page cache, which is not the process's."""
 
     def __init__(self, path: Path) -> None:
         import gguf
 
-        reader = gguf.GGUFReader(str(path))
-        tensor = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        tensor = open_gguf(path).tensor("token_embd.weight")
         if tensor is None:
             raise InvalidRequest(f"{path} holds no token_embd.weight")
-        self._data = tensor.data
         self._qtype = tensor.tensor_type
         self._dequantize = gguf.quants.dequantize
-        self.n_vocab = int(tensor.shape[1]) if len(tensor.shape) > 1 else int(self._data.shape[0])
-        self.nbytes = int(tensor.n_bytes)
+        self._dtype, self._row_shape = tensor.dtype, tensor.shape[1:]
+        self.n_vocab = tensor.shape[0]
+        self.nbytes = tensor.nbytes
+        self._row_bytes = tensor.nbytes // self.n_vocab
+        self._offset = tensor.offset
+        self._fd = os.open(tensor.path, os.O_RDONLY)
+        self._close = weakref.finalize(self, os.close, self._fd)
 
     def __call__(self, tokens: I32) -> F32:
-        rows = self._data[tokens]
+        n = int(tokens.shape[0])
+        if n and not (int(tokens.min()) >= 0 and int(tokens.max()) < self.n_vocab):
+            raise InvalidRequest(f"a token id is outside the vocabulary of {self.n_vocab}")
+        size = self._row_bytes
+        data = b"".join(os.pread(self._fd, size, self._offset + int(t) * size) for t in tokens)
+        rows = np.frombuffer(data, dtype=self._dtype).reshape(n, *self._row_shape)
         return np.ascontiguousarray(self._dequantize(rows, self._qtype), dtype=np.float32)
 
 
@@ -246,8 +261,15 @@ class LlamaShard(ShardBase[int]):
     def _load_model(self, path: Path) -> Any:
         from llama_cpp._utils import suppress_stdout_stderr
 
+        params = self._ll.llama_model_default_params()
+        # Read the weights, do not map them: on CPU llama.cpp repacks most quantized weights into
+        # buffers of its own (its "extra buffer types"), reading them through the mapping, whose
+        # touched pages then stay resident beside the copy — a node held its weights twice
+        # (1.5B model, layers 0:14: 891 MiB for 383 MiB of weights). Read into buffers, each weight
+        # is held once; the bits are the same (same tensors, same buffer types and kernels).
+        params.load_mode = self._ll.LLAMA_LOAD_MODE_NONE
         with suppress_stdout_stderr(disable=False):
-            model = self._ll.llama_model_load_from_file(str(path).encode(), self._ll.llama_model_default_params())
+            model = self._ll.llama_model_load_from_file(str(path).encode(), params)
         if model is None:
             raise InvalidRequest(f"llama.cpp could not load {path}")
         return model
@@ -422,14 +444,17 @@ class LlamaShard(ShardBase[int]):
 
     @classmethod
     def from_model(cls, gguf: Path, layers: LayerRange | str, *, cache_dir: Path, **kwargs: Any) -> LlamaShard:
-        """Cut ``layers`` out of a full GGUF (cached by content of the source) and load it."""
-        stat = gguf.stat()
-        key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        """Cut ``layers`` out of a full GGUF or split set (cached by the identity of every part) and load it."""
+        stamps = []
+        for part in split_parts(gguf):
+            stat = part.stat()
+            stamps.append(f"{part.resolve()}:{stat.st_size}:{stat.st_mtime_ns}")
+        key = hashlib.sha256("|".join(stamps).encode()).hexdigest()[:16]
         text = str(layers) if isinstance(layers, LayerRange) else layers
-        path = cache_dir / f"{gguf.name.removesuffix('.gguf')}.{key}.{text.replace(':', '-')}.gguf"
+        path = cache_dir / f"{model_stem(gguf)}.{key}.{text.replace(':', '-')}.gguf"
         if not path.is_file():
             write_shard(gguf, layers, path)
-        kwargs.setdefault("model_id", gguf.name.removesuffix(".gguf"))
+        kwargs.setdefault("model_id", model_stem(gguf))
         return cls(path, **kwargs)
 
     # -- compute -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshnet.artifacts.gguf_source import model_stem
 from meshnet.artifacts.shard_file import trunk_layers
 from meshnet.backends.base import ModelInfo
 from meshnet.errors import InvalidRequest
@@ -79,7 +80,7 @@ class LlamaVocab:
         file_type = self.meta("general.file_type")
         bos, eos = int(llama_cpp.llama_vocab_bos(self._vocab)), int(llama_cpp.llama_vocab_eos(self._vocab))
         self.info = ModelInfo(
-            model_id=model_id or gguf.name.removesuffix(".gguf"),
+            model_id=model_id or model_stem(gguf),
             architecture=arch,
             quantization=quantization_name(int(file_type) if file_type.isdigit() else None),
             n_layers=trunk_layers(lambda key: self.meta(key) or None, arch),

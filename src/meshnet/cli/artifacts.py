@@ -229,6 +229,7 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
     if args.backend != "llama":
         raise InvalidRequest("--manifest files load with the llama.cpp backend (--backend llama)", param="backend")
     dest = args.dest or default_artifacts_dir()
+    _bt_peer(args, None)  # a listen address no host can dial fails now, before the fetch
     swarm = start_fetch(args, dest, args.layers, label="node fetching")
     try:
         manifest = swarm.manifest
@@ -261,7 +262,7 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
         "files": list(held),
         "quantization": str(manifest.quantization["file_type"]),
         "threads": threads,
-        "bt_peer": f"{args.listen.rsplit(':', 1)[0]}:{swarm.listen_port}",
+        "bt_peer": _bt_peer(args, swarm),
     }
     return swarm, shard, advert
 
@@ -291,9 +292,25 @@ def run_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bt_peer(args: argparse.Namespace, swarm: Any) -> str:
+    """Where other hosts dial this process's BitTorrent session: its ``--listen`` host, or for a
+    wildcard listen the host a node advertises (``--advertise-url``'s, else ``--host``)."""
+    import urllib.parse
+
+    from meshnet.artifacts.torrent import peer_address
+
+    public = getattr(args, "public_url", None)
+    host = urllib.parse.urlsplit(public).hostname if public else getattr(args, "host", None)
+    return peer_address(args.listen, 0 if swarm is None else swarm.listen_port, host)
+
+
 def _say_seeding(args: argparse.Namespace, swarm: Any) -> tuple[str, ...]:
     held: tuple[str, ...] = swarm.held_files()
-    print(f"meshnet: seeding {len(held)} files on {args.listen.rsplit(':', 1)[0]}:{swarm.listen_port}", flush=True)
+    try:
+        where = _bt_peer(args, swarm)
+    except MeshnetError:  # a plain fetch on every interface: no one address to name
+        where = f"{args.listen.rsplit(':', 1)[0]}:{swarm.listen_port}"
+    print(f"meshnet: seeding {len(held)} files on {where}", flush=True)
     return held
 
 

@@ -96,12 +96,13 @@ def ask_from_gguf(path: Path, *, kv_tokens: int, budget_bytes: int, max_layers: 
     """A GGUF's ask from its tensor sizes: ``blk.i.*`` to layer ``i``, the token table to the head
     (its embedding sidecar), ``output.weight`` (or the tied token table) and the final norm to the
     tail, everything else to every range; KV per layer from its attention shape."""
-    from meshnet.artifacts.gguf_header import read_header
+    from meshnet.artifacts.gguf_source import open_gguf
     from meshnet.artifacts.plan import shape_from_fields
     from meshnet.artifacts.shard_file import range_starts_of, trunk_layers
 
-    header = read_header(path)  # not gguf.GGUFReader: it takes seconds over a big vocabulary
-    fields, sizes = header.fields, header.tensor_bytes
+    # Every part of a split set; the lean header reader (not gguf.GGUFReader: seconds over a big vocabulary)
+    source = open_gguf(path)
+    fields, sizes = source.fields, {t.name: t.nbytes for t in source.tensors}
     arch = str(fields["general.architecture"].contents())
     total = trunk_layers(fields, arch)
     per_layer, base = [0] * total, 0
