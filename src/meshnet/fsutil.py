@@ -8,11 +8,12 @@ crash) sees the old file or the new one, never a mix.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["PRIVATE_MODE", "PUBLIC_MODE", "fsync_directory", "write_atomic"]
+__all__ = ["PRIVATE_MODE", "PUBLIC_MODE", "file_sha256", "fsync_directory", "write_atomic"]
 
 PRIVATE_MODE = 0o600
 PUBLIC_MODE = 0o644
@@ -45,3 +46,12 @@ def fsync_directory(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def file_sha256(path: Path, chunk_bytes: int = 8 << 20) -> str:
+    """The SHA-256 of a file's bytes, read in bounded chunks (a model file may be many GiB)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["LayerRange"]
+__all__ = ["LayerRange", "split_layers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +61,32 @@ class LayerRange:
 
     def __str__(self) -> str:
         return f"{self.start}:{self.stop}"
+
+
+def split_layers(total: int, nodes: int, starts: Sequence[int] | None = None) -> list[LayerRange]:
+    """``nodes`` contiguous ranges covering ``[0, total)``, sizes differing by at most one — or, when
+    the model's family allows ranges to start only at ``starts`` (``shard_file.range_starts``), the
+    allowed cuts nearest to that even split."""
+    if not 1 <= nodes <= total:
+        raise ValueError(f"--nodes must be within 1..{total} (the model has {total} layers), got {nodes}")
+    base, extra = divmod(total, nodes)
+    cuts, stop = [], 0
+    for i in range(nodes - 1):
+        stop += base + (1 if i < extra else 0)
+        cuts.append(stop)
+    if starts is not None:
+        allowed = sorted(set(starts) - {0})
+        if len(allowed) < nodes - 1:
+            raise ValueError(
+                f"this model's layers can be cut only before layers {allowed}: at most {len(allowed) + 1} nodes, "
+                f"not {nodes}"
+            )
+        chosen: list[int] = []
+        for i, want in enumerate(cuts):
+            # leave enough allowed cuts after this one for the remaining nodes
+            room = allowed[: len(allowed) - (nodes - 2 - i)]
+            room = [c for c in room if not chosen or c > chosen[-1]]
+            chosen.append(min(room, key=lambda c: (abs(c - want), c)))
+        cuts = chosen
+    bounds = [0, *cuts, total]
+    return [LayerRange(a, b, total) for a, b in itertools.pairwise(bounds)]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedModel
 
+from meshnet.backends.audit import audit, format_audit
 from meshnet.backends.tiny_models import TINY_MODELS
-from meshnet.models.audit import audit, format_audit
 
 
 def saved(model: PreTrainedModel, tmp_path: Path) -> Path:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from meshnet.backends.audit import audit, format_audit, is_model_config
 from meshnet.errors import InvalidRequest
-from meshnet.models.audit import audit, format_audit, is_model_config
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configs"
 SEED_AUDITS = {"deepseek-v4-flash": 8, "glm-5.2": 20, "qwen3.5-35b-a3b": 2}

@@ -7,9 +7,8 @@ import random
 
 import pytest
 
-from meshnet.cli.up import split_layers
 from meshnet.errors import InvalidRequest
-from meshnet.layers import LayerRange
+from meshnet.layers import LayerRange, split_layers
 from meshnet.tracker.placement import (
     LEAST_THROUGHPUT,
     UNCOVERED,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshnet.cli.up import split_layers, swarm_layout
+from meshnet.cli.up import swarm_layout
+from meshnet.layers import split_layers
 
 
 def test_split_layers_tiles_the_model_evenly():

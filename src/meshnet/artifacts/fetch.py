@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from meshnet.artifacts.manifest import ROLE_EMBEDDINGS, Manifest, ManifestError, read_manifest
-from meshnet.artifacts.publish import file_sha256
 from meshnet.artifacts.shard_file import merge_shards
 from meshnet.artifacts.torrent import TorrentFiles, make_session, read_torrent
 from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.fsutil import file_sha256
 from meshnet.layers import LayerRange
 
 __all__ = ["PART_DIR", "FetchConfig", "FetchError", "FetchResult", "Progress", "Swarm", "assemble", "load_source"]

@@ -45,15 +45,14 @@ from meshnet.artifacts.shard_file import range_starts_of, trunk_layers, write_sh
 from meshnet.artifacts.torrent import DEFAULT_PIECE_LENGTH, create_torrent, magnet_of, read_torrent
 from meshnet.artifacts.vocab import VOCAB_NAME, vocab_entry, write_vocab
 from meshnet.errors import InvalidRequest
-from meshnet.fsutil import write_atomic
+from meshnet.fsutil import file_sha256, write_atomic
 from meshnet.layers import LayerRange
 
-__all__ = ["TORRENT_NAME", "PublishOptions", "file_sha256", "publish", "split_ranges"]
+__all__ = ["TORRENT_NAME", "PublishOptions", "publish", "split_ranges"]
 
 TORRENT_NAME = "model.torrent"
 BACKENDS = ("llama.cpp",)  # runtimes that load the published files as they are
 KV_DTYPE = "f16"  # llama.cpp's default K/V cache type
-_HASH_CHUNK = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +98,6 @@ def split_ranges(
     if expected != total:
         raise InvalidRequest(f"--ranges must end at layer {total}, not {expected}", param="ranges")
     return out
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _shard_name(r: LayerRange) -> str:

@@ -1,4 +1,4 @@
-"""Model shapes from Hugging Face configs, for ``meshnet plan`` (``models.audit``): transformers'
+"""Model shapes from Hugging Face configs, for ``meshnet plan`` (``backends.audit``): transformers'
 config classes, parameters counted on a model built on the meta device (no memory, no download),
 and KV/state per layer by layer type with the PyTorch backend's own accounting."""
 

@@ -41,8 +41,8 @@ def run_shard_make(args: argparse.Namespace) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     from meshnet.artifacts.plan import dtype_bytes, format_plan, plan, read_shape
+    from meshnet.backends.audit import audit, format_audit, is_model_config
     from meshnet.layers import LayerRange
-    from meshnet.models.audit import audit, format_audit, is_model_config
 
     try:
         if is_model_config(args.config):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import os
 import shutil
 import signal
@@ -35,11 +34,11 @@ import httpx
 
 from meshnet.cli.placement import auto_cap, wait_placed
 from meshnet.cli.serve import api_keys_for
-from meshnet.layers import LayerRange
+from meshnet.layers import LayerRange, split_layers
 from meshnet.node.advert import host_hardware
 from meshnet.node.context import DEFAULT_MEMORY_SHARE
 
-__all__ = ["run_up", "split_layers", "swarm_layout"]
+__all__ = ["run_up", "swarm_layout"]
 
 _READY_TIMEOUT_S = 300.0
 
@@ -54,35 +53,6 @@ def swarm_layout(total: int, nodes: int, spares: int, starts: Sequence[int] | No
     if len(ranges) == 1:
         raise ValueError("a spare needs at least 2 serving nodes (it stands in for every node but the head)")
     return ranges + [LayerRange(ranges[0].stop, total, total)] * spares
-
-
-def split_layers(total: int, nodes: int, starts: Sequence[int] | None = None) -> list[LayerRange]:
-    """``nodes`` contiguous ranges covering ``[0, total)``, sizes differing by at most one — or, when
-    the model's family allows ranges to start only at ``starts`` (``shard_file.range_starts``), the
-    allowed cuts nearest to that even split."""
-    if not 1 <= nodes <= total:
-        raise ValueError(f"--nodes must be within 1..{total} (the model has {total} layers), got {nodes}")
-    base, extra = divmod(total, nodes)
-    cuts, stop = [], 0
-    for i in range(nodes - 1):
-        stop += base + (1 if i < extra else 0)
-        cuts.append(stop)
-    if starts is not None:
-        allowed = sorted(set(starts) - {0})
-        if len(allowed) < nodes - 1:
-            raise ValueError(
-                f"this model's layers can be cut only before layers {allowed}: at most {len(allowed) + 1} nodes, "
-                f"not {nodes}"
-            )
-        chosen: list[int] = []
-        for i, want in enumerate(cuts):
-            # leave enough allowed cuts after this one for the remaining nodes
-            room = allowed[: len(allowed) - (nodes - 2 - i)]
-            room = [c for c in room if not chosen or c > chosen[-1]]
-            chosen.append(min(room, key=lambda c: (abs(c - want), c)))
-        cuts = chosen
-    bounds = [0, *cuts, total]
-    return [LayerRange(a, b, total) for a, b in itertools.pairwise(bounds)]
 
 
 class _Child:

@@ -13,7 +13,7 @@ the hop answers one.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import httpx
 
@@ -23,10 +23,22 @@ from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
 from meshnet.protocol.messages import HopAnswer, HopRequest, PrefixRequest, remote_error
 
-if TYPE_CHECKING:
-    from meshnet.node.service import NodeService
+__all__ = ["HopTransport", "HttpTransport", "LocalHop", "LocalTransport"]
 
-__all__ = ["HopTransport", "HttpTransport", "LocalTransport"]
+
+class LocalHop(Protocol):
+    """What ``LocalTransport`` calls on a hop of this process: ``node.service.NodeService``'s handlers
+    (a protocol here, so the transport does not import the service that uses it)."""
+
+    async def handle(self, request: HopRequest) -> HopAnswer | None: ...
+
+    async def prefix(self, request: PrefixRequest) -> HopAnswer: ...
+
+    async def delete(self, sid: SessionId, ticket: str | None = None) -> None: ...
+
+    async def receive_snapshot(self, sid: SessionId, ticket: str | None, body: bytes) -> dict[str, Any]: ...
+
+    async def drop_snapshot(self, sid: SessionId, ticket: str | None) -> None: ...
 
 
 class HopTransport(Protocol):
@@ -92,9 +104,9 @@ class LocalTransport:
     """Hop services of this process by URL; a URL with no service is a hop that is down."""
 
     def __init__(self) -> None:
-        self.services: dict[str, NodeService] = {}
+        self.services: dict[str, LocalHop] = {}
 
-    def add(self, url: str, service: NodeService) -> None:
+    def add(self, url: str, service: LocalHop) -> None:
         self.services[url] = service
 
     def remove(self, url: str) -> None:

@@ -120,7 +120,7 @@ def _starts(config: Any, total: int) -> list[int]:
 def audit(path: Path, *, context: int, nodes: int, weight_bits: float = 4.5, seam_dtype_bytes: int = 2) -> Audit:
     """The cost of serving the model of ``path`` (a config.json or its folder) over ``nodes`` nodes."""
     from meshnet.backends.torch_models import ARCHITECTURES
-    from meshnet.cli.up import split_layers
+    from meshnet.layers import split_layers
 
     if context < 1 or nodes < 1 or not 1 <= weight_bits <= 32:
         raise InvalidRequest("--context and --nodes must be positive, --weight-bits within 1..32")
