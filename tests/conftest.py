@@ -32,6 +32,7 @@ _ROOT = Path(__file__).resolve().parent
 # a failure at collection, so the table cannot rot silently.
 TABLE: dict[str, tuple[str, ...]] = {
     "integration/test_multihost.py": ("netns",),
+    "integration/test_multihost_real_model.py": ("netns",),
     "integration/test_chaos.py": ("slow",),
     "integration/test_torch_seed_routes.py": ("torch",),
     "integration/test_route_choice.py": ("torch",),

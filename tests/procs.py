@@ -19,6 +19,7 @@ import httpx
 
 MESHNET = [sys.executable, "-m", "meshnet.cli.main"]
 _LISTENING = re.compile(r"listening on (https?://\S+)")
+SEEDING = re.compile(r"seeding (\d+) files on (\S+:\d+)")
 
 
 @dataclass
@@ -144,5 +145,32 @@ def meshnet_process(
     finally:
         stop(popen)
         pump.join(10)
+        assert popen.stdout is not None
+        popen.stdout.close()
+
+
+@contextlib.contextmanager
+def seeder(
+    args: Sequence[str], *, ready_timeout_s: float = 120, prefix: Sequence[str] = ()
+) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
+    """Run ``meshnet ARGS`` (``fetch ... --seed``) until it prints ``seeding N files on HOST:PORT``;
+    yields (process, HOST:PORT, its output lines) and always stops it. ``prefix``: as for meshnet_process."""
+    popen = subprocess.Popen([*prefix, *MESHNET, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    sink: queue.Queue[str | None] = queue.Queue()
+    thread = threading.Thread(target=_pump, args=(popen.stdout, sink, lines), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            line = sink.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line is None:
+                raise RuntimeError(f"meshnet {args} exited:\n{''.join(lines)}")
+            if match := SEEDING.search(line):
+                yield popen, match.group(2), lines
+                return
+    finally:
+        stop(popen)
+        thread.join(10)
         assert popen.stdout is not None
         popen.stdout.close()

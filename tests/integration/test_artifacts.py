@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import queue
 import re
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +22,11 @@ import pytest
 from meshnet.artifacts.bundled import bundled_gguf
 from meshnet.artifacts.fetch import FetchConfig, Swarm, assemble, load_source
 from meshnet.artifacts.webseed import RangeServer
-from tests.procs import MESHNET, Proc, meshnet_process, stop
+from tests.procs import MESHNET, SEEDING, Proc, meshnet_process, seeder, stop
 
 pytestmark = pytest.mark.real
 
 NAME = "SmolLM2-135M-Instruct.Q4_1"
-_SEEDING = re.compile(r"seeding (\d+) files on (\S+:\d+)")
 _FETCHED = re.compile(r"needed ([\d,]+) bytes, resumed ([\d,]+) already on disk, downloaded ([\d,]+)")
 _PROGRESS = re.compile(r"fetch downloading\s+([\d.]+)%")
 
@@ -44,38 +41,6 @@ def sha256(path: Path) -> str:
 
 def meshnet(args: list[str], *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*MESHNET, *args], capture_output=True, text=True, timeout=timeout, check=False)
-
-
-@contextlib.contextmanager
-def seeder(args: list[str], *, ready_timeout_s: float = 120) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
-    """Run ``meshnet ARGS`` until it prints ``seeding N files on HOST:PORT``; always stop it."""
-    popen = subprocess.Popen([*MESHNET, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    sink: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert popen.stdout is not None
-        for line in iter(popen.stdout.readline, ""):
-            lines.append(line)
-            sink.put(line)
-        sink.put(None)
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            line = sink.get(timeout=max(0.1, deadline - time.monotonic()))
-            if line is None:
-                raise RuntimeError(f"meshnet {args} exited:\n{''.join(lines)}")
-            if match := _SEEDING.search(line):
-                yield popen, match.group(2), lines
-                return
-    finally:
-        stop(popen)
-        thread.join(10)
-        assert popen.stdout is not None
-        popen.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +84,7 @@ def test_nodes_from_the_manifest_fetch_only_their_layers_and_the_route_matches(
         # It takes BitTorrent peers on every interface, and advertises its own host, which others can dial.
         a_args = [*node, "--layers", "0:10", "--dest", str(published), "--tracker", tracker.url]
         a = stack.enter_context(meshnet_process([*a_args, "--listen", "0.0.0.0:0"]))
-        peer = _SEEDING.search(a.output())
+        peer = SEEDING.search(a.output())
         assert peer is not None and peer.group(1) == "4", a.output()
         assert peer.group(2).startswith("127.0.0.1:"), a.output()
         others = []
