@@ -47,6 +47,7 @@ __all__ = [
     "JSON_OBJECT_GRAMMAR",
     "MAX_GRAMMAR_BYTES",
     "MAX_GRAMMAR_STEP_S",
+    "GrammarCancelled",
     "GrammarRefused",
     "TokenGrammar",
     "check_grammar_cost",
@@ -63,6 +64,7 @@ _FIRST_CANDIDATES = 256
 MAX_GRAMMAR_STEP_S = 0.1
 # Steps the cost check walks into the grammar (a grammar cheap at its start may not stay cheap).
 _COST_STEPS = 4
+_MASK_CHUNK = 4096  # tokens per call when masking: a cancelled check stops within one call
 _COST_CHUNK = 512  # tokens per timed check: a bomb's chunk costs ~10 ms, so the check stops soon after its limit
 
 # Any JSON object (``response_format: {"type": "json_object"}``): llama.cpp's grammars/json.gbnf.
@@ -103,6 +105,12 @@ _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
 class GrammarRefused(InvalidRequest):
     """A token the grammar does not allow was to be accepted, or the grammar allows no token at all."""
+
+
+class GrammarCancelled(InvalidRequest):
+    """A check of the vocabulary stopped because its step passed its deadline (``TokenGrammar.cancel``)."""
+
+    code = "grammar_too_costly"
 
 
 def json_schema_grammar(schema: object, *, param: str, root: str | None = None) -> str:
@@ -219,6 +227,7 @@ class TokenGrammar:
         self._all["id"] = np.arange(n_vocab, dtype=np.int32)
         self._one = np.zeros(1, dtype=_TOKEN_DATA)
         self.accepted: list[int] = []  # the tokens the grammar state has consumed, in order
+        self._cancelled = False
 
     # -- questions ---------------------------------------------------------------------------
     def allows(self, token: int) -> bool:
@@ -234,7 +243,13 @@ class TokenGrammar:
         """A copy of ``logits`` with every token the grammar refuses at -inf."""
         data = self._all
         data["logit"] = logits[: self.n_vocab]
-        self._apply(data)
+        # In chunks, so that a step past its deadline stops here (``cancel``) instead of running on for
+        # seconds on a worker thread; a realistic grammar's check costs no more for it.
+        for at in range(0, self.n_vocab, _MASK_CHUNK):
+            if self._cancelled:
+                raise GrammarCancelled(f"the grammar's check of the vocabulary was stopped at token {at}: too costly",
+                                       param="grammar")  # fmt: skip
+            self._apply(data[at : at + _MASK_CHUNK])
         masked = data["logit"].astype(np.float32)
         if not np.isfinite(masked).any():
             raise GrammarRefused(f"the grammar allows no token after {len(self.accepted)} generated tokens")
@@ -257,6 +272,11 @@ class TokenGrammar:
     def ends(self, token: int) -> bool:
         """Whether ``token`` ends a generation (the grammar allows it only where it is complete)."""
         return bool(self._ll.llama_vocab_is_eog(self._vocab, token))
+
+    def cancel(self) -> None:
+        """Stop the check of the vocabulary running on another thread (its step passed its deadline);
+        this grammar answers no more checks of the whole vocabulary."""
+        self._cancelled = True
 
     # -- state -------------------------------------------------------------------------------
     def accept(self, token: int) -> None:

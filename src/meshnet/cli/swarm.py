@@ -65,6 +65,14 @@ def add_swarm_commands(sub: Any) -> None:
     _add_compute(node)
     node.add_argument("--max-sessions", type=at_least_one, default=4, help="sessions held at once (default 4)")
     node.add_argument(
+        "--sample-deadline",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="the longest a tail may take to sample one token (a costly grammar); past it, that generation "
+        "fails with grammar_too_costly and the node goes on (default 2)",
+    )
+    node.add_argument(
         "--max-sessions-per-client",
         type=at_least_one,
         default=None,
@@ -381,6 +389,8 @@ def _serve_node(
 
     info = shard.info
     node_id = args.node_id or (tls.member_id if tls else f"node-{port}-{info.layers.start}-{info.layers.stop}")
+    if not args.sample_deadline > 0:
+        usage_error(f"meshnet node: --sample-deadline must be > 0 seconds, got {args.sample_deadline}")
     config = NodeConfig(
         node_id=node_id,
         url=public,
@@ -395,6 +405,7 @@ def _serve_node(
         client_tls=tls.client_context() if tls else None,
         tickets=_ticket_verifier(tls),
         max_sessions_per_client=_per_client(args),
+        sample_deadline_s=args.sample_deadline,
     )
     print(
         f"meshnet: node {node_id} holds layers {info.layers} of {info.model_id} ({info.backend}, "

@@ -7,8 +7,10 @@ other session. So the tail samples on worker threads (llama.cpp's calls release 
 step that has not finished within its deadline (``deadline_s`` per token it decides) fails that
 generation with a clear error — the node goes on.
 
-A thread cannot be stopped: a step past its deadline runs on to its end in the background, and
-its result is dropped (the caller breaks the session, so nothing uses its sampler again). Grammar
+A thread cannot be stopped from outside: a step past its deadline is told to stop (a grammar's
+check of the vocabulary runs in chunks and stops at the next one: ``TokenGrammar.cancel``), and
+whatever it still does runs on in the background with its result dropped (the caller breaks the
+session, so nothing uses its sampler again). Grammar
 steps run on a lane of their own, a few threads, so runaway ones never hold up the sampling of
 sessions without a grammar (bounded by the vocabulary size, on the shared executor); when every
 grammar thread is still busy with runaway steps, another grammar step is refused at once (503)
@@ -49,9 +51,12 @@ class SamplingLane:
         self._grammar = concurrent.futures.ThreadPoolExecutor(grammar_threads, thread_name_prefix="meshnet-grammar")
         self.running_late = 0  # grammar steps past their deadline that still hold a thread
 
-    async def run(self, step: Callable[[], T], *, tokens: int = 1, grammar: bool) -> T:
+    async def run(
+        self, step: Callable[[], T], *, tokens: int = 1, grammar: bool, cancel: Callable[[], None] | None = None
+    ) -> T:
         """``step()`` on a worker thread; ``SamplingTooSlow`` when it takes longer than ``deadline_s``
-        per token it decides (``tokens``)."""
+        per token it decides (``tokens``), after telling the step to stop (``cancel``: a grammar's
+        check of the vocabulary stops within one chunk of it)."""
         if grammar and self.running_late >= self._threads:
             raise Overloaded(
                 f"this tail's {self._threads} grammar threads are all still running steps that passed their "
@@ -65,6 +70,8 @@ class SamplingLane:
             # shield: a timeout must not cancel the future before its thread is done with the sampler
             return await asyncio.wait_for(asyncio.shield(future), limit)
         except TimeoutError:
+            if cancel is not None:
+                cancel()
             if grammar:
                 self.running_late += 1
                 future.add_done_callback(self._finished_late)

@@ -316,6 +316,7 @@ class NodeService:
             chosen = await self.sampling.run(
                 lambda: _choose(sampler, logits, history, drafts, at=start + n if not drafts else start + 1),
                 tokens=1 + len(drafts), grammar=sampler.grammar is not None,
+                cancel=sampler.grammar.cancel if sampler.grammar is not None else None,
             )  # fmt: skip
         except SamplingTooSlow as exc:
             s.break_with(exc)  # its sampler is still busy on a worker thread: nothing may use it again
