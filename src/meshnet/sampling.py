@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -41,11 +41,26 @@ MAX_GRAMMAR_BYTES = 64 * 1024
 # probabilities to NaN, and far above the overflow such a distribution is the argmax anyway (vLLM's eps).
 GREEDY_BELOW = 1e-5
 
-if TYPE_CHECKING:
-    from meshnet.backends.grammar import TokenGrammar
-
 Logits = npt.NDArray[np.float32]
 Alternatives = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+class TokenGrammar(Protocol):
+    """What a sampler asks of a compiled grammar (``meshnet.backends.grammar.TokenGrammar`` is the one
+    llama.cpp compiles): which tokens it allows after the ones accepted so far."""
+
+    def allows(self, token: int) -> bool: ...
+
+    def mask(self, logits: Logits) -> Logits: ...
+
+    def best(self, logits: Logits) -> int: ...
+
+    def accept(self, token: int) -> None: ...
+
+    def sync(self, history: Sequence[int]) -> None: ...
+
+    def cancel(self) -> None:
+        """Stop the check running on another thread (within one chunk of the vocabulary)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import openai
 import psutil
 import pytest
 
-from meshnet.cli.swarm import default_cache_dir
+from meshnet.cli.paths import default_cache_dir
 from tests.procs import Proc, admin_client, meshnet_process, tracker_url
 from tests.realmodels import real_model, write_split
 

@@ -73,10 +73,10 @@ def test_the_per_client_quota_has_sane_defaults() -> None:
     """Issue 28: by default no member may take a node whole (one slot stays for the others), and a
     private tracker bounds a member's open sessions; an explicit value still wins."""
     from meshnet.cli.main import _build_parser
-    from meshnet.cli.swarm import TRACKER_SESSIONS_PER_CLIENT, _per_client
+    from meshnet.cli.node_run import TRACKER_SESSIONS_PER_CLIENT, per_client
 
     parse = _build_parser().parse_args
-    assert _per_client(parse(["node", "--layers", "0:1"])) == 3  # --max-sessions 4
-    assert _per_client(parse(["node", "--layers", "0:1", "--max-sessions", "1"])) == 1
-    assert _per_client(parse(["node", "--layers", "0:1", "--max-sessions", "8", "--max-sessions-per-client", "8"])) == 8
+    assert per_client(parse(["node", "--layers", "0:1"])) == 3  # --max-sessions 4
+    assert per_client(parse(["node", "--layers", "0:1", "--max-sessions", "1"])) == 1
+    assert per_client(parse(["node", "--layers", "0:1", "--max-sessions", "8", "--max-sessions-per-client", "8"])) == 8
     assert parse(["tracker"]).max_sessions_per_client == TRACKER_SESSIONS_PER_CLIENT == 256

@@ -19,14 +19,22 @@ The grammar's state is a function of the tokens generated so far (``TokenGrammar
 tail after a route repair rebuilds it from the token ids the route carries — the text goes on as if
 nothing happened. llama.cpp aborts the process when asked to accept a token its grammar refuses, so
 every token is checked first, wherever it came from: one the grammar refuses is a clear error.
+
+A grammar's *cost* is bounded, not only its bytes (``check_grammar_cost``): a grammar of many
+identical alternatives fits the byte cap and still makes one check of the vocabulary take seconds
+(docs/api.md has the numbers). The gateway times the costliest step the sampler can take — a check
+of the whole vocabulary — at the grammar's start and after a few allowed tokens, in CPU time of its
+own thread (a loaded machine does not inflate it), in chunks so that a bomb is refused as soon as
+its time passes the limit rather than after the tens of seconds a full check would take.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,14 +46,26 @@ from meshnet.sampling import MAX_GRAMMAR_BYTES
 __all__ = [
     "JSON_OBJECT_GRAMMAR",
     "MAX_GRAMMAR_BYTES",
+    "MAX_GRAMMAR_STEP_S",
+    "GrammarCancelled",
     "GrammarRefused",
     "TokenGrammar",
+    "check_grammar_cost",
+    "grammar_step_s",
     "json_schema_grammar",
 ]
 
 ROOT = "root"
 # How many of the most likely tokens ``best`` asks the grammar about before masking the whole vocabulary.
 _FIRST_CANDIDATES = 256
+# The most CPU time one check of the whole vocabulary may take under a request's grammar (docs/api.md:
+# realistic schema and tool grammars measured 1-40 ms on the bundled 49K vocabulary, a bomb of 1,000
+# identical alternatives 1 s); a tail's per-token deadline (node.sampling_lane) backs it up.
+MAX_GRAMMAR_STEP_S = 0.1
+# Steps the cost check walks into the grammar (a grammar cheap at its start may not stay cheap).
+_COST_STEPS = 4
+_MASK_CHUNK = 4096  # tokens per call when masking: a cancelled check stops within one call
+_COST_CHUNK = 512  # tokens per timed check: a bomb's chunk costs ~10 ms, so the check stops soon after its limit
 
 # Any JSON object (``response_format: {"type": "json_object"}``): llama.cpp's grammars/json.gbnf.
 JSON_OBJECT_GRAMMAR = r"""root   ::= object
@@ -87,6 +107,12 @@ class GrammarRefused(InvalidRequest):
     """A token the grammar does not allow was to be accepted, or the grammar allows no token at all."""
 
 
+class GrammarCancelled(InvalidRequest):
+    """A check of the vocabulary stopped because its step passed its deadline (``TokenGrammar.cancel``)."""
+
+    code = "grammar_too_costly"
+
+
 def json_schema_grammar(schema: object, *, param: str, root: str | None = None) -> str:
     """GBNF for JSON documents valid under ``schema``; with ``root``, a GBNF expression in which
     ``DOCUMENT`` stands for such a document (e.g. between tool-call tags). A schema the converter
@@ -124,6 +150,56 @@ def check_grammar_size(text: str, *, param: str) -> None:
         )
 
 
+def grammar_step_s(grammar: TokenGrammar, *, limit_s: float, steps: int = _COST_STEPS) -> float:
+    """The CPU seconds of the costliest whole-vocabulary check over the grammar's first ``steps``
+    states (each next state: after an allowed token picked by a fixed seed); stops as soon as one
+    check passes ``limit_s`` and returns what it took so far. Leaves ``grammar`` where it walked to."""
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    data = np.zeros(grammar.n_vocab, dtype=_TOKEN_DATA)
+    for _ in range(steps):
+        data["id"] = np.arange(grammar.n_vocab, dtype=np.int32)
+        data["logit"] = 0.0
+        spent = 0.0
+        for at in range(0, grammar.n_vocab, _COST_CHUNK):
+            chunk = data[at : at + _COST_CHUNK]
+            began = time.thread_time()
+            grammar._apply(chunk)
+            spent += time.thread_time() - began
+            if spent > limit_s:
+                return spent
+        worst = max(worst, spent)
+        allowed = np.flatnonzero(np.isfinite(data["logit"]))
+        rng.shuffle(allowed)
+        token = next((int(t) for t in allowed[:64] if not grammar.ends(int(t))), None)
+        if token is None:  # complete: only an end of generation may follow
+            break
+        grammar.accept(token)
+    return worst
+
+
+def check_grammar_cost(
+    compile_grammar: Callable[[], TokenGrammar], *, param: str, limit_s: float = MAX_GRAMMAR_STEP_S
+) -> None:
+    """Compile a request's grammar and time its steps; a grammar whose compile or step takes more
+    than ``limit_s`` of CPU is a 400 naming ``param``, before any route is opened."""
+    began = time.thread_time()
+    grammar = compile_grammar()
+    compiled_s = time.thread_time() - began
+    try:
+        step_s = compiled_s if compiled_s > limit_s else grammar_step_s(grammar, limit_s=limit_s)
+    finally:
+        grammar.close()
+    if step_s > limit_s:
+        raise InvalidRequest(
+            f"{param}: this grammar is too costly to sample: one step took {1000 * step_s:.0f} ms of CPU "
+            f"(over the whole vocabulary), more than the {1000 * limit_s:.0f} ms allowed; simplify it "
+            "(fewer alternatives of the same text, fewer nested choices)",
+            param=param,
+            code="grammar_too_costly",
+        )
+
+
 class TokenGrammar:
     """One generation's grammar over a model's vocabulary (llama.cpp's grammar sampler).
 
@@ -144,12 +220,14 @@ class TokenGrammar:
                 param=param,
             )
         self._handle = handle
+        self._vocab = vocab
         self._free = weakref.finalize(self, llama_cpp.llama_sampler_free, handle)
         self.n_vocab = n_vocab
         self._all = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         self._all["id"] = np.arange(n_vocab, dtype=np.int32)
         self._one = np.zeros(1, dtype=_TOKEN_DATA)
         self.accepted: list[int] = []  # the tokens the grammar state has consumed, in order
+        self._cancelled = False
 
     # -- questions ---------------------------------------------------------------------------
     def allows(self, token: int) -> bool:
@@ -165,7 +243,13 @@ class TokenGrammar:
         """A copy of ``logits`` with every token the grammar refuses at -inf."""
         data = self._all
         data["logit"] = logits[: self.n_vocab]
-        self._apply(data)
+        # In chunks, so that a step past its deadline stops here (``cancel``) instead of running on for
+        # seconds on a worker thread; a realistic grammar's check costs no more for it.
+        for at in range(0, self.n_vocab, _MASK_CHUNK):
+            if self._cancelled:
+                raise GrammarCancelled(f"the grammar's check of the vocabulary was stopped at token {at}: too costly",
+                                       param="grammar")  # fmt: skip
+            self._apply(data[at : at + _MASK_CHUNK])
         masked = data["logit"].astype(np.float32)
         if not np.isfinite(masked).any():
             raise GrammarRefused(f"the grammar allows no token after {len(self.accepted)} generated tokens")
@@ -184,6 +268,15 @@ class TokenGrammar:
         if ok.size:
             return int(top[ok[0]])
         return int(np.argmax(self.mask(logits)))
+
+    def ends(self, token: int) -> bool:
+        """Whether ``token`` ends a generation (the grammar allows it only where it is complete)."""
+        return bool(self._ll.llama_vocab_is_eog(self._vocab, token))
+
+    def cancel(self) -> None:
+        """Stop the check of the vocabulary running on another thread (its step passed its deadline);
+        this grammar answers no more checks of the whole vocabulary."""
+        self._cancelled = True
 
     # -- state -------------------------------------------------------------------------------
     def accept(self, token: int) -> None:

@@ -206,7 +206,7 @@ def tracker_peers(tracker_url: str, digest: str, wanted: set[str]) -> list[tuple
 
 
 def default_artifacts_dir() -> Path:
-    from meshnet.cli.swarm import default_cache_dir
+    from meshnet.cli.paths import default_cache_dir
 
     return default_cache_dir().parent / "artifacts"
 
@@ -222,7 +222,7 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
     from meshnet.artifacts.plan import shape_from_manifest
     from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
     from meshnet.cli.node_context import node_context, shape_advert
-    from meshnet.cli.swarm import default_cache_dir, load_checks_dir
+    from meshnet.cli.paths import default_cache_dir, load_checks_dir
     from meshnet.errors import InvalidRequest
     from meshnet.models.families import require_certified
 

@@ -90,19 +90,19 @@ def _ask(args: argparse.Namespace, gguf: Path | None) -> tuple[str, dict[str, An
 def _load(args: argparse.Namespace, gguf: Path | None) -> tuple[Any, Any, dict[str, Any]]:
     """(seeder or None, shard, advert) for ``args.layers``."""
     from meshnet.cli.artifacts import fetch_node_shard
-    from meshnet.cli.swarm import _load_shard
+    from meshnet.cli.node_run import load_shard
 
     if gguf is None:
         seeder, shard, advert = fetch_node_shard(args)
         return seeder, shard, advert
-    shard, advert = _load_shard(args, gguf)
+    shard, advert = load_shard(args, gguf)
     return None, shard, advert
 
 
 def run_auto_node(args: argparse.Namespace, sock: socket.socket, gguf: Path | None) -> int:
     """The node's life: placed, loaded, served; again for every move. Closes ``sock``."""
     from meshnet.artifacts.fetch import FetchError
-    from meshnet.cli.swarm import _serve_node
+    from meshnet.cli.node_run import serve_node
     from meshnet.node.placement import AutoPlacement, request_placement
 
     tls = args.member_tls
@@ -132,7 +132,7 @@ def run_auto_node(args: argparse.Namespace, sock: socket.socket, gguf: Path | No
                 print(f"meshnet: could not load layers {layers}; back to layers {previous}", flush=True)
                 layers, previous = previous, None
                 continue
-            _serve_node(args, sock.dup(), shard, advert, started=started, seeder=seeder, placement=placement)
+            serve_node(args, sock.dup(), shard, advert, started=started, seeder=seeder, placement=placement)
             if placement.target is None:
                 return 0
             previous, layers = layers, placement.take_target()

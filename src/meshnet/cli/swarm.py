@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +13,18 @@ from meshnet.cli.artifacts import add_fetch_arguments, fetch_node_shard
 from meshnet.cli.member_tls import (
     add_member_tls,
     add_tracker_tls,
-    check_covers,
     check_plain_bind,
     member_tls_for,
 )
-from meshnet.cli.node_context import add_context_arguments, node_context, shape_advert
+from meshnet.cli.node_context import add_context_arguments
+from meshnet.cli.node_run import (
+    TRACKER_SESSIONS_PER_CLIENT,
+    check_advertisable,
+    load_shard,
+    per_client,
+    public_url,
+    serve_node,
+)
 from meshnet.cli.placement import add_placement_arguments, check_placement_args
 from meshnet.cli.serve import (
     add_allow_uncertified,
@@ -28,32 +33,16 @@ from meshnet.cli.serve import (
     bind_socket,
     check_certified,
     resolve_gguf,
-    serve_app,
     setup_logging,
     usage_error,
 )
 from meshnet.cli.vocab import add_gateway_source
 from meshnet.errors import MeshnetError
-from meshnet.httputil import is_wildcard, service_url
 from meshnet.layers import LayerRange
 
-__all__ = ["add_swarm_commands", "default_cache_dir", "load_checks_dir", "run_node"]
+__all__ = ["add_swarm_commands", "run_node"]
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshnet" / "shards"
-
-
-def load_checks_dir(cache_dir: Path | None) -> Path:
-    """Where a node keeps its shards' load-time bit checks between starts (backends/load_checks.py)."""
-    return (cache_dir or default_cache_dir()) / "load-checks"
-
-
-# A member's open sessions on a private swarm's tracker: far above any one gateway's honest use
-# (its concurrency and queue), far below what fills the tracker's database.
-TRACKER_SESSIONS_PER_CLIENT = 256
 
 
 def add_swarm_commands(sub: Any) -> None:
@@ -83,6 +72,14 @@ def add_swarm_commands(sub: Any) -> None:
     node.add_argument("--backend", choices=("llama", "torch"), default="llama")
     _add_compute(node)
     node.add_argument("--max-sessions", type=at_least_one, default=4, help="sessions held at once (default 4)")
+    node.add_argument(
+        "--sample-deadline",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="the longest a tail may take to sample one token (a costly grammar); past it, that generation "
+        "fails with grammar_too_costly and the node goes on (default 2)",
+    )
     node.add_argument(
         "--max-sessions-per-client",
         type=at_least_one,
@@ -136,7 +133,10 @@ def add_swarm_commands(sub: Any) -> None:
     )
 
     _add_tracker(sub)
+    _add_gateway(sub)
 
+
+def _add_gateway(sub: Any) -> None:
     gateway = sub.add_parser("gateway", help="OpenAI API + telemetry over a route of nodes")
     add_gateway_source(gateway)  # --gguf | --manifest, and a manifest's fetch options (cli.vocab)
     gateway.add_argument("--tracker", required=True, help="tracker URL")
@@ -281,8 +281,8 @@ def add_decode_batch(parser: argparse.ArgumentParser) -> None:
 
 def run_node(args: argparse.Namespace) -> int:
     setup_logging()
-    _check_advertisable(args.host, _public_url(args.public_url))  # a bad one fails now, not after loading the model
-    _per_client(args)  # likewise
+    check_advertisable(args.host, public_url(args.public_url))  # a bad one fails now, not after loading the model
+    per_client(args)  # likewise
     check_placement_args(args)  # likewise
     for flag, mib in (("--seam-log-mb", args.seam_log_mb), ("--prefix-cache-mb", args.prefix_cache_mb)):
         if not mib >= 0:
@@ -310,12 +310,12 @@ def run_node(args: argparse.Namespace) -> int:
         if gguf is None:
             seeder, shard, advert = fetch_node_shard(args)
         else:
-            shard, advert = _load_shard(args, gguf)
+            shard, advert = load_shard(args, gguf)
     except (MeshnetError, ValueError) as exc:
         sock.close()
         print(f"meshnet node: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 1 if isinstance(exc, FetchError) else 2
-    return _serve_node(args, sock, shard, advert, started=started, seeder=seeder)
+    return serve_node(args, sock, shard, advert, started=started, seeder=seeder)
 
 
 def _run_hf_node(args: argparse.Namespace) -> int:
@@ -344,173 +344,4 @@ def _run_hf_node(args: argparse.Namespace) -> int:
         return 2
     sock = bind_socket(args.host, args.port)
     advert = {"quantization": "F32", "threads": args.threads or os.cpu_count() or 1}
-    return _serve_node(args, sock, shard, advert, started=started, seeder=None)
-
-
-def _public_url(raw: str | None) -> str | None:
-    """``--public-url``, checked: ``http(s)://HOST:PORT`` that peers can dial (hops append their paths)."""
-    if raw is None:
-        return None
-    try:
-        return service_url(raw)
-    except ValueError as exc:
-        usage_error(f"meshnet node: --public-url {exc}")
-
-
-def _check_advertisable(host: str, public_url: str | None) -> None:
-    """A node bound to every interface cannot advertise the address it bound: it needs ``--public-url``."""
-    if is_wildcard(host) and public_url is None:
-        usage_error(
-            f"meshnet node: --host {host} listens on every interface, and http://{host}:PORT is not an address "
-            "other hosts can reach; give --advertise-url (or --public-url) https://THIS-MACHINE'S-ADDRESS:PORT "
-            "(what the tracker hands to gateways and the hop before this one)"
-        )
-
-
-def _ticket_verifier(tls: Any) -> Any:
-    """A swarm member's node takes sessions only with the tracker's route tickets."""
-    if tls is None:
-        return None
-    try:
-        return tls.ticket_verifier()
-    except MeshnetError as exc:
-        usage_error(f"meshnet node: {exc.message}")
-
-
-def _per_client(args: argparse.Namespace) -> int:
-    """``--max-sessions-per-client`` (at most ``--max-sessions``). By default one slot fewer than
-    ``--max-sessions``: a member that squats every session it may hold still leaves one for the
-    others, and the usual single gateway loses one slot, which it waits for rather than fails on
-    (gateway.route_engine); ``meshnet up`` passes ``--max-sessions`` (its gateway is the only client)."""
-    if args.max_sessions_per_client is None:
-        return max(1, int(args.max_sessions) - 1)
-    if args.max_sessions_per_client > args.max_sessions:
-        usage_error(
-            f"meshnet node: --max-sessions-per-client {args.max_sessions_per_client} is more than --max-sessions "
-            f"{args.max_sessions}; give at most {args.max_sessions}"
-        )
-    return int(args.max_sessions_per_client)
-
-
-def _serve_node(
-    args: argparse.Namespace,
-    sock: socket.socket,
-    shard: Any,
-    advert: dict[str, Any],
-    *,
-    started: float,
-    seeder: Any,
-    placement: Any = None,
-) -> int:
-    host, port = sock.getsockname()[:2]
-    if args.core_lease is not None:
-        from meshnet.cores import CoreLease
-
-        try:
-            shard.core_lease = CoreLease(args.core_lease)
-        except ValueError as exc:
-            usage_error(f"meshnet node: --core-lease: {exc}")
-    tls = args.member_tls
-    url = f"{'https' if tls else 'http'}://{host}:{port}"
-    public = _public_url(args.public_url) or url
-    if tls is not None:
-        if not public.startswith("https://"):
-            usage_error(f"meshnet node: a swarm member serves https; --advertise-url {public} must be https://")
-        check_covers(tls, urllib.parse.urlsplit(public).hostname or "", "node")
-    from meshnet.node.app import NodeConfig, create_node_app
-    from meshnet.security.membership import RequireMember
-
-    info = shard.info
-    node_id = args.node_id or (tls.member_id if tls else f"node-{port}-{info.layers.start}-{info.layers.stop}")
-    config = NodeConfig(
-        node_id=node_id,
-        url=public,
-        wire_dtype=args.wire_dtype,
-        max_body_bytes=int(args.max_body_mb * 2**20),
-        hop_timeout_s=args.hop_timeout,
-        seam_log_bytes=int(args.seam_log_mb * 2**20),
-        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
-        sweep_interval_s=min(5.0, max(0.2, args.session_ttl / 2)),
-        tracker_url=args.tracker.rstrip("/") if args.tracker else None,
-        advert=tuple(advert.items()),
-        client_tls=tls.client_context() if tls else None,
-        tickets=_ticket_verifier(tls),
-        max_sessions_per_client=_per_client(args),
-        publication=(seeder.manifest.to_json(), seeder.torrent_bytes) if seeder is not None else None,
-    )
-    print(
-        f"meshnet: node {node_id} holds layers {info.layers} of {info.model_id} ({info.backend}, "
-        f"{info.weight_bytes / 2**20:.1f} MiB of weights, {info.kv.bytes_per_token} KV bytes/token) "
-        f"loaded in {time.monotonic() - started:.1f}s",
-        flush=True,
-    )
-    if public != url:
-        print(f"meshnet: advertised as {public}", flush=True)
-    print(f"meshnet: listening on {url}", flush=True)
-    try:
-        app = create_node_app(shard, config, placement=placement)
-        on_start = None if placement is None else placement.attach  # a --layers auto node's drain stops it
-        if tls is None:
-            serve_app(app, sock, on_start=on_start)
-        else:
-            serve_app(RequireMember(app, tls.ca_cert), sock, tls=tls.server_context(), on_start=on_start)
-    finally:
-        if seeder is not None:
-            seeder.close()
-    return 0
-
-
-def _load_shard(args: argparse.Namespace, gguf: Path) -> tuple[Any, dict[str, Any]]:
-    """The shard, and what the node advertises about it beyond ``ShardInfo`` (node.advert)."""
-    from meshnet.backends.llama_vocab import LlamaVocab
-
-    vocab = LlamaVocab(gguf)
-    total, model_id = vocab.info.n_layers, vocab.info.model_id
-    vocab.close()
-    layers = LayerRange.parse(args.layers, total)
-    threads = args.threads or os.cpu_count() or 1
-    trained, identity, kv_per_token = _model_facts(gguf, layers)
-    advert = {"quantization": vocab.info.quantization, "threads": threads, **shape_advert(trained, identity)}
-    if args.backend == "torch":
-        from meshnet.backends.torch_shard import StoreBudget, TorchShard, set_threads
-
-        set_threads(threads)
-        budget = StoreBudget(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl)
-        shard = TorchShard.from_gguf(gguf, layers, budget=budget)
-        if shard.info.model_id != model_id:
-            raise ValueError(f"the torch backend names the model {shard.info.model_id!r}, the gateway {model_id!r}")
-        return shard, advert
-    from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
-
-    per_session = node_context(args, trained=trained, kv_bytes_per_token=kv_per_token)
-    config = LlamaShardConfig(
-        n_ctx=per_session * args.max_sessions,
-        max_sessions=args.max_sessions,
-        n_threads=threads,
-        idle_ttl_s=args.session_ttl,
-        decode_batch=args.decode_batch,
-        checks_cache=load_checks_dir(args.cache_dir),
-    )
-    if layers.is_full:
-        return LlamaShard(gguf, model_id=model_id, config=config), advert
-    cache = args.cache_dir or default_cache_dir()
-    return LlamaShard.from_model(gguf, layers, cache_dir=cache, model_id=model_id, config=config), advert
-
-
-def _model_facts(gguf: Path, layers: LayerRange) -> tuple[int, str, int]:
-    """The GGUF's trained context, its model identity (artifacts.identity: the same for every range
-    of the file) and the KV bytes per token of ``layers`` (artifacts.plan), from one metadata read."""
-    import gguf as gguf_py
-
-    from meshnet.artifacts.identity import identity_of_readers
-    from meshnet.artifacts.plan import shape_from_fields
-
-    reader = gguf_py.GGUFReader(str(gguf))
-    arch = str(reader.fields["general.architecture"].contents())
-    context = reader.fields.get(f"{arch}.context_length")
-    trained = int(context.contents()) if context is not None else 0
-    try:
-        per_token = shape_from_fields(gguf, reader.fields).kv_bytes_per_token_per_layer * len(layers)
-    except (MeshnetError, KeyError, ValueError):  # an architecture plan cannot size: the budget does not bound it
-        per_token = 0
-    return trained, identity_of_readers([reader]), per_token
+    return serve_node(args, sock, shard, advert, started=started, seeder=None)

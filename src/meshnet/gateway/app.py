@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import ssl
 import time
@@ -25,6 +26,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnet.backends.base import TextEngine
+from meshnet.backends.grammar import check_grammar_cost
 from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError
 from meshnet.gateway import dashboard, swarm_view
 from meshnet.gateway.auth import ApiKeyMiddleware, KeyRing, admit_generations, key_policy, key_routes
@@ -296,9 +298,9 @@ async def _gen_request(
             f"logit_bias names token ids outside the vocabulary [0, {engine.info.n_vocab}): {outside[:5]}",
             param="logit_bias",
         )
-    if grammar:
-        compiled = await run_in_threadpool(engine.grammar, grammar, param=grammar_param)
-        compiled.close()
+    if grammar:  # compiled and timed off the event loop: a costly grammar is a 400 naming its parameter
+        compile_it = functools.partial(engine.grammar, grammar, param=grammar_param)
+        await run_in_threadpool(check_grammar_cost, compile_it, param=grammar_param)
     return GenerationRequest(
         prompt_tokens=tuple(tokens),
         sampling=dataclasses.replace(sampling, generated_from=n, grammar=grammar),

@@ -47,7 +47,9 @@ standby; ``restore`` opens a repair's session from it, and ``reroute`` with ``re
 replays only the positions after it.
 
 Concurrency: one request per session at a time (a second gets 409); compute is serialized by
-the shard backend; everything else runs on the event loop.
+the shard backend; the tail's sampling runs on worker threads under a per-token deadline
+(``node.sampling_lane``: a costly grammar fails its generation, never the node's loop); everything
+else runs on the event loop.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ from meshnet.node.channel import Direct
 from meshnet.node.checks import check_drafts, check_model, check_next_hops, sampling_params, shard_inputs
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.prefix_cache import CachedPrefix, PrefixCache
+from meshnet.node.sampling_lane import DEFAULT_SAMPLE_DEADLINE_S, SamplingLane, SamplingTooSlow
 from meshnet.node.session import NodeSession, SeamLogs
 from meshnet.node.snapshots import SessionSnapshot
 from meshnet.node.transport import HopTransport
@@ -106,7 +109,7 @@ from meshnet.protocol.messages import (
 from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, RouteTicket, TicketKind, TicketVerifier
 from meshnet.protocol.wire import TensorFrame, encode_tensor, frame_values
 from meshnet.routes import hop_timeout_s
-from meshnet.sampling import Sampler
+from meshnet.sampling import Alternatives, Sampler
 from meshnet.session.store import Session
 
 __all__ = ["ChannelSend", "NodeConfig", "NodeService"]
@@ -144,6 +147,8 @@ class NodeConfig:
     # The manifest and torrent it serves from (``--manifest``): handed to a tracker that asks for it
     # (``manifest_wanted``), so gateways learn the model from the tracker (tracker.models).
     publication: tuple[bytes, bytes] | None = None
+    # The longest a tail's sampling of one token may take (node.sampling_lane): past it, that generation fails.
+    sample_deadline_s: float = DEFAULT_SAMPLE_DEADLINE_S
 
 
 class NodeService:
@@ -174,6 +179,7 @@ class NodeService:
             shard.store.on_evict = self.prefix_cache.evicted
         self._pushes: set[asyncio.Task[None]] = set()  # snapshots on their way to standbys
         self.closed = ClosedSessions()  # a private swarm's ended sessions: no ticket re-opens them (node.authority)
+        self.sampling = SamplingLane(config.sample_deadline_s)  # the tail samples off the event loop
         # One record per session: the store's, with this node's binding attached (``_bound``); a
         # session that ends in the store (closed, expired) gives back its seam log with it.
         shard.store.on_end = self._ended
@@ -316,20 +322,25 @@ class NodeService:
         entry of the answer describes the whole chunk."""
         assert s.sampler is not None
         sampler, start, n, drafts = s.sampler, request.start, request.n, request.drafts
-        if s.carry_ids:  # the generated tokens before the first one this answer picks
-            sampler.set_history(s.ids_seen[sampler.params.generated_from : start + n - len(drafts)])
+        history = s.ids_seen[sampler.params.generated_from : start + n - len(drafts)] if s.carry_ids else None
+        try:  # off the event loop, under a deadline: a costly grammar fails this generation, not the node
+            chosen = await self.sampling.run(
+                lambda: _choose(sampler, logits, history, drafts, at=start + n if not drafts else start + 1),
+                tokens=1 + len(drafts), grammar=sampler.grammar is not None,
+                cancel=sampler.grammar.cancel if sampler.grammar is not None else None,
+            )  # fmt: skip
+        except SamplingTooSlow as exc:
+            s.break_with(exc)  # its sampler is still busy on a worker thread: nothing may use it again
+            raise
         if not drafts:
-            token, logprob = sampler.sample(logits, position=start + n)
-            top = sampler.alternatives(logits) if sampler.params.top_logprobs else None
+            (token,), (logprob,) = chosen.tokens, chosen.logprobs
+            top = chosen.tops[0] if chosen.tops is not None else None
             return HopAnswer(AnswerKind.TOKEN, (me,), position=start + n, token=token, logprob=logprob, top=top)
-        tokens, logprobs = sampler.verify(logits, drafts, position=start + 1)
+        tokens, logprobs, tops = list(chosen.tokens), list(chosen.logprobs), chosen.tops
         kept = start + len(tokens)
         await self.rewind(s, kept)
         if not direct:
             me = self._entry(s, me.compute_ms, positions=me.positions)
-        tops = (
-            tuple(sampler.alternatives(row) for row in logits[: len(tokens)]) if sampler.params.top_logprobs else None
-        )
         return HopAnswer(
             AnswerKind.TOKENS, (me,), position=kept, tokens=tuple(tokens), logprobs=tuple(logprobs), tops=tops,
             drafted=len(drafts), accepted=len(tokens) - 1,
@@ -984,6 +995,32 @@ class NodeService:
             output_digest=None if out is None else str(out),
             positions=positions,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Chosen:
+    """What the tail's sampler decided for one answer: its tokens, their logprobs and alternatives."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    tops: tuple[Alternatives, ...] | None
+
+
+def _choose(
+    sampler: Sampler, logits: np.ndarray, history: Sequence[int] | None, drafts: Sequence[int], *, at: int
+) -> _Chosen:
+    """The sampler's work for one answer, on a worker thread: bring it up to ``history`` (the generated
+    tokens before this answer), then the token at ``at`` — or, after ``drafts``, the drafts it keeps and
+    one token of its own from ``at`` on."""
+    if history is not None:
+        sampler.set_history(history)
+    wants_top = bool(sampler.params.top_logprobs)
+    if not drafts:
+        token, logprob = sampler.sample(logits, position=at)
+        return _Chosen((token,), (logprob,), (sampler.alternatives(logits),) if wants_top else None)
+    tokens, logprobs = sampler.verify(logits, drafts, position=at)
+    tops = tuple(sampler.alternatives(row) for row in logits[: len(tokens)]) if wants_top else None
+    return _Chosen(tuple(tokens), tuple(logprobs), tops)
 
 
 def _entries(raw: tuple[dict[str, Any], ...]) -> tuple[HopEntry, ...]:

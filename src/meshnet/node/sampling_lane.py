@@ -1,0 +1,96 @@
+"""A tail's sampling, off the event loop and under a per-token deadline: ``SamplingLane``.
+
+Sampling under a grammar costs what the grammar makes it cost: llama.cpp's grammar engine checked
+the vocabulary for 1 s per step under a grammar of 1,000 identical alternatives, for tens of seconds
+under 3,000. On the event loop such a step stopped the node's heartbeats, health answers and every
+other session. So the tail samples on worker threads (llama.cpp's calls release the GIL), and a
+step that has not finished within its deadline (``deadline_s`` per token it decides) fails that
+generation with a clear error — the node goes on.
+
+A thread cannot be stopped from outside: a step past its deadline is told to stop (a grammar's
+check of the vocabulary runs in chunks and stops at the next one: ``TokenGrammar.cancel``), and
+whatever it still does runs on in the background with its result dropped (the caller breaks the
+session, so nothing uses its sampler again). Grammar
+steps run on a lane of their own, a few threads, so runaway ones never hold up the sampling of
+sessions without a grammar (bounded by the vocabulary size, on the shared executor); when every
+grammar thread is still busy with runaway steps, another grammar step is refused at once (503)
+rather than queued behind them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from meshnet.errors import InvalidRequest, Overloaded
+
+__all__ = ["DEFAULT_SAMPLE_DEADLINE_S", "SamplingLane", "SamplingTooSlow"]
+
+T = TypeVar("T")
+
+# A token's sampling takes 0.1-40 ms under realistic grammars here (docs/api.md); a few seconds
+# is far above that on a loaded machine and far below the tracker's heartbeat timeout.
+DEFAULT_SAMPLE_DEADLINE_S = 2.0
+_GRAMMAR_THREADS = 2
+
+
+class SamplingTooSlow(InvalidRequest):
+    """A sampling step passed its deadline: the request's grammar is too costly to sample with."""
+
+    code = "grammar_too_costly"
+
+
+class SamplingLane:
+    def __init__(self, deadline_s: float = DEFAULT_SAMPLE_DEADLINE_S, *, grammar_threads: int = _GRAMMAR_THREADS):
+        if deadline_s <= 0:
+            raise ValueError(f"the sampling deadline must be > 0 seconds, got {deadline_s}")
+        self.deadline_s = deadline_s
+        self._threads = grammar_threads
+        self._grammar = concurrent.futures.ThreadPoolExecutor(grammar_threads, thread_name_prefix="meshnet-grammar")
+        self.running_late = 0  # grammar steps past their deadline that still hold a thread
+
+    async def run(
+        self, step: Callable[[], T], *, tokens: int = 1, grammar: bool, cancel: Callable[[], None] | None = None
+    ) -> T:
+        """``step()`` on a worker thread; ``SamplingTooSlow`` when it takes longer than ``deadline_s``
+        per token it decides (``tokens``), after telling the step to stop (``cancel``: a grammar's
+        check of the vocabulary stops within one chunk of it)."""
+        if grammar and self.running_late >= self._threads:
+            raise Overloaded(
+                f"this tail's {self._threads} grammar threads are all still running steps that passed their "
+                "deadline; retry in a few seconds",
+                retry_after_s=5,
+            )
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._grammar if grammar else None, step)
+        limit = self.deadline_s * max(1, tokens)
+        try:
+            # shield: a timeout must not cancel the future before its thread is done with the sampler
+            return await asyncio.wait_for(asyncio.shield(future), limit)
+        except TimeoutError:
+            if cancel is not None:
+                cancel()
+            if grammar:
+                self.running_late += 1
+                future.add_done_callback(self._finished_late)
+            else:
+                future.add_done_callback(_consume)
+            raise SamplingTooSlow(
+                f"sampling {tokens} token(s) took longer than this tail's deadline of {limit:.1f} s "
+                f"({self.deadline_s:.1f} s a token): the request's grammar is too costly to sample; simplify it",
+                param="grammar",
+            ) from None
+
+    def _finished_late(self, future: asyncio.Future[Any]) -> None:
+        self.running_late -= 1
+        _consume(future)
+
+    def close(self) -> None:
+        self._grammar.shutdown(wait=False, cancel_futures=True)
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # the generation already failed with SamplingTooSlow

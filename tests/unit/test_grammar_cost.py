@@ -1,0 +1,206 @@
+"""A grammar's cost is bounded, not its bytes: the gateway's measured check on the bundled model's real
+vocabulary (``check_grammar_cost``), and a tail's sampling off the event loop under a per-token deadline
+(``node.sampling_lane``)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from meshnet.artifacts.bundled import bundled_gguf
+from meshnet.backends.grammar import (
+    JSON_OBJECT_GRAMMAR,
+    GrammarCancelled,
+    check_grammar_cost,
+    json_schema_grammar,
+)
+from meshnet.backends.llama_vocab import LlamaVocab
+from meshnet.errors import InvalidRequest, Overloaded
+from meshnet.gateway.tools import ToolPlan, parse_functions
+from meshnet.node.sampling_lane import SamplingLane, SamplingTooSlow
+from meshnet.sampling import MAX_GRAMMAR_BYTES, Sampler, SamplingParams
+
+# The attack of issue #28: 9,000 identical alternatives, under the byte cap; one check of the
+# vocabulary under it takes minutes.
+BOMB = "root ::= " + " | ".join(['"ab"'] * 9000)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
+ORDER = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4,8}$"},
+        "items": {"type": "array", "items": {"type": "object", "properties": {"sku": {"type": "string"},
+                  "qty": {"type": "integer", "minimum": 1}}, "required": ["sku", "qty"]}, "maxItems": 10},
+        "status": {"enum": ["new", "paid", "shipped", "cancelled"]},
+        "note": {"type": ["string", "null"]},
+        "total": {"type": "number"},
+    },
+    "required": ["id", "items", "status"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Iterator[LlamaVocab]:
+    v = LlamaVocab(bundled_gguf())
+    yield v
+    v.close()
+
+
+def test_the_9000_alternative_bomb_is_refused_fast_naming_grammar(vocab: LlamaVocab) -> None:
+    assert len(BOMB.encode()) <= MAX_GRAMMAR_BYTES  # the byte cap lets it through
+    began = time.monotonic()
+    with pytest.raises(InvalidRequest) as info:
+        check_grammar_cost(lambda: vocab.grammar(BOMB), param="grammar")
+    # compile (~0.1 s) plus a check that stops at its limit, not the minutes a full step takes
+    assert time.monotonic() - began < 10
+    assert info.value.param == "grammar" and info.value.code == "grammar_too_costly"
+    assert "too costly" in info.value.message
+
+
+def test_a_grammar_cheap_at_its_start_and_costly_after_it_is_refused(vocab: LlamaVocab) -> None:
+    """The check walks a few allowed tokens in: the bomb behind a one-token prefix is found too."""
+    behind = 'root ::= "{" bomb\nbomb ::= ' + " | ".join(['"ab"'] * 5000)
+    with pytest.raises(InvalidRequest) as info:
+        check_grammar_cost(lambda: vocab.grammar(behind), param="response_format")
+    assert info.value.param == "response_format"
+
+
+def test_realistic_schemas_and_tool_grammars_pass(vocab: LlamaVocab) -> None:
+    functions = parse_functions([WEATHER, ADD])
+    grammars = {
+        "json_object": JSON_OBJECT_GRAMMAR,
+        "order schema": json_schema_grammar(ORDER, param="response_format"),
+        "enum of 100": json_schema_grammar({"enum": [f"choice {i}" for i in range(100)]}, param="response_format"),
+        "yes/no": 'root ::= ("yes" | "no") ", because " [a-z ]{1,60} "."',
+        "100 alternatives": "root ::= " + " | ".join(['"ab"'] * 100),
+    }
+    for style in ("generic", "native"):
+        for choice in ("auto", "required", "function:add"):
+            text = ToolPlan(functions, choice, style).grammar()  # type: ignore[arg-type]
+            if text:
+                grammars[f"tools {style} {choice}"] = text
+    refused = []
+    for name, text in grammars.items():
+        try:
+            check_grammar_cost(functools.partial(vocab.grammar, text), param="grammar")
+        except InvalidRequest as exc:
+            refused.append((name, exc.message))
+    assert not refused
+
+
+def test_a_parse_error_stays_the_parsers_400(vocab: LlamaVocab) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        check_grammar_cost(lambda: vocab.grammar("root ::= missing"), param="grammar")
+    assert info.value.param == "grammar" and "rejected the grammar" in info.value.message
+
+
+def test_a_cancelled_check_of_the_vocabulary_stops_within_a_chunk(vocab: LlamaVocab) -> None:
+    grammar = vocab.grammar(BOMB)
+    logits = np.zeros(vocab.info.n_vocab, dtype=np.float32)
+    failed: list[BaseException] = []
+
+    def mask() -> None:
+        try:
+            grammar.mask(logits)
+        except GrammarCancelled as exc:
+            failed.append(exc)
+
+    worker = threading.Thread(target=mask)
+    worker.start()
+    time.sleep(0.3)
+    grammar.cancel()
+    stopped = time.monotonic()
+    worker.join(30)
+    assert not worker.is_alive() and time.monotonic() - stopped < 10  # a full mask takes minutes
+    assert failed and failed[0].code == "grammar_too_costly"  # type: ignore[attr-defined]
+
+
+async def _ticks(stop: asyncio.Event, out: list[float]) -> None:
+    while not stop.is_set():
+        began = time.monotonic()
+        await asyncio.sleep(0.01)
+        out.append(time.monotonic() - began)
+
+
+def test_the_deadline_fails_one_generation_and_the_loop_goes_on(vocab: LlamaVocab) -> None:
+    """A bomb's sampling step on a tail: its generation fails past the deadline, the loop never waits
+    on it, another session samples meanwhile, and the bomb's thread stops soon after (cancelled)."""
+    lane = SamplingLane(0.5)
+    bomb = Sampler(SamplingParams(temperature=1.0, seed=1, grammar=BOMB), vocab.grammar(BOMB))
+    plain = Sampler(SamplingParams(temperature=0.0))
+    logits = np.random.default_rng(0).standard_normal(vocab.info.n_vocab).astype(np.float32)
+
+    async def scenario() -> tuple[float, list[float], int]:
+        stop, gaps = asyncio.Event(), []
+        ticker = asyncio.ensure_future(_ticks(stop, gaps))
+        began = time.monotonic()
+        assert bomb.grammar is not None
+        attack = asyncio.ensure_future(
+            lane.run(lambda: bomb.sample(logits, position=0), grammar=True, cancel=bomb.grammar.cancel)
+        )
+        token, _ = await lane.run(lambda: plain.sample(logits, position=0), grammar=False)
+        with pytest.raises(SamplingTooSlow) as info:
+            await attack
+        failed_after = time.monotonic() - began
+        assert info.value.param == "grammar" and info.value.code == "grammar_too_costly"
+        for _ in range(200):  # the runaway step was told to stop: its thread is free again soon
+            if not lane.running_late:
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await ticker
+        return failed_after, gaps, token
+
+    failed_after, gaps, token = asyncio.run(scenario())
+    assert token == int(np.argmax(logits))
+    assert 0.5 <= failed_after < 5
+    assert max(gaps) < 0.4, max(gaps)  # the loop kept ticking while the bomb sampled
+    assert lane.running_late == 0
+    lane.close()
+
+
+def test_grammar_steps_past_their_deadline_never_hold_up_other_sampling() -> None:
+    """When every grammar thread still runs a late step, another grammar step is a 503 at once, and
+    sampling without a grammar goes on."""
+    lane = SamplingLane(0.1, grammar_threads=1)
+    release = threading.Event()
+
+    async def scenario() -> None:
+        with pytest.raises(SamplingTooSlow):
+            await lane.run(lambda: release.wait(10), grammar=True)
+        assert lane.running_late == 1
+        with pytest.raises(Overloaded):
+            await lane.run(lambda: 1, grammar=True)
+        assert await lane.run(lambda: 2, grammar=False) == 2
+        release.set()
+        for _ in range(100):
+            if not lane.running_late:
+                break
+            await asyncio.sleep(0.02)
+        assert await lane.run(lambda: 3, grammar=True) == 3
+
+    asyncio.run(scenario())
+    lane.close()
