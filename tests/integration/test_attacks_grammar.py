@@ -1,9 +1,15 @@
 """Issue #28's grammar bomb, against a running private swarm (tracker ``--swarm``, a head and a tail
 node, a gateway, joined by invites): a GBNF grammar of 9,000 identical alternatives fits the 64 KiB
-cap, and one check of the vocabulary under it takes minutes. The gateway refuses it by its measured
-cost (a 400 naming ``grammar``) before any route is opened; a gateway member that skips that check
-and drives a route itself gets its own generation failed by the tail's per-token deadline, while
-the tail goes on answering health checks, heartbeating, and serving another client's chat."""
+cap, and one check of the vocabulary under it takes a second or more. The gateway refuses it by its
+measured cost (a 400 naming ``grammar``) before any route is opened; a gateway member that skips that
+check and drives a route itself gets its own generation failed by the tail's per-token deadline, while
+the tail goes on answering health checks, heartbeating, and serving another client's chat. A bomb the
+gateway's check cannot see (behind a literal longer than the steps it walks) is the client's 400 too,
+when the tail meets it: the honest tail is neither reported nor replaced for it.
+
+The tail's deadline here is a quarter of the default, so that the bomb's check of the vocabulary
+(about a second on these machines) passes it on any machine, and a plain sampling step (milliseconds)
+never does."""
 
 from __future__ import annotations
 
@@ -22,12 +28,16 @@ from meshnet.ids import SessionId
 from meshnet.protocol.http_binding import encode_request
 from meshnet.protocol.messages import HopRequest, Payload, Verb
 from meshnet.protocol.wire import encode_tensor
-from tests.private_swarm import PrivateSwarm, private_swarm
+from tests.private_swarm import NODE_ARGS, PrivateSwarm, private_swarm
 from tests.procs import member_client
 
 pytestmark = pytest.mark.real
 
 BOMB = "root ::= " + " | ".join(['"ab"'] * 9000)
+# The same alternatives behind a literal of ten words: the gateway's check walks four tokens into a
+# grammar, so it times only the literal; the tail meets the alternatives after the tenth word.
+HIDDEN = 'root ::= "' + " hello" * 10 + '" bomb\nbomb ::= ' + " | ".join(['"ab"'] * 9000)
+DEADLINE_S = 0.5
 CHAT = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 8, "temperature": 0}
 
 
@@ -45,7 +55,8 @@ class Scene:
 
 @pytest.fixture(scope="module")
 def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
-    with private_swarm(tmp_path_factory.mktemp("grammar")) as swarm:
+    args = [*NODE_ARGS, "--sample-deadline", str(DEADLINE_S)]
+    with private_swarm(tmp_path_factory.mktemp("grammar"), node_args=args) as swarm:
         assert swarm.gateway is not None
         model = httpx.get(f"{swarm.gateway.url}/v1/models", timeout=10).json()["data"][0]["id"]
         first = _chat(swarm.gateway.url, model)
@@ -139,9 +150,9 @@ def test_a_bomb_past_the_gateway_fails_only_its_own_generation(scene: Scene) -> 
         assert slowest < 1.5, slowest
         answer = outcome["answer"]
         assert isinstance(answer, httpx.Response), answer
-        assert answer.status_code in (400, 502), answer.text  # the tail's 400, as the head passes it on
+        assert answer.status_code == 400, answer.text  # the tail's 400, as the head passes it on
         assert "grammar" in answer.text and "deadline" in answer.text, answer.text
-        assert outcome["took"] < 20, outcome["took"]  # the 2 s deadline, not the minutes a step takes
+        assert outcome["took"] < 20, outcome["took"]  # the deadline, not the seconds a step takes
         chat = outcome["chat"]
         assert chat.status_code == 200, chat.text
         assert chat.json()["choices"][0]["message"]["content"] == scene.text
@@ -154,3 +165,40 @@ def test_a_bomb_past_the_gateway_fails_only_its_own_generation(scene: Scene) -> 
             gw.delete(f"{swarm.tracker.url}/v1/sessions/{session['session_id']}")
     again = _chat(scene.gateway, scene.model)
     assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] == scene.text
+
+
+def test_a_bomb_the_gateway_cannot_see_is_the_clients_400_and_no_hops_failure(scene: Scene) -> None:
+    """Through the public API: the bomb behind a literal passes the gateway's check; the tail fails
+    the generation at its deadline, the client gets a 400 naming ``grammar``, and neither hop is
+    reported, floored or replaced (their reliability unchanged, no repair in the telemetry)."""
+    before, retries = _nodes(scene), _retries(scene)
+    answer = httpx.post(
+        f"{scene.gateway}/v1/completions",
+        json={"model": scene.model, "prompt": "Say hello:", "max_tokens": 64, "temperature": 1.0, "seed": 7,
+              "grammar": HIDDEN},
+        timeout=120,
+    )  # fmt: skip
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "grammar",
+                                                              "grammar_too_costly"), error  # fmt: skip
+    assert "deadline" in error["message"], error
+    after = _nodes(scene)
+    for node in ("head", "tail"):
+        assert node in after, after.keys()
+        assert after[node]["reliability"] >= before[node]["reliability"], (before[node], after[node])
+        assert after[node]["decode_floor_s"] == before[node]["decode_floor_s"], (before[node], after[node])
+    assert _retries(scene) == retries  # no repair, no reroute
+    chat = _chat(scene.gateway, scene.model)
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == scene.text
+
+
+def _retries(scene: Scene) -> list[str]:
+    """The gateway's counts of route repairs and reroutes."""
+    metrics = httpx.get(f"{scene.gateway}/metrics", timeout=10).text
+    return sorted(line for line in metrics.splitlines() if line.startswith("meshnet_route_retries_total"))
+
+
+def _nodes(scene: Scene) -> dict[str, dict[str, Any]]:
+    with member_client(scene.swarm.admin) as admin:
+        return {n["node_id"]: n for n in admin.get(f"{scene.swarm.tracker.url}/v1/nodes").json()["nodes"]}

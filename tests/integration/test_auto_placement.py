@@ -4,7 +4,6 @@ good, an auto node whose layers are served twice moves to the hole, and the text
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import re
 import signal
@@ -19,7 +18,7 @@ import pytest
 
 from meshnet.artifacts.fetch import load_source
 from meshnet.artifacts.webseed import RangeServer
-from tests.procs import Proc, admin_client, meshnet_cli, meshnet_process, tracker_url
+from tests.procs import Proc, admin_client, meshnet_cli, meshnet_process, start_together, tracker_url
 
 pytestmark = pytest.mark.real
 
@@ -73,22 +72,6 @@ def _auto_node(manifest: str, tracker: str, web_seed: str, dest: Path, node_id: 
         yield proc
 
 
-def _start_together(stack: contextlib.ExitStack, starting: dict[str, Any]) -> dict[str, Proc]:
-    """Enter the processes' context managers at the same moment (each waits for its node to listen);
-    every one that started is stopped with ``stack``, also when another failed to start."""
-    with concurrent.futures.ThreadPoolExecutor(len(starting)) as pool:
-        futures = {k: pool.submit(cm.__enter__) for k, cm in starting.items()}
-        concurrent.futures.wait(futures.values())
-    started = {}
-    for k, future in futures.items():
-        if future.exception() is None:
-            started[k] = future.result()
-            stack.push(starting[k].__exit__)
-    for future in futures.values():
-        future.result()  # re-raises the first failure, after every started one is on the stack
-    return started
-
-
 def _held(dest: Path) -> list[str]:
     return sorted(p.name for p in (dest / NAME).iterdir())
 
@@ -106,7 +89,7 @@ def test_auto_nodes_cover_the_model_fetch_only_their_files_and_refill_a_hole(
         ).url
         dests = {f"n{i}": tmp_path / f"n{i}" for i in range(4)}
         # Three nodes start at the same moment: the tracker's reservations give them one range each.
-        procs = _start_together(
+        procs = start_together(
             stack, {k: _auto_node(manifest, tracker, web.url, dests[k], k) for k in ("n0", "n1", "n2")}
         )
         nodes = _wait(tracker, lambda ns: len(ns) == 3, "three auto nodes did not register", 120)

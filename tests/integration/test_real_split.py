@@ -13,7 +13,6 @@ import contextlib
 import json
 import subprocess
 import sys
-import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import psutil
 import pytest
 
 from meshnet.cli.paths import default_cache_dir
-from tests.procs import Proc, admin_client, meshnet_process, tracker_url
+from tests.procs import Proc, meshnet_process, up_nodes
 from tests.realmodels import real_model, write_split
 
 pytestmark = pytest.mark.real
@@ -67,11 +66,7 @@ def test_up_on_the_first_file_of_a_split_set_gives_serves_text(
     args = ["up", "--gguf", str(split_set[0]), "--port", "0", "--nodes", "3", "--workdir", str(tmp_path)]
     with meshnet_process([*args, "--ctx", "2048", "--max-sessions", "2"], ready_timeout_s=600) as up:
         assert [_chat(up.url, p) for p in PROMPTS] == expected
-        nodes = [c for c in psutil.Process(up.popen.pid).children(recursive=True) if " node " in " ".join(c.cmdline())]
-        with admin_client(up) as admin:  # up's nodes are placed by the tracker (--layers auto): ask it
-            listed = admin.get(f"{tracker_url(up)}/v1/nodes").raise_for_status().json()["nodes"]
-        by_port = {urllib.parse.urlsplit(n["url"]).port: str(n["layers"]) for n in listed}
-        held = {layers: _held(n, layers) for n in nodes if (layers := by_port.get(_listening_port(n)))}
+        held = {layers: _held(node, layers) for layers, node in up_nodes(up).items()}
     print(f"\nreal split {MODEL}: node RSS / files / KV budget (MiB):",
           {k: tuple(round(v / 2**20) for v in t) for k, t in sorted(held.items())})  # fmt: skip
     assert len(held) == 3
@@ -85,10 +80,6 @@ def test_up_on_the_first_file_of_a_split_set_gives_serves_text(
 # llama.cpp's compute buffers and vocabulary (~40-80 MiB at this model's size), measured here.
 _FIXED_COST = 160 << 20
 _KV_BYTES = 2 * 2 * 64 * 2  # per token per layer: K and V, 2 KV heads of 64 dims, f16
-
-
-def _listening_port(node: psutil.Process) -> int | None:
-    return next((c.laddr.port for c in node.net_connections("tcp") if c.status == psutil.CONN_LISTEN), None)
 
 
 def _held(node: psutil.Process, layers: str) -> tuple[int, int, int]:

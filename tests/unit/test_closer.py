@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet.errors import BadGateway, HopFailed, HopFull, Overloaded, hop_error
+from meshnet.errors import BadGateway, HopFailed, HopFull, InvalidRequest, Overloaded, hop_error
 from meshnet.gateway.closer import SessionCloser, acknowledged
 from tests.asgi import serve_in_thread
 
@@ -140,3 +140,51 @@ def test_waiting_for_room_is_bounded_and_ends_in_a_503(tmp_path: Any) -> None:
     with pytest.raises(Overloaded, match="no room on a route") as refused:
         route.run()
     assert refused.value.status == 503 and refused.value.retry_after_s == 5 and route.reported == []
+
+
+def test_a_hops_400_about_the_request_itself_is_the_requests_error() -> None:
+    tail = hop_error("route hop answered 400: too slow", status=400, failed_hop=None, sender="https://tail",
+                     sender_is_head=False, code="grammar_too_costly")  # fmt: skip
+    assert type(tail) is InvalidRequest
+    assert (tail.status, tail.param, tail.code) == (400, "grammar", "grammar_too_costly")
+    head = hop_error("route hop answered 400: too slow", status=400, failed_hop=None, sender="https://head",
+                     sender_is_head=True, code="grammar_too_costly")  # fmt: skip
+    assert type(head) is InvalidRequest and head.failed_hop is None
+    # the code on anything but a 400 means nothing more than any failure
+    failed = hop_error("boom", status=502, failed_hop="https://tail", sender="https://head", sender_is_head=True,
+                       code="grammar_too_costly")  # fmt: skip
+    assert isinstance(failed, HopFailed) and failed.failed_hop == "https://tail"
+
+
+@pytest.mark.parametrize("grammar", [True, False])
+def test_a_grammar_too_costly_fails_only_a_request_with_a_grammar(tmp_path: Any, grammar: bool) -> None:
+    """The tail's ``grammar_too_costly`` (passed up by the head) is the client's 400 when its request has
+    a grammar: no hop reported, no new route. Without a grammar no honest tail says it: the tail failed."""
+    from meshnet.gateway.billing_outbox import Usage
+    from meshnet.gateway.route_engine import _Run
+    from meshnet.protocol.ledger import ChunkLedger
+
+    route = _RoomlessRoute(tmp_path, full=0)
+    said = [hop_error("route hop answered 400: sampling took longer than the deadline", status=400, failed_hop=None,
+                      sender="http://head", sender_is_head=True, code="grammar_too_costly")]  # fmt: skip
+
+    def prefill(run: Any, tokens: Any, cancel: Any) -> Any:
+        if said:
+            raise said.pop()
+        return None
+        yield  # a generator, as the real one
+
+    route.engine._prefill = prefill  # type: ignore[method-assign]
+    run = _Run(_plan(route.info), "{}", Usage(), ChunkLedger(sends=False), grammar=grammar)
+    steps = route.engine._prefill_with_retries(run, [1, 2, 3], threading.Event())
+    if grammar:
+        with pytest.raises(InvalidRequest) as refused:
+            list(steps)
+        assert (refused.value.status, refused.value.param, refused.value.code) == (400, "grammar", "grammar_too_costly")
+        assert route.reported == [] and route.planned == []
+    else:
+        with pytest.raises(Overloaded, match="no route without head"):  # a fresh route without the tail
+            list(steps)
+        ((_, hop, reason),) = route.reported
+        assert hop.node == "head" and "without a grammar" in reason  # a one-hop route: its head is its tail
+        assert route.planned == [["head"]]

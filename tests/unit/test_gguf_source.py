@@ -19,9 +19,12 @@ import pytest
 from meshnet.artifacts.bundled import bundled_gguf
 from meshnet.artifacts.gguf_header import read_header
 from meshnet.artifacts.gguf_source import TensorBytes, model_stem, open_gguf, split_parts
+from meshnet.artifacts.identity import gguf_identity
 from meshnet.artifacts.publish import PublishOptions, publish
 from meshnet.artifacts.shard_file import _write_gguf, write_shard
+from meshnet.cli.node_run import _model_facts
 from meshnet.errors import InvalidRequest
+from meshnet.layers import LayerRange
 from tests.realmodels import write_split
 
 
@@ -43,6 +46,17 @@ def test_a_split_set_is_every_part_and_names_the_model_like_the_whole_file(split
     for a, b in zip(whole.tensors, parts.tensors, strict=True):
         assert (a.shape, a.dtype, a.tensor_type, a.nbytes) == (b.shape, b.dtype, b.tensor_type, b.nbytes)
     assert {t.name: t.read() for t in parts.tensors[-3:]} == {t.name: t.read() for t in whole.tensors[-3:]}
+
+
+def test_a_split_set_has_the_identity_of_the_model_as_one_file(split_set: list[Path]) -> None:
+    """What a ``--gguf`` node advertises reads every part (cli.node_run): the set's nodes and the
+    whole file's may share a route, one model, whichever range each holds."""
+    whole = gguf_identity(bundled_gguf())
+    assert gguf_identity(split_set[0]) == whole
+    for layers in (LayerRange(0, 10, 30), LayerRange(20, 30, 30)):
+        trained, identity, kv_per_token = _model_facts(split_set[0], layers)
+        assert (trained, identity, kv_per_token) == _model_facts(bundled_gguf(), layers)
+        assert identity == whole and trained == 8192 and kv_per_token > 0
 
 
 def test_shards_cut_from_a_split_set_are_the_bytes_cut_from_the_whole_file(

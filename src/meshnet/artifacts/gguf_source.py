@@ -89,13 +89,15 @@ class TensorBytes:
 @dataclass(frozen=True, slots=True)
 class GGUFSource:
     """A GGUF model as published: its parts (one for a plain file), the first part's metadata
-    (``fields``: a ``gguf.GGUFReader``'s), and every tensor of every part, in order."""
+    (``fields``: a ``gguf.GGUFReader``'s), every tensor of every part, in order, and every part's
+    header (``headers``, as ``parts``: the tensor infos in GGML order, the raw metadata entries)."""
 
     path: Path  # the first part: the name the user gave
     parts: tuple[Path, ...]
     fields: dict[str, Field]
     tensors: tuple[TensorBytes, ...]
     endianess: Any  # gguf.GGUFEndian
+    headers: tuple[Header, ...]
 
     @property
     def size(self) -> int:
@@ -217,7 +219,7 @@ def open_gguf(path: Path) -> GGUFSource:
             if entry.offset + entry.nbytes > size:
                 raise InvalidRequest(f"{part} ends inside tensor {entry.name}: the file is truncated")
             tensors.append(entry)
-    return GGUFSource(path, parts, first.fields, tuple(tensors), _little_endian())
+    return GGUFSource(path, parts, first.fields, tuple(tensors), _little_endian(), tuple(readers))
 
 
 def _little_endian() -> Any:

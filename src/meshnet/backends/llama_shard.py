@@ -548,7 +548,7 @@ class LlamaShard(ShardBase[int]):
                 assert tokens is not None and self._embed is not None
                 hidden = self._embed(tokens)
                 if self._head_scale is not None:
-                    hidden *= self._head_scale
+                    hidden = hidden * self._head_scale  # a new array: F32 rows are the read buffer itself
             block = np.ascontiguousarray(hidden, dtype=np.float32)
             self._pending = block
             if self._token_seam:  # any valid id: the callback overwrites the looked-up rows

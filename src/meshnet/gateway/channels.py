@@ -271,4 +271,4 @@ def _answer(item: _Report | _Closed, *, head: str) -> HopAnswer:
     status = frame.header.get("status")
     message = f"route hop answered {status}: {error.get('message', 'no message')}"
     raise hop_error(message, status=status, failed_hop=error.get("failed_hop"), sender=item.url,
-                    sender_is_head=item.url == head)  # fmt: skip
+                    sender_is_head=item.url == head, code=error.get("code"))  # fmt: skip

@@ -60,6 +60,7 @@ import numpy as np
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep
 from meshnet.backends.grammar import TokenGrammar
 from meshnet.errors import (
+    REQUEST_CODES,
     BadGateway,
     ContextOverflow,
     EngineError,
@@ -139,6 +140,7 @@ class _Run:
     sampling: str
     usage: Usage
     ledger: ChunkLedger
+    grammar: bool = False  # the tail samples under a grammar: a hop's grammar_too_costly is the request's 400
     retries: int = 0
     failed_nodes: set[str] = dataclasses.field(default_factory=set)
     streamed: bool = False  # a token went out: any new route must compute exactly what this one did
@@ -317,7 +319,8 @@ class RouteEngine:
             raise InvalidRequest("a route engine generates only on a planned route")
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")
-        run = _Run(plan, json.dumps(dataclasses.asdict(sampler.params)), Usage(), ChunkLedger(sends=False))
+        run = _Run(plan, json.dumps(dataclasses.asdict(sampler.params)), Usage(), ChunkLedger(sends=False),
+                   grammar=bool(sampler.params.grammar))  # fmt: skip
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
         hashes = block_hashes(tokens, self.prefill_chunk, namespace=plan.prefix_namespace) if self.prefix_cache else []
         run.prefix = PrefixClaim(self.prefill_chunk, tuple(hashes)) if hashes else None
@@ -371,12 +374,13 @@ class RouteEngine:
                 if not (yield from self._wait(run, tokens, exc, cancel)):
                     return None
                 continue
-            except HopFailed as exc:
+            except (HopFailed, InvalidRequest) as raised:
+                failure = _hop_failure(run, raised)
                 began = time.monotonic()
-                failed = self._failed_hop(run, exc)
-                self._report_failure(run.plan, failed, exc.message)
+                failed = self._failed_hop(run, failure)
+                self._report_failure(run.plan, failed, failure.message)
                 self._fresh_route(run, tokens)
-                yield RouteChange("reroute", exc.message, failed.node, run.plan, run.retries, 0, _since(began))
+                yield RouteChange("reroute", failure.message, failed.node, run.plan, run.retries, 0, _since(began))
                 continue
             if answer is not None:
                 verify_hops(run.ledger, run.plan.hops, answer.hops)
@@ -470,9 +474,10 @@ class RouteEngine:
             if answer is None:
                 answer = self._send(run.plan, request)
             self._check_tokens(answer, run.plan)
-        except HopFailed as exc:
+        except (HopFailed, InvalidRequest) as raised:
+            failure = _hop_failure(run, raised)
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
-            return (yield from self._recover(run, tokens, exc, cancel))
+            return (yield from self._recover(run, tokens, failure, cancel))
         took = _since(began)
         self._walk_costs(run.plan).observe(len(chunk), took)
         run.usage.decoded(took)  # the tracker checks the route's advertised speeds by it
@@ -532,6 +537,9 @@ class RouteEngine:
             except (Overloaded, BadGateway):
                 raise
             except MeshnetError as exc:  # no seam log, no rewind on this backend...: start over
+                if exc.code in REQUEST_CODES:  # the replay's tail refused the request itself
+                    error = _hop_failure(run, exc)  # (the client's 400 when the request has a grammar)
+                    continue
                 reason = f"{error.message}; route repair impossible ({exc.message})"
                 self._fresh_route(run, tokens)
                 yield RouteChange("reroute", reason, failed.node, run.plan, run.retries, len(tokens), _since(began))
@@ -865,6 +873,19 @@ def _kept(answer: HopAnswer, position: int, n: int) -> int:
 
 def _hop_ms(answer: HopAnswer) -> tuple[float, ...]:
     return tuple(h.compute_ms for h in answer.hops)
+
+
+def _hop_failure(run: _Run, raised: MeshnetError) -> HopFailed:
+    """The hop failure behind ``raised``, else ``raised`` itself re-raised. A hop's 400 about the
+    request (``REQUEST_CODES``: a grammar too costly for the tail's deadline) is the client's error
+    when its request has a grammar; without one no honest hop answers it, so it is the tail's failure
+    (only the tail samples; any hop may name a failed hop downstream, so this trusts no one more)."""
+    if isinstance(raised, HopFailed):
+        return raised
+    if raised.code not in REQUEST_CODES or run.grammar:
+        raise raised
+    why = f"the route answered {raised.code} for a request without a grammar: {raised.message}"
+    return HopFailed(why, failed_hop=run.plan.hops[-1].url)
 
 
 def _since(began: float) -> float:
