@@ -51,7 +51,11 @@ def fsync_directory(directory: Path) -> None:
 def file_sha256(path: Path, chunk_bytes: int = 8 << 20) -> str:
     """The SHA-256 of a file's bytes, read in bounded chunks (a model file may be many GiB)."""
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
+    # One buffer read into again and again: a new 8 MiB object per chunk would raise glibc's mmap
+    # threshold and leave the chunks' memory in a heap arena of the calling thread, resident for good.
+    buffer = bytearray(chunk_bytes)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(view):
+            digest.update(view[:n])
     return digest.hexdigest()

@@ -81,6 +81,9 @@ def serve_node(
     seeder: Any,
     placement: Any = None,
 ) -> int:
+    from meshnet.memory import release_free_memory
+
+    release_free_memory()  # what the fetch and the load freed, back to the OS before serving
     host, port = sock.getsockname()[:2]
     if args.core_lease is not None:
         from meshnet.cores import CoreLease
