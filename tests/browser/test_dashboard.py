@@ -368,7 +368,9 @@ def test_a_running_generation_shows_live_progress(page: WebDriver, swarm: Proc) 
     assert final["tokens"] == LIVE_TOKENS
     assert final["prefill"] == usage["prompt_tokens"]
     # per-hop timings from the final route.health: every hop, each with its compute time per token
-    assert [h[:2] for h in final["hops"]] == [["node-0", "0:10"], ["node-1", "10:20"], ["node-2", "20:30"]]
+    # (meshnet up's nodes are placed by the tracker: which node holds which range is its choice)
+    assert [h[1] for h in final["hops"]] == ["0:10", "10:20", "20:30"]
+    assert sorted(h[0] for h in final["hops"]) == ["node-0", "node-1", "node-2"]
     assert all(float(h[2]) > 0 for h in final["hops"])
     if shot is None:  # a machine too fast to catch it mid-run: keep the finished state instead
         shot = screenshot(page, "dashboard.png")

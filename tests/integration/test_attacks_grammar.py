@@ -170,7 +170,9 @@ def test_a_bomb_past_the_gateway_fails_only_its_own_generation(scene: Scene) -> 
 def test_a_bomb_the_gateway_cannot_see_is_the_clients_400_and_no_hops_failure(scene: Scene) -> None:
     """Through the public API: the bomb behind a literal passes the gateway's check; the tail fails
     the generation at its deadline, the client gets a 400 naming ``grammar``, and neither hop is
-    reported, floored or replaced (their reliability unchanged, no repair in the telemetry)."""
+    reported, suspended, floored or replaced (no route retry in the gateway's metrics: a report goes
+    with a reroute, a repair with a repair). Reliability is not compared: it counts time, and a
+    heartbeat late on a loaded machine lowers it a little."""
     before, retries = _nodes(scene), _retries(scene)
     answer = httpx.post(
         f"{scene.gateway}/v1/completions",
@@ -185,8 +187,7 @@ def test_a_bomb_the_gateway_cannot_see_is_the_clients_400_and_no_hops_failure(sc
     assert "deadline" in error["message"], error
     after = _nodes(scene)
     for node in ("head", "tail"):
-        assert node in after, after.keys()
-        assert after[node]["reliability"] >= before[node]["reliability"], (before[node], after[node])
+        assert node in after, after.keys()  # never suspended (a suspended node is off the list)
         assert after[node]["decode_floor_s"] == before[node]["decode_floor_s"], (before[node], after[node])
     assert _retries(scene) == retries  # no repair, no reroute
     chat = _chat(scene.gateway, scene.model)

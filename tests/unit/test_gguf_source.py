@@ -72,6 +72,22 @@ def test_shards_cut_from_a_split_set_are_the_bytes_cut_from_the_whole_file(
             assert a.embeddings is not None and _sha(a.embeddings) == _sha(b.embeddings)
 
 
+def test_the_cli_cuts_and_plans_a_split_set_by_its_first_file(
+    split_set: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``meshnet shard make`` and ``meshnet plan`` take a split set's first file like a whole GGUF."""
+    from meshnet.cli.main import main
+
+    out = tmp_path / "tail.gguf"
+    assert main(["shard", "make", "--gguf", str(split_set[0]), "--layers", "20:30", "--out", str(out)]) == 0
+    assert _sha(out) == _sha(write_shard(bundled_gguf(), "20:30", tmp_path / "whole-tail.gguf").path)
+    assert "tail shard, layers 20:30 of 30, 92 tensors" in capsys.readouterr().out
+    assert main(["plan", str(split_set[0]), "--context", "4096"]) == 0
+    of_split = capsys.readouterr().out
+    assert main(["plan", str(bundled_gguf()), "--context", "4096"]) == 0
+    assert of_split == capsys.readouterr().out and "30" in of_split
+
+
 def test_the_lean_header_reads_what_gguf_py_reads() -> None:
     reader, header = gguf.GGUFReader(str(bundled_gguf())), read_header(bundled_gguf())
     keys = {k for k in reader.fields if not k.startswith("GGUF.")}

@@ -18,7 +18,7 @@ from __future__ import annotations
 from tests.unit.test_import_boundaries import PACKAGE, SRC, Import, _all_imports
 
 LEVELS: tuple[tuple[str, ...], ...] = (
-    ("errors", "ids", "layers", "config", "fsutil", "httputil", "cores", "sampling", "models"),
+    ("errors", "ids", "layers", "config", "fsutil", "memory", "httputil", "cores", "sampling", "models"),
     ("session", "routes", "artifacts"),
     ("protocol", "backends"),
     ("security",),

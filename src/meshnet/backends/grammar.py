@@ -59,9 +59,10 @@ ROOT = "root"
 # How many of the most likely tokens ``best`` asks the grammar about before masking the whole vocabulary.
 _FIRST_CANDIDATES = 256
 # The most CPU time one check of the whole vocabulary may take under a request's grammar (docs/api.md:
-# realistic schema and tool grammars measured 1-40 ms on the bundled 49K vocabulary, a bomb of 1,000
-# identical alternatives 1 s); a tail's per-token deadline (node.sampling_lane) backs it up.
-MAX_GRAMMAR_STEP_S = 0.1
+# realistic schema and tool grammars measured 1-40 ms on the bundled 49K vocabulary on an AVX-512 Xeon
+# and up to ~100 ms (an enum of 100 strings) on an AVX2 EPYC; a bomb of 1,000 identical alternatives
+# 1 s, of 9,000 1-5 s); a tail's per-token deadline (node.sampling_lane) backs it up.
+MAX_GRAMMAR_STEP_S = 0.25
 # Steps the cost check walks into the grammar (a grammar cheap at its start may not stay cheap).
 _COST_STEPS = 4
 _MASK_CHUNK = 4096  # tokens per call when masking: a cancelled check stops within one call
