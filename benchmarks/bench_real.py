@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -27,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import psutil
-from tests.procs import meshnet_process, start_together, up_nodes
+from tests.procs import meshnet_peak_rss, meshnet_process, peak_rss, start_together, up_nodes
 from tests.realmodels import MODELS, cache_dir
 
 from benchmarks.common import Section, decode_rate, median, stream_completion, wait_registered
@@ -47,11 +45,6 @@ COLD_CHATS = ("Write a Python function that reverses a string.", "What does HTTP
 COLD_TIMEOUT_S = 600.0  # a cold swarm's start, fetch included; every wait of it is bounded by this
 MIB = 2**20
 NODE_GOAL = 1.2
-_PEAK = (
-    "import sys; from meshnet.cli.main import main; rc = main(sys.argv[1:]); "
-    "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; "
-    "print('peak_rss_kib', hwm); sys.exit(rc)"
-)
 _FETCHED = re.compile(r"meshnet: fetched layers \S+: .* in ([\d.]+)s \(")
 
 
@@ -85,14 +78,7 @@ def _model() -> Path | None:
 def _publish_peak(model: Path, out: Path, ranges: list[LayerRange]) -> int:
     """Publish ``model`` into ``out``, one file per range of ``ranges``; the publisher's peak RSS."""
     cut = ",".join(str(r) for r in ranges)
-    return _peak_of(["publish", str(model), "--out", str(out), "--ranges", cut])
-
-
-def _peak_of(command: list[str]) -> int:
-    """The peak RSS of ``meshnet COMMAND`` run in a process of its own."""
-    done = subprocess.run([sys.executable, "-c", _PEAK, *command], capture_output=True, text=True, timeout=1200,
-                          check=True)  # fmt: skip
-    return int(done.stdout.rsplit("peak_rss_kib", 1)[1].split()[0]) * 1024
+    return meshnet_peak_rss(["publish", str(model), "--out", str(out), "--ranges", cut], timeout_s=1200)
 
 
 def _shard_bytes(model: Path, start: int, stop: int) -> int:
@@ -133,13 +119,6 @@ def _first_token(url: str, model: str, prompt: str, deadline: float) -> float:
                     if choices and choices[0]["delta"].get("content"):
                         return time.perf_counter()
         raise RuntimeError(f"the chat on {url} streamed no text")
-
-
-def _peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for process {pid}")
 
 
 def _gguf_bytes(*folders: Path) -> int:
@@ -186,7 +165,7 @@ def _cold_swarm(published: Path, root: Path, shape: ModelShape, nodes: int, thre
             fetched.append(
                 FetchedNode(
                     layers=str(layers),
-                    peak_rss=_peak_rss(proc.popen.pid),
+                    peak_rss=peak_rss(proc.popen.pid),
                     rss=psutil.Process(proc.popen.pid).memory_info().rss,
                     files=_gguf_bytes(folders[node_id]),
                     kv=shape.kv_bytes_per_token_per_layer * len(layers) * CTX * MAX_SESSIONS,
@@ -243,7 +222,8 @@ def run() -> Section:
         section.add("publish peak RSS ÷ model size", f"{peak / size:.3f} ({peak / MIB:.0f} MiB)", "≤ 0.1",
                     peak / size <= 0.1)  # fmt: skip
         tail = ranges[-1]
-        peak = _peak_of(["shard", "make", "--gguf", str(model), "--layers", str(tail), "--out", str(root / "cut.gguf")])
+        cut = ["shard", "make", "--gguf", str(model), "--layers", str(tail), "--out", str(root / "cut.gguf")]
+        peak = meshnet_peak_rss(cut, timeout_s=1200)
         section.add(f"shard make {tail} peak RSS ÷ model size", f"{peak / size:.3f} ({peak / MIB:.0f} MiB)", "≤ 0.1",
                     peak / size <= 0.1)  # fmt: skip
         serve_args = ["serve", "--gguf", str(model), "--port", "0", "--threads", str(cores), "--ctx", str(CTX)]

@@ -88,6 +88,32 @@ def admin_client(swarm: Proc, timeout_s: float = 30.0) -> httpx.Client:
     return member_client(swarm_dir(swarm) / "admin", timeout_s)
 
 
+# ``meshnet ARGS`` that prints its own peak RSS at its end: VmHWM of the process itself (``ru_maxrss``
+# would carry the forking parent's peak across exec).
+_PEAK_MAIN = "import sys; from meshnet.cli.main import main; rc = main(sys.argv[1:]); " + (
+    "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; "
+    "print('peak_rss_kib', hwm); sys.exit(rc)"
+)
+
+
+def meshnet_peak_rss(args: Sequence[str], *, timeout_s: float = 600) -> int:
+    """Run ``meshnet ARGS`` to its end in a process of its own; its peak resident memory in bytes.
+    A failed command is an ``AssertionError`` carrying its stderr."""
+    done = subprocess.run([sys.executable, "-c", _PEAK_MAIN, *args], capture_output=True, text=True,
+                          timeout=timeout_s, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.rsplit("peak_rss_kib", 1)[1].split()[0]) * 1024
+
+
+def peak_rss(pid: int) -> int:
+    """A running process's peak resident memory so far, in bytes (the kernel's high-water mark,
+    VmHWM: a large buffer freed right after use still shows)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
 def up_nodes(swarm: Proc) -> dict[str, psutil.Process]:
     """The node processes of a ``meshnet up``, by the layer range each serves (``"START:STOP"``). Its
     nodes are placed by the tracker (``--layers auto``), so the ranges come from the tracker's node

@@ -31,7 +31,7 @@ from meshnet.protocol.wire import encode_tensor
 from meshnet.security.tls import Credentials
 from tests.asgi import serve_in_thread
 from tests.private_swarm import PrivateSwarm, private_swarm
-from tests.procs import Proc, member_client, meshnet_process
+from tests.procs import Proc, member_client, meshnet_process, peak_rss
 
 pytestmark = pytest.mark.real
 
@@ -88,15 +88,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _peak_rss_bytes(pid: int) -> int:
-    """The process's peak resident memory so far (the kernel's high-water mark: a large buffer freed
-    right after use still shows)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
 
 
 # -- zombies and squatters ---------------------------------------------------------------------------
@@ -195,11 +186,11 @@ def test_an_oversized_health_answer_does_not_grow_the_gateway_and_errors_show_no
     port or at an open port that speaks no TLS reads the same fixed reason as the huge one."""
     pid = scene.swarm.gateway.popen.pid  # type: ignore[union-attr]
     httpx.get(f"{scene.gateway}/v1/swarm", timeout=60)  # warm: the view's own first allocations
-    before = _peak_rss_bytes(pid)
+    before = peak_rss(pid)
     with _fake_node(scene.swarm.member("spy"), 128 * 2**20) as url:
         _register(scene, url)
         view = httpx.get(f"{scene.gateway}/v1/swarm", timeout=120)
-        grew = _peak_rss_bytes(pid) - before
+        grew = peak_rss(pid) - before
     assert view.status_code == 200 and len(view.content) < 1_000_000, len(view.content)
     spy = next(n for n in view.json()["nodes"] if n["node_id"] == "spy")
     assert spy["health"] == {"status": "unreachable", "reason": UNREACHABLE}

@@ -16,7 +16,6 @@ import contextlib
 import json
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from meshnet.artifacts.fetch import PART_DIR
 from meshnet.artifacts.manifest import read_manifest
 from meshnet.security.tls import Credentials
 from tests.netns import HostNetwork, unavailable
-from tests.procs import MESHNET, Proc, meshnet_process, seeder
+from tests.procs import MESHNET, Proc, meshnet_peak_rss, meshnet_process, peak_rss, seeder
 from tests.realmodels import real_model, write_split
 
 pytestmark = pytest.mark.real
@@ -40,11 +39,6 @@ NODES = ("n1", "n2", "n3")
 NODE_PORT, TRACKER_PORT, GATEWAY_PORT, SEED_PORT = 7000, 8001, 8000, 6881
 PROMPT = "Write a Python function that reverses a string."
 N_TOKENS = 32
-# VmHWM of the process itself (ru_maxrss would carry the forking parent's peak across exec).
-_PEAK = "import sys; from meshnet.cli.main import main; rc = main(sys.argv[1:]); " + (
-    "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; "
-    "print('peak_rss_kib', hwm); sys.exit(rc)"
-)
 
 
 @dataclass
@@ -93,12 +87,7 @@ def _nodes(tracker: str, swarm: Path, want: int, timeout_s: float = 600) -> list
 
 def _publish(split_set: list[Path], out: Path) -> int:
     """Publish the split set from its first file; the publisher's own peak RSS in bytes."""
-    done = subprocess.run(
-        [sys.executable, "-c", _PEAK, "publish", str(split_set[0]), "--out", str(out), "--layers-per-file", "8"],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return int(done.stdout.rsplit("peak_rss_kib", 1)[1].split()[0]) * 1024
+    return meshnet_peak_rss(["publish", str(split_set[0]), "--out", str(out), "--layers-per-file", "8"])
 
 
 @pytest.fixture(scope="module")
@@ -170,13 +159,6 @@ def _chat(url: str) -> str:
     return out.choices[0].message.content or ""
 
 
-def _peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmHWM for pid {pid}")
-
-
 def test_publish_of_the_split_set_streams_it(scene: Scene) -> None:
     size = sum(p.stat().st_size for p in scene.split_set)
     ratio = scene.publish_peak / size
@@ -201,7 +183,7 @@ def test_auto_placed_nodes_cover_the_model_each_holding_only_its_files(scene: Sc
         held = {p.name for p in fetched if p.suffix == ".gguf"}
         assert held and held <= wanted, (name, held, wanted)  # its range's files only, no other layers
         files = sum(p.stat().st_size for p in fetched if p.suffix == ".gguf")
-        peak = _peak_rss(scene.nodes[name].popen.pid)
+        peak = peak_rss(scene.nodes[name].popen.pid)
         print(f"\nmultihost {MODEL} node {name} {node['layers']}: peak RSS {peak >> 20} MiB, files {files >> 20} MiB")
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import psutil
 import pytest
 
 from meshnet.cli.paths import default_cache_dir
-from tests.procs import Proc, meshnet_process, up_nodes
+from tests.procs import Proc, meshnet_peak_rss, meshnet_process, up_nodes
 from tests.realmodels import real_model, write_split
 
 pytestmark = pytest.mark.real
@@ -29,12 +27,6 @@ pytestmark = pytest.mark.real
 MODEL = "qwen2.5-coder-0.5b"
 MODEL_ID = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 PROMPTS = ("Write a Python function that reverses a string.", "What does HTTP status 404 mean?")
-# Peak resident memory of the process itself: VmHWM (``ru_maxrss`` would carry the forking parent's
-# peak across exec, and pytest's process holds the split set it wrote).
-_PEAK = "import sys; from meshnet.cli.main import main; rc = main(sys.argv[1:]); " + (
-    "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; "
-    "print('peak_rss_kib', hwm); sys.exit(rc)"
-)
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +89,8 @@ def test_publish_of_a_split_set_streams_it_and_a_node_serves_it(
     split_set: list[Path], served: Proc, tmp_path: Path
 ) -> None:
     out = tmp_path / "published"
-    done = subprocess.run(
-        [sys.executable, "-c", _PEAK, "publish", str(split_set[0]), "--out", str(out), "--layers-per-file", "8"],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    peak = int(done.stdout.rsplit("peak_rss_kib", 1)[1].split()[0]) * 1024
+    # publish in a process of its own: pytest's holds the split set it wrote
+    peak = meshnet_peak_rss(["publish", str(split_set[0]), "--out", str(out), "--layers-per-file", "8"])
     model_size = sum(p.stat().st_size for p in split_set)
     print(f"\nreal split {MODEL}: publish peak RSS {peak / 2**20:.0f} MiB = {peak / model_size:.3f} x the model")
     doc = json.loads((out / "manifest.json").read_bytes())
