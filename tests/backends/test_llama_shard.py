@@ -306,6 +306,36 @@ def test_each_shard_loads_only_its_tensors(cache: Path, full: LlamaShard) -> Non
         middle.close()
 
 
+def test_the_tail_computes_without_its_tokenizer_and_reads_it_for_a_grammar(chain: list[LlamaShard]) -> None:
+    import llama_cpp
+
+    tail = chain[-1]
+    # llama.cpp holds the vocabulary as dummies (no token maps, merges or pieces): logits of every token.
+    vocab = llama_cpp.llama_model_get_vocab(tail._model)
+    assert llama_cpp.llama_vocab_type(vocab) == llama_cpp.LLAMA_VOCAB_TYPE_NONE
+    assert tail.info.n_vocab == 49152
+    words = llama_cpp.Llama(str(bundled_gguf()), vocab_only=True, verbose=False)
+    yes, hello = (words.tokenize(w.encode(), add_bos=False)[0] for w in ("yes", "hello"))
+    words.close()
+    grammar = tail.grammar('root ::= "yes" | "no"')
+    assert grammar.allows(yes) and not grammar.allows(hello)
+    assert tail.grammar('root ::= "no"').allows(hello) is False  # the tokenizer is read once, then kept
+
+
+def test_a_tail_refuses_more_rows_of_logits_than_it_reserved_and_changes_nothing(chain: list[LlamaShard]) -> None:
+    tail, sid = chain[-1], SessionId("many-logits")
+    tail.open_session(sid)
+    rows = tail.info.max_verify + 1
+    try:
+        # llama.cpp sizes the tail's output for a verify chunk or a batch of sessions, and would abort past it.
+        with pytest.raises(InvalidRequest, match=f"at most {max(rows, 6)} per call"):
+            tail.prefill(sid, 0, hidden=np.zeros((64, 576), dtype=np.float32), all_logits=True)
+        out = tail.prefill(sid, 0, hidden=np.zeros((rows, 576), dtype=np.float32), all_logits=True)
+        assert out.logits is not None and out.logits.shape == (rows, 49152)
+    finally:
+        tail.close_session(sid)
+
+
 def test_bad_inputs_raise_named_errors_and_change_nothing(
     chain: list[LlamaShard], prompts: list[list[int]], reference: list[list[int]]
 ) -> None:

@@ -58,6 +58,10 @@ def peer_address(listen: str, port: int, advertised_host: str | None) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+_DISK_QUEUE_BYTES = 16 << 20
+_CACHE_BLOCKS = 256  # 16 KiB blocks: 4 MiB
+
+
 def make_session(listen: str = "127.0.0.1:0", *, verbose_alerts: bool = True) -> Any:
     """A libtorrent session bound to ``listen`` (``HOST:PORT``; port 0 picks a free one)."""
     import libtorrent as lt
@@ -82,6 +86,11 @@ def make_session(listen: str = "127.0.0.1:0", *, verbose_alerts: bool = True) ->
             # Several nodes of one test (or one host) share an IP; each is a distinct peer.
             "allow_multiple_connections_per_ip": True,
             "user_agent": "meshnet",
+            # A node seeds while it serves, in the memory its weights and KV leave: libtorrent's
+            # defaults hold up to 100 MiB of received blocks waiting for the disk and a 32 MiB
+            # block cache (a fetched 1.5B tail kept ~30 MiB of heap for them after its fetch).
+            "max_queued_disk_bytes": _DISK_QUEUE_BYTES,
+            "cache_size": _CACHE_BLOCKS,
         }
     )
 

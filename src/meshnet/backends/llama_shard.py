@@ -24,6 +24,7 @@ import hashlib
 import heapq
 import os
 import platform
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from meshnet.artifacts.gguf_header import read_header
 from meshnet.artifacts.gguf_source import model_stem, open_gguf, split_parts
 from meshnet.artifacts.shard_file import (
     embeddings_path,
@@ -42,7 +44,7 @@ from meshnet.artifacts.shard_file import (
     write_shard,
 )
 from meshnet.backends.ggml_layout import NAME_OFFSET, NE_OFFSET, check_tensor_layout, tensor_get, tensor_set
-from meshnet.backends.llama_vocab import model_meta
+from meshnet.backends.llama_vocab import LlamaVocab, model_meta
 from meshnet.backends.load_checks import BatchChecks, CheckCache, check_key
 from meshnet.backends.shard import F32, I32, KVFormat, SeamSpec, ShardBase, ShardInfo, ShardOutput
 from meshnet.errors import EngineError, InvalidRequest, StoreFull
@@ -70,6 +72,9 @@ MAX_DECODE_BATCH = 16
 # attention of a lone row (a decode step) splits the cells across threads and sums the parts,
 # while several rows (a chunk, a batch of sessions) each sum all cells in one pass.
 KV_PAD = 256
+# Rows per compute call of a load-time measurement's scratch history: the gateway's default prefill
+# chunk (a node's memory after its checks is then what serving such chunks touches, docs/backends.md).
+HISTORY_CHUNK = 128
 
 
 class HeadEmbeddings:
@@ -148,6 +153,8 @@ class LlamaShard(ShardBase[int]):
         check_tensor_layout(llama_cpp)  # the eval callback reads struct ggml_tensor at fixed offsets
         self._ll = llama_cpp
         self._path = shard_path
+        self._tokenizer: LlamaVocab | None = None  # a tail's, for grammars (grammar)
+        self._grammar_lock = threading.Lock()
         cfg = config or LlamaShardConfig()
         found = read_shard_range(shard_path)
         layers, self._vocab_cut = found if found is not None else (None, False)
@@ -170,6 +177,7 @@ class LlamaShard(ShardBase[int]):
         self._tail = layers.is_tail
         self._token_input = layers.is_head and self._embed is None
         self._apply_family(family(self._meta("general.architecture")), layers, cfg.n_batch)
+        self._n_outputs = self._max_outputs(cfg)
         self._ctx = self._create_context(cfg, n_layer - 1)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         by_token = self._token_input or self._token_seam
@@ -268,6 +276,12 @@ class LlamaShard(ShardBase[int]):
         # (1.5B model, layers 0:14: 891 MiB for 383 MiB of weights). Read into buffers, each weight
         # is held once; the bits are the same (same tensors, same buffer types and kernels).
         params.load_mode = self._ll.LLAMA_LOAD_MODE_NONE
+        # The tokenizer is the gateway's (and a tail's grammar's, loaded on demand): computing
+        # layers needs only the vocabulary's size. llama.cpp's parsed tokenizer of a 152K
+        # vocabulary (token maps, BPE merges, piece cache) is ~46 MiB of a tail's memory.
+        overrides = _no_tokenizer(self._ll, path)
+        if overrides is not None:
+            params.kv_overrides = overrides
         with suppress_stdout_stderr(disable=False):
             model = self._ll.llama_model_load_from_file(str(path).encode(), params)
         if model is None:
@@ -283,6 +297,10 @@ class LlamaShard(ShardBase[int]):
         cparams.n_batch = cfg.n_batch
         cparams.n_ubatch = cfg.n_batch  # rows keep batch order only if one ubatch holds the batch
         cparams.n_seq_max = cfg.max_sessions
+        # llama.cpp sizes its compute buffer for n_outputs_max rows of logits (default: n_batch);
+        # a tail needs a row per verified position or batched session, never a whole chunk's, and
+        # 512 rows of a 152K vocabulary are 300 MiB of buffer (_max_outputs).
+        cparams.n_outputs_max = self._n_outputs
         # One KV stream per session: a session's cells never interleave with another's, so its
         # attention sums run in the same order as when it runs alone (greedy parity across
         # concurrent sessions). Each session gets n_ctx / max_sessions cells.
@@ -357,7 +375,7 @@ class LlamaShard(ShardBase[int]):
 
         def agrees(warm: int, sizes: Sequence[int]) -> bool:
             self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            self._forward(seq, 0, *self._scratch_inputs(rng, warm))
+            self._history(seq, *self._scratch_inputs(rng, warm))
             for n in sizes:
                 tokens, hidden = self._scratch_inputs(rng, n + 1)
                 steps = [
@@ -381,6 +399,14 @@ class LlamaShard(ShardBase[int]):
         finally:
             self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
+    def _history(self, seq: int, tokens: I32, hidden: F32 | None) -> None:
+        """A scratch sequence's history for the load-time measurements, computed in calls of at most
+        ``HISTORY_CHUNK`` rows: a chunk of ``n_batch`` rows would touch all of llama.cpp's compute
+        buffer (sized for ``n_batch`` rows), which a node serving the gateway's chunks never does."""
+        for at in range(0, len(tokens), HISTORY_CHUNK):
+            rows = slice(at, at + HISTORY_CHUNK)
+            self._forward(seq, at, tokens[rows], None if hidden is None else hidden[rows])
+
     def _scratch_inputs(self, rng: np.random.Generator, n: int) -> tuple[I32, F32 | None]:
         """Random inputs of ``n`` positions for the load-time measurements."""
         n_in = self._n_vocab if self._embed is None else self._embed.n_vocab
@@ -393,6 +419,16 @@ class LlamaShard(ShardBase[int]):
         got = out.logits if self._tail else out.hidden
         assert got is not None
         return got.reshape(-1, got.shape[-1]) if self._tail else got.reshape(got.shape[0], -1)
+
+    def _max_outputs(self, cfg: LlamaShardConfig) -> int:
+        """Rows of output one compute call may ask for: every row of a chunk past the tail (its
+        vocabulary is one token, and llama.cpp keeps only output rows in the last layer); at the
+        tail one per verified position or batched session (llama.cpp reserves at least one per
+        sequence) — ``_forward`` refuses more, where llama.cpp would abort the process."""
+        if not self._tail:
+            return cfg.n_batch
+        verify = self._max_verify(cfg) + 1
+        return min(cfg.n_batch, max(verify, self._max_decode_batch(cfg), cfg.max_sessions))
 
     def _max_decode_batch(self, cfg: LlamaShardConfig) -> int:
         """Sessions one decode batch may hold: a recurrent or compressor state checkpoints per
@@ -421,7 +457,7 @@ class LlamaShard(ShardBase[int]):
         try:
             with self._compute:
                 for seq, n in history.items():
-                    self._forward(seq, 0, *self._scratch_inputs(rng, n))
+                    self._history(seq, *self._scratch_inputs(rng, n))
                 for pattern in (p for p in patterns if len(p) > 1):
                     step = {seq: self._scratch_inputs(rng, 1) for seq in pattern}
                     after = {seq: self._scratch_inputs(rng, 1) for seq in pattern}
@@ -461,11 +497,15 @@ class LlamaShard(ShardBase[int]):
     def _forward(
         self, state: int, start: int, tokens: I32 | None, hidden: F32 | None, all_logits: bool = False
     ) -> ShardOutput:
+        n = tokens.shape[0] if tokens is not None else hidden.shape[0]  # type: ignore[union-attr]
+        if self._tail and all_logits and n > self._n_outputs:
+            raise InvalidRequest(
+                f"a chunk asks for {n} positions' logits; this tail gives at most {self._n_outputs} per call"
+            )
         if self._recurrent:
             # A recurrence cannot be truncated: keep its state as it was before this chunk, so a
             # rewind to ``start`` (a failed chunk, a repair resending a step) can restore it.
             self._checkpoints[state] = (start, self._partial_state(state))
-        n = tokens.shape[0] if tokens is not None else hidden.shape[0]  # type: ignore[union-attr]
         outputs: list[F32] = []
         logits: F32 | None = None
         last_only = (self._tail and not all_logits) or self._one_output_row
@@ -767,9 +807,13 @@ class LlamaShard(ShardBase[int]):
     def grammar(self, text: str) -> TokenGrammar:
         if not self._tail:
             return super().grammar(text)  # only the tail holds the vocabulary
-        from meshnet.backends.grammar import TokenGrammar
-
-        return TokenGrammar(self, self._ll.llama_model_get_vocab(self._model), self._n_vocab, text)
+        with self._grammar_lock:
+            if self._tokenizer is None:  # the first grammar: the file's tokenizer, kept from now on
+                self._tokenizer = LlamaVocab(self._path)
+                if self._tokenizer.info.n_vocab != self._n_vocab:
+                    raise EngineError(f"{self._path}'s tokenizer has {self._tokenizer.info.n_vocab} tokens, "
+                                      f"its output {self._n_vocab}")  # fmt: skip
+        return self._tokenizer.grammar(text)
 
     def _recurrent_layers(self, arch: str, n_layer: int) -> list[bool]:
         return recurrent_layers(self._path, arch, n_layer) if family(arch).recurrent else [False] * n_layer
@@ -777,11 +821,33 @@ class LlamaShard(ShardBase[int]):
     def close(self) -> None:
         super().close()
         ll = self._ll
+        if self._tokenizer is not None:
+            self._tokenizer.close()
         if self._ctx is not None:
             ll.llama_batch_free(self._batch)
             ll.llama_free(self._ctx)
             ll.llama_model_free(self._model)
             self._ctx = None
+
+
+def _no_tokenizer(ll: Any, path: Path) -> Any:
+    """llama.cpp metadata overrides that load ``path`` with its vocabulary as that many dummy
+    tokens (``no_vocab``, as a cut-vocabulary shard is written): the same tensors, graphs and
+    logits, no tokenizer. None where the file has no tokenizer to drop."""
+    header = read_header(path)
+    tokens = header.fields.get("tokenizer.ggml.tokens")
+    kind = header.fields.get("tokenizer.ggml.model")
+    arch = header.fields.get("general.architecture")
+    if tokens is None or kind is None or arch is None or kind.contents() in ("no_vocab", "none"):
+        return None
+    overrides = (ll.llama_model_kv_override * 3)()  # the last one, all zero, ends the list
+    overrides[0].key = b"tokenizer.ggml.model"
+    overrides[0].tag = ll.LLAMA_KV_OVERRIDE_TYPE_STR
+    overrides[0].value.val_str = b"no_vocab"
+    overrides[1].key = f"{arch.contents()}.vocab_size".encode()
+    overrides[1].tag = ll.LLAMA_KV_OVERRIDE_TYPE_INT
+    overrides[1].value.val_i64 = tokens.count
+    return overrides
 
 
 @functools.cache

@@ -1,0 +1,52 @@
+"""meshnet.memory: a node caps its malloc arenas."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+
+# Threads each malloc and keep a block (ctypes drops the GIL around the call, so they overlap),
+# then malloc_info lists the heaps: one per arena in use.
+_ARENAS = """
+import ctypes, ctypes.util, sys, tempfile, threading
+from meshnet.memory import limit_heap_arenas
+if sys.argv[1] == "limit":
+    assert limit_heap_arenas(1)
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+kept, gate = [], threading.Barrier(6)
+def work():
+    gate.wait()
+    kept.append(libc.malloc(1 << 16))
+    gate.wait()
+threads = [threading.Thread(target=work) for _ in range(6)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+libc.fopen.restype = ctypes.c_void_p
+libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+with tempfile.NamedTemporaryFile(suffix=".xml") as out:
+    f = libc.fopen(out.name.encode(), b"w")
+    libc.malloc_info(0, f)
+    libc.fclose(f)
+    print(open(out.name).read().count("<heap nr="))
+"""
+
+
+def _heaps(mode: str) -> int:
+    done = subprocess.run([sys.executable, "-c", _ARENAS, mode], capture_output=True, text=True, timeout=60, check=True)
+    return int(done.stdout.split()[-1])
+
+
+def test_threads_share_the_capped_arenas() -> None:
+    assert _heaps("default") > 1  # glibc's default: a thread that finds the main arena busy gets its own
+    assert _heaps("limit") == 1
