@@ -30,6 +30,8 @@ meets them, never further in. The HTTP layers translate with :func:`http_status`
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 __all__ = [
     "REQUEST_CODES",
     "BadGateway",
@@ -200,13 +202,27 @@ REQUEST_CODES: dict[str, str] = {"grammar_too_costly": "grammar"}
 
 
 def hop_error(
-    message: str, *, status: object, failed_hop: object, sender: str, sender_is_head: bool, code: object = None
+    message: str,
+    *,
+    status: object,
+    failed_hop: object,
+    sender: str,
+    sender_is_head: bool,
+    code: object = None,
+    may_name: Collection[str] | None = None,
 ) -> MeshnetError:
     """What an error answer from the hop at ``sender`` means to the gateway: a failure naming the hop
     it names (``failed_hop``), or the sender itself when it is past the head or lost the session
     (410: it restarted; replace, rebuild it); anything else of the head's own is a plain 502. An
     answer with a ``code`` of ``FULL_CODES`` is a hop without room (``HopFull``), not a failure; a 400
-    with a code of ``REQUEST_CODES`` is the request's own error (``InvalidRequest`` naming its field)."""
+    with a code of ``REQUEST_CODES`` is the request's own error (``InvalidRequest`` naming its field).
+
+    ``may_name``: the hops the sender can know failed (itself and the hops after it on the route).
+    An answer naming any other is the sender's own failure: a hop cannot get one before it, or a
+    node off the route, suspended by blaming it."""
+    if failed_hop and may_name is not None and str(failed_hop) not in may_name:
+        return HopFailed(f"{message} (it blamed {failed_hop}, which is not a hop at or after it on the route)",
+                         failed_hop=sender)  # fmt: skip
     if status == 400 and isinstance(code, str) and code in REQUEST_CODES:
         return InvalidRequest(message, param=REQUEST_CODES[code], code=code)
     if code in FULL_CODES:

@@ -18,7 +18,9 @@ from starlette.responses import JSONResponse, Response
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound, PayloadTooLarge
 
 __all__ = [
+    "CLIENT_KEEP_ALIVE_S",
     "EXCEPTION_HANDLERS",
+    "SERVER_KEEP_ALIVE_S",
     "check_declared_length",
     "error_body",
     "error_field",
@@ -28,6 +30,14 @@ __all__ = [
     "read_body",
     "service_url",
 ]
+
+
+# A server keeps an idle connection open longer than any Meshnet client keeps one for reuse. The
+# other way round a client sends on a connection the server is closing ("Server disconnected
+# without sending a response"): with uvicorn's 5 s default and nodes heartbeating every 5 s, a
+# node lost a heartbeat every minute or two, and a gateway's tracker call failed a request.
+SERVER_KEEP_ALIVE_S = 75
+CLIENT_KEEP_ALIVE_S = 60
 
 
 def check_declared_length(request: Request, limit: int, who: str) -> None:

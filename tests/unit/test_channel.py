@@ -4,8 +4,13 @@ loopback: a node's ``channel.serve`` with a scripted step handler, and the gatew
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import ssl
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,12 +22,14 @@ from starlette.websockets import WebSocket
 from websockets.sync.client import connect
 
 from meshnet.errors import BadGateway, HopFailed, InvalidRequest, SessionBroken
-from meshnet.gateway.channels import Channels, ChannelUnavailable
+from meshnet.gateway.channels import Channels, ChannelUnavailable, _answer, _Report, open_websocket
 from meshnet.ids import SessionId
 from meshnet.node import channel
 from meshnet.node.channel import Direct
 from meshnet.protocol.channel import CHANNEL_PATH, Kind, decode_frame, encode_frame, ws_url
 from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
+from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_member_key
+from meshnet.security.tls import save_member
 from tests.asgi import serve_in_thread
 
 HELLO_GOLDEN = bytes.fromhex("4d4e010128000000") + b'{"channel":"c1","node":"n1","version":1}'
@@ -66,9 +73,10 @@ TAIL_ENTRY = {"node": "tail", "layers": "10:30", "compute_ms": 1.0, "held": 3, "
 
 class ScriptedHop:
     """A node whose step handler is a script: session "ok-*" answers a token, "broken" fails naming
-    a deeper hop, "bad" is the node's own 400, "slow" answers after ``release`` is set."""
+    the hop ``blame``, "bad" is the node's own 400, "slow" answers after ``release`` is set."""
 
     def __init__(self) -> None:
+        self.blame = "http://deeper"  # the hop a "broken" session names
         self.peers: dict[str, channel.Peer] = {}
         self.release = threading.Event()
         self.steps: list[tuple[str, dict[str, str], bytes, bool, Direct]] = []
@@ -78,7 +86,7 @@ class ScriptedHop:
     ) -> dict[str, Any] | None:
         self.steps.append((sid, dict(headers), body, verify, direct))
         if sid == "broken":
-            raise SessionBroken("session broken on this node", failed_hop="http://deeper")
+            raise SessionBroken("session broken on this node", failed_hop=self.blame)
         if sid == "bad":
             raise InvalidRequest("header X-Meshnet-Position must be the step's absolute position")
         if sid == "slow":
@@ -127,17 +135,55 @@ def test_a_step_comes_back_as_the_tails_answer_with_every_hops_entry(hop: tuple[
 
 
 def test_errors_map_as_over_http(hop: tuple[ScriptedHop, str]) -> None:
-    _, url = hop
+    scripted, url = hop
     channels = Channels()
     try:
+        scripted.blame = url
         with pytest.raises(HopFailed) as failed:
             _step(channels, url, "broken")
-        assert failed.value.failed_hop == "http://deeper" and "session broken" in failed.value.message
+        assert failed.value.failed_hop == url and "session broken" in failed.value.message
+        scripted.blame = "http://deeper"  # a node off the route: blaming it is the sender's own failure
+        with pytest.raises(HopFailed, match="not a hop at or after it") as blamed:
+            _step(channels, url, "broken")
+        assert blamed.value.failed_hop == url
         with pytest.raises(BadGateway, match="absolute position") as own:  # the head's own error names no hop
             _step(channels, url, "bad")
         assert not isinstance(own.value, HopFailed)
     finally:
         channels.close()
+
+
+def test_only_the_tails_channel_answers_a_step() -> None:
+    head, tail = ScriptedHop(), ScriptedHop()
+    serve = {"ws": "websockets-sansio", "ws_per_message_deflate": False}
+    with serve_in_thread(head.app(), **serve) as head_url, serve_in_thread(tail.app(), **serve) as tail_url:
+        channels = Channels()
+        try:
+            # The head answers the step itself, skipping the tail: a forged answer, the head's failure.
+            with pytest.raises(HopFailed, match="only the tail") as forged:
+                channels.step([head_url, tail_url], "ok-1", verb="decode-step", headers={}, body=b"\x01\x00\x00\x00",
+                              timeout_s=10.0, probe=lambda _url, _seq: True)  # fmt: skip
+            assert forged.value.failed_hop == head_url
+            head.blame = tail_url  # a hop may name one after it (the next hop it could not reach)
+            with pytest.raises(HopFailed) as failed:
+                channels.step([head_url, tail_url], "broken", verb="decode-step", headers={}, body=b"\x01\x00\x00\x00",
+                              timeout_s=10.0, probe=lambda _url, _seq: True)  # fmt: skip
+            assert failed.value.failed_hop == tail_url
+        finally:
+            channels.close()
+
+
+@pytest.mark.parametrize(
+    ("sender", "named", "blamed"),
+    [(1, 0, 1), (1, None, 1), (1, 2, 2), (0, 2, 2), (2, 1, 2), (0, "http://elsewhere", 0)],
+)
+def test_an_error_frame_blames_the_sender_or_a_hop_after_it(sender: int, named: int | str | None, blamed: int) -> None:
+    route = ["https://a", "https://b", "https://c"]
+    name = route[named] if isinstance(named, int) else named
+    frame = decode_frame(encode_frame(Kind.ERROR, {"status": 502, "error": {"message": "x", "failed_hop": name}}))
+    with pytest.raises(HopFailed) as failed:
+        _answer(_Report(route[sender], frame), route)
+    assert failed.value.failed_hop == route[blamed]
 
 
 def test_a_malformed_frame_gets_an_error_and_the_channel_serves_the_next_step(hop: tuple[ScriptedHop, str]) -> None:
@@ -204,6 +250,41 @@ def test_a_closed_channel_names_its_node_and_silence_is_located_by_probing(hop: 
     finally:
         scripted.release.set()
         channels.close()
+
+
+def test_a_peer_that_does_tls_but_never_answers_the_upgrade_costs_the_open_timeout(tmp_path: Path) -> None:
+    """websockets alone waits forever here (its reader thread sits in a TLS read after its handshake
+    timed out); ``open_websocket`` gives up half a second after the deadline, every time."""
+    ca = SwarmCA.init(tmp_path / "swarm", name="lab")
+    creds = {}
+    for member, role in (("node-1", "node"), ("gw-1", "gateway")):
+        key = new_member_key()
+        cert = ca.issue(MemberRequest(make_csr(key, member), role=role, sans=("127.0.0.1",)))
+        creds[member] = save_member(tmp_path / member, cert, key, ca_pem=ca.cert_pem)
+    server_tls = creds["node-1"].server_context()
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[ssl.SSLSocket] = []
+
+    def accept() -> None:  # complete TLS, then say nothing
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with contextlib.suppress(OSError, ssl.SSLError):
+                    held.append(server_tls.wrap_socket(conn, server_side=True))
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"https://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        for _ in range(3):
+            began = time.monotonic()
+            with pytest.raises((TimeoutError, OSError)):
+                open_websocket(url, ssl_context=creds["gw-1"].client_context(), open_timeout_s=0.5)
+            assert time.monotonic() - began < 3
+        assert len(held) == 3
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
 
 
 def test_a_node_without_a_channel_is_unavailable_and_not_redialed_at_every_step() -> None:

@@ -73,6 +73,18 @@ def test_a_hop_without_room_is_hop_full_not_a_failure(code: str) -> None:
     assert type(plain) is BadGateway and not isinstance(plain, HopFailed)
 
 
+@pytest.mark.parametrize(("named", "blamed"), [("https://b", "https://b"), ("https://c", "https://c"),
+                                                ("https://a", "https://b"), ("https://x", "https://b")])  # fmt: skip
+def test_a_hop_error_names_only_its_sender_or_a_hop_after_it(named: str, blamed: str) -> None:
+    # the route a -> b -> c; b answers (or relays) a failure naming ``named``
+    error = hop_error("boom", status=502, failed_hop=named, sender="https://b", sender_is_head=False,
+                      may_name=("https://b", "https://c"))  # fmt: skip
+    assert isinstance(error, HopFailed) and error.failed_hop == blamed
+    full = hop_error("full", status=503, failed_hop=named, sender="https://b", sender_is_head=False,
+                     code="kv_store_full", may_name=("https://b", "https://c"))  # fmt: skip
+    assert full.failed_hop == blamed and isinstance(full, HopFull) is (named == blamed)
+
+
 class _RoomlessRoute:
     """A RouteEngine whose prefill meets a hop without room ``full`` times (no sockets: the wire
     methods are replaced), recording what the engine did about it."""

@@ -234,6 +234,38 @@ def test_a_dead_next_hop_breaks_the_session_on_every_hop_before_it_and_names_the
     asyncio.run(main())
 
 
+class BlamingHop:
+    """A hop that fails every decode step naming ``blamed`` as the failed hop (a liar, when that is
+    not a hop after it); everything else goes to the real service."""
+
+    def __init__(self, service: NodeService, blamed: str) -> None:
+        self.service, self.blamed = service, blamed
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.service, name)
+
+    async def handle(self, request: HopRequest) -> HopAnswer:
+        if request.verb is Verb.DECODE:
+            raise SessionBroken("session broken on this node", failed_hop=self.blamed)
+        return await self.service.handle(request)
+
+
+@pytest.mark.parametrize(("blamed", "failed"), [("http://head", 1), ("http://elsewhere", 1), ("http://tail", 2)])
+def test_a_hop_can_blame_only_a_hop_after_it(blamed: str, failed: int) -> None:
+    swarm = Swarm()
+    route = chain(swarm)
+    swarm.transport.add(route[1], BlamingHop(swarm.transport.services[route[1]], blamed))  # type: ignore[arg-type]
+
+    async def main() -> None:
+        tokens = await generate(swarm, route, 1)
+        with pytest.raises(HopFailed) as error:
+            await swarm.send(route[0], step(tokens[-1], len(PROMPT)))
+        # relayed by the head, a name before the middle (or off the route) would read as the head's word
+        assert error.value.failed_hop == route[failed]
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("dead", [1, 2])
 def test_a_reroute_replays_the_seam_log_into_a_replacement_and_the_text_goes_on_identically(dead: int) -> None:
     want = reference(10)

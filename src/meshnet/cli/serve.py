@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from meshnet.artifacts.bundled import BundledModelMissing, bundled_gguf
 from meshnet.config import ServeConfig
 from meshnet.errors import MeshnetError
-from meshnet.httputil import is_loopback
+from meshnet.httputil import SERVER_KEEP_ALIVE_S, is_loopback
 
 if TYPE_CHECKING:
     from meshnet.gateway.auth import KeyRing
@@ -190,6 +190,7 @@ def serve_app(
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=SERVER_KEEP_ALIVE_S,
             # a session's first hop request carries its grammar in a header (sampling.MAX_GRAMMAR_BYTES)
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             # the decode channel (nodes): websockets' sans-I/O protocol, no compression (tensors do not compress)

@@ -20,13 +20,16 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import queue
+import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from websockets.exceptions import WebSocketException
 from websockets.sync.client import ClientConnection, connect
@@ -35,13 +38,50 @@ from meshnet.errors import BadGateway, HopFailed, InvalidRequest, hop_error
 from meshnet.protocol.channel import MAX_HEADER_BYTES, ChannelFrame, Kind, decode_frame, encode_frame, ws_url
 from meshnet.protocol.messages import HopAnswer
 
-__all__ = ["ChannelUnavailable", "Channels", "Probe"]
+__all__ = ["ChannelUnavailable", "Channels", "Probe", "open_websocket"]
 
 log = logging.getLogger("meshnet.gateway")
 
 _OPEN_TIMEOUT_S = 5.0
 _RETRY_S = 30.0  # a node that refused its channel gets HTTP steps this long before it is dialed again
 _MAX_FRAME_BYTES = 64 * 2**20 + MAX_HEADER_BYTES
+
+
+def open_websocket(
+    url: str, *, ssl_context: ssl.SSLContext | None, open_timeout_s: float, **options: Any
+) -> ClientConnection:
+    """``websockets.sync.client.connect``, bounded by ``open_timeout_s`` in every case.
+
+    websockets (17.x) can wait forever for a peer that completes TLS but does not answer the
+    WebSocket upgrade in time: after its handshake times out it closes the socket and joins its
+    reader thread, which sits in a blocking TLS read (a TLS 1.3 session ticket made the socket
+    readable) that closing does not wake. So the socket is opened here, and a watchdog shuts it
+    down (which wakes any read) if the open is not done half a second after its deadline."""
+    target = ws_url(url) if url.startswith(("http:", "https:")) else url
+    parts = urlsplit(target)
+    port = parts.port or (443 if parts.scheme == "wss" else 80)
+    sock = socket.create_connection((parts.hostname, port), timeout=open_timeout_s)
+    sock.settimeout(None)  # as websockets leaves its own: its reader blocks, its handshake keeps the deadline
+    watch = socket.socket(fileno=os.dup(sock.fileno()))  # the same connection, under the TLS wrapper to come
+
+    def stop() -> None:
+        with contextlib.suppress(OSError):
+            watch.shutdown(socket.SHUT_RDWR)
+
+    watchdog = threading.Timer(open_timeout_s + 0.5, stop)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        connection: ClientConnection = connect(target, sock=sock, ssl=ssl_context, open_timeout=open_timeout_s,
+                                               **options)  # fmt: skip
+        return connection
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        watchdog.cancel()
+        watchdog.join()
+        watch.close()
 
 
 class ChannelUnavailable(Exception):
@@ -77,10 +117,10 @@ class _NodeChannel:
         self._stack = contextlib.ExitStack()  # websockets wants its sync connect() entered as a context
         try:
             self.connection: ClientConnection = self._stack.enter_context(
-                connect(
-                    ws_url(url),
-                    ssl=owner.tls if url.startswith("https:") else None,
-                    open_timeout=_OPEN_TIMEOUT_S,
+                open_websocket(
+                    url,
+                    ssl_context=owner.tls if url.startswith("https:") else None,
+                    open_timeout_s=_OPEN_TIMEOUT_S,
                     compression=None,
                     max_size=_MAX_FRAME_BYTES,
                     close_timeout=2,
@@ -221,7 +261,7 @@ class Channels:
                     at = urls.index(item.url)
                     if at > 0 and probe(urls[at - 1], seq) is not True:
                         continue  # the hop before it has not sent the step yet: its report will name the lost one
-                return _answer(item, head=urls[0])
+                return _answer(item, urls)
         finally:
             with self._lock:
                 self._waiters.pop(key, None)
@@ -231,7 +271,10 @@ class Channels:
         key = (header.get("session"), header.get("seq"))
         with self._lock:
             waiter = self._waiters.get(key)  # type: ignore[arg-type]
-        if waiter is not None:
+        if waiter is not None and report.url not in waiter.urls:
+            log.warning("node %s sent a %s for a step of a route it is not on; ignored", report.url,
+                        report.frame.kind.name)  # fmt: skip
+        elif waiter is not None:
             waiter.box.put(report)
         elif report.frame.kind is Kind.ERROR:
             log.warning("node %s reported an error for no waiting step: %s", report.url, header.get("error"))
@@ -252,12 +295,17 @@ class Channels:
             channel.close()
 
 
-def _answer(item: _Report | _Closed, *, head: str) -> HopAnswer:
+def _answer(item: _Report | _Closed, urls: Sequence[str]) -> HopAnswer:
     """The tail's answer, or the failure as the HTTP binding reports it: an error past the head
-    names the hop that sent it (or the one it names), the head's own is the gateway's 502."""
+    names the hop that sent it (or the one at or after it that it names), the head's own is the
+    gateway's 502. A token counts only from the tail's channel: a hop that answers for the route
+    (skipping the hops after it) has failed."""
     if isinstance(item, _Closed):
         raise HopFailed(f"node {item.url} failed: its decode channel closed ({item.reason})", failed_hop=item.url)
     frame = item.frame
+    if frame.kind is Kind.TOKEN and item.url != urls[-1]:
+        raise HopFailed(f"node {item.url} sent the step's token, which only the tail {urls[-1]} computes",
+                        failed_hop=item.url)  # fmt: skip
     if frame.kind is Kind.TOKEN:
         try:
             return HopAnswer.from_json(200, frame.header.get("answer"))
@@ -270,5 +318,6 @@ def _answer(item: _Report | _Closed, *, head: str) -> HopAnswer:
     error: dict[str, Any] = raw if isinstance(raw, dict) else {}
     status = frame.header.get("status")
     message = f"route hop answered {status}: {error.get('message', 'no message')}"
+    at = urls.index(item.url)  # deliver() passes on only the route's own reports
     raise hop_error(message, status=status, failed_hop=error.get("failed_hop"), sender=item.url,
-                    sender_is_head=item.url == head, code=error.get("code"))  # fmt: skip
+                    sender_is_head=at == 0, code=error.get("code"), may_name=urls[at:])  # fmt: skip

@@ -76,7 +76,7 @@ from meshnet.gateway.billing_outbox import BillingOutbox, Usage
 from meshnet.gateway.channels import Channels, ChannelUnavailable
 from meshnet.gateway.closer import SessionCloser
 from meshnet.gateway.speculative import SPECULATIVE_MODES, Drafter, DraftSource, ModelDraft, PromptLookup, WalkCosts
-from meshnet.httputil import error_field, error_message
+from meshnet.httputil import CLIENT_KEEP_ALIVE_S, error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
 from meshnet.protocol import headers as H
@@ -232,7 +232,9 @@ class RouteEngine:
         client: httpx.Client | None = getattr(self._local, "client", None)
         if client is None:
             client = httpx.Client(
-                timeout=self._timeout, limits=httpx.Limits(keepalive_expiry=300), verify=self.client_tls or True
+                timeout=self._timeout,
+                limits=httpx.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE_S),
+                verify=self.client_tls or True,
             )
             self._local.client = client
         return client
@@ -819,9 +821,10 @@ class RouteEngine:
         if response.status_code >= 400:
             message = f"route hop answered {response.status_code}: {error_message(response)}"
             failed = error_field(response, "failed_hop")
+            downstream = {hop_url, *(h.url for h in plan.hops[len(plan.hops) - below :])}
             raise hop_error(
                 message, status=response.status_code, failed_hop=failed, sender=hop_url, sender_is_head=True,
-                code=error_field(response, "code"),
+                code=error_field(response, "code"), may_name=downstream,
             )  # fmt: skip
         try:
             return HopAnswer.from_json(response.status_code, response.json())

@@ -26,7 +26,13 @@ from starlette.websockets import WebSocket
 from meshnet.backends.shard import ShardBackend
 from meshnet.cores import CoreLease
 from meshnet.errors import Unauthorized
-from meshnet.httputil import EXCEPTION_HANDLERS, check_declared_length, error_message, read_body
+from meshnet.httputil import (
+    CLIENT_KEEP_ALIVE_S,
+    EXCEPTION_HANDLERS,
+    check_declared_length,
+    error_message,
+    read_body,
+)
 from meshnet.ids import SessionId
 from meshnet.node import channel
 from meshnet.node.advert import LatencyProber, SelfBenchmark, advert_fields, benchmark_in_background, host_hardware
@@ -58,7 +64,7 @@ def _node_app(
 ) -> Starlette:
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(config.hop_timeout_s, connect=5.0),
-        limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=300),
+        limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=CLIENT_KEEP_ALIVE_S),
         verify=config.client_tls or True,
     )
     dialer = channel.Dialer(config.max_body_bytes, tls=config.client_tls)  # decode channels to next hops
