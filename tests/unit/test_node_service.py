@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -419,6 +420,35 @@ def test_a_second_request_on_a_busy_session_is_refused_while_the_first_computes(
         assert answer is not None and answer.kind is AnswerKind.TOKEN
 
     asyncio.run(main())
+
+
+def test_opening_a_session_while_another_computes_leaves_the_event_loop_free() -> None:
+    """A new session's state waits for the shard's compute lock; on the event loop it stalled every
+    request, decode channel and heartbeat of the node until the running chunk ended."""
+    gate = threading.Event()
+    swarm = Swarm()
+    head = swarm.node("http://head", "0:12", gate=gate)
+    other = dataclasses.replace(prefill(PROMPT, 0, route=["h"], final=True, first=True), session=SessionId("s-2"))
+
+    async def main() -> None:
+        first = asyncio.ensure_future(head.handle(prefill(PROMPT, 0, route=["h"], final=True, first=True)))
+        await asyncio.sleep(0.05)  # its chunk now holds the compute lock, waiting on the gate
+        second = asyncio.ensure_future(head.handle(other))
+        began = time.monotonic()
+        for _ in range(10):  # the loop runs on while the second session waits for the lock
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - began < 2 and not second.done()
+        gate.set()
+        for answer in await asyncio.wait_for(asyncio.gather(first, second), 10):
+            assert answer is not None and answer.kind is AnswerKind.TOKEN
+
+    release = threading.Timer(5, gate.set)  # a stalled loop cannot set the gate itself
+    release.start()
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        release.cancel()
+        gate.set()
 
 
 def test_a_delete_travels_down_the_chain_and_frees_every_hop() -> None:

@@ -358,7 +358,8 @@ async def _sweep(node: NodeService) -> None:
     """Expire idle sessions (frees their KV) and forget what the node kept beside them."""
     while True:
         await asyncio.sleep(node.config.sweep_interval_s)
-        node.sweep()
+        # off the event loop: freeing a session's KV waits for the compute lock
+        await asyncio.get_running_loop().run_in_executor(None, node.sweep)
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

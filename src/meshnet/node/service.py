@@ -62,7 +62,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -111,6 +111,8 @@ from meshnet.protocol.wire import TensorFrame, encode_tensor, frame_values
 from meshnet.routes import hop_timeout_s
 from meshnet.sampling import Alternatives, Sampler
 from meshnet.session.store import Session
+
+T = TypeVar("T")
 
 __all__ = ["ChannelSend", "NodeConfig", "NodeService"]
 
@@ -203,7 +205,7 @@ class NodeService:
             raise InvalidRequest(f"a decode-channel step is never replayed: drop {H.REPLAY}")
         began = time.perf_counter()
         tokens, hidden = shard_inputs(self.info, request)
-        s = self._session(request, client, caller)
+        s = await self._session(request, client, caller)
         if s.busy:
             raise SessionBusy(
                 f"session {request.session} already has a request in flight on this node; send one at a time"
@@ -378,8 +380,8 @@ class NodeService:
         if self._bound(sid) is not None:
             raise Conflict(f"session {sid} is already open here; a prefix request is a session's first request")
         claim = request.prefix
-        s = self._open(sid, route_id=request.route_id, sampling=request.sampling, next_hops=request.next_hops,
-                       ticket=request.ticket, client=client, prefix=claim, caller=caller)  # fmt: skip
+        s = await self._open(sid, route_id=request.route_id, sampling=request.sampling, next_hops=request.next_hops,
+                             ticket=request.ticket, client=client, prefix=claim, caller=caller)  # fmt: skip
         s.busy = True
         try:
             blocks = await self._adopt(s, claim, request.reuse)
@@ -755,7 +757,7 @@ class NodeService:
                 s.busy = False
             # expired meanwhile: the delete still travels down the chain
             with contextlib.suppress(SessionGone, SessionNotFound):
-                self.shard.close_session(sid)
+                await self._off_loop(self.shard.close_session, sid)
 
         ends = [end_here()]
         if s.next_hops:  # the next hops keep theirs meanwhile
@@ -864,7 +866,7 @@ class NodeService:
             raise SessionNotFound(f"no session {sid} on this node")
         return s
 
-    def _session(self, request: HopRequest, client: str | None = None, caller: str | None = None) -> NodeSession:
+    async def _session(self, request: HopRequest, client: str | None = None, caller: str | None = None) -> NodeSession:
         sid = request.session
         s = self._bound(sid)
         if s is None:
@@ -875,7 +877,7 @@ class NodeService:
                     f"session {sid} is unknown at position {request.start}: this node restarted or the session "
                     "expired; start a fresh prefill"
                 )
-            return self._open(
+            return await self._open(
                 sid, route_id=request.route_id, sampling=request.sampling, next_hops=request.next_hops or (),
                 ticket=request.ticket, client=client, prefix=request.prefix, caller=caller,
             )  # fmt: skip
@@ -885,21 +887,32 @@ class NodeService:
         s.check_open()
         return s
 
-    def _open(
+    async def _open(
         self, sid: SessionId, *, route_id: str | None, sampling: str | None, next_hops: tuple[str, ...],
         ticket: str | None, client: str | None, prefix: PrefixClaim | None, caller: str | None = None,
     ) -> NodeSession:  # fmt: skip
-        """Open a session here from its first request's binding (route, next hops, the tail's sampling)."""
+        """Open a session here from its first request's binding (route, next hops, the tail's sampling).
+        The shard's part runs off the event loop: it waits for the compute lock (another session's
+        chunk may hold it for seconds) and a tail compiles the request's grammar."""
         self._check_quota(client)
         if not route_id:
             raise InvalidRequest(f"header {H.ROUTE_ID} is required on a session's first request")
         hops, signed = self._ticketed_hops(ticket, sid, route_id, next_hops, kind=None)
         auth = None if signed is None or ticket is None else self._admit(signed, ticket, caller)
-        s = self._binding(sid, route_id, sampling, hops, client)
-        s.prefix, s.auth = prefix, auth
-        self.shard.open_session(sid)
-        self.shard.store.get(sid).attached = s
-        return s
+
+        def bind() -> NodeSession:
+            s = self._binding(sid, route_id, sampling, hops, client)
+            s.prefix, s.auth = prefix, auth
+            self.shard.open_session(sid)
+            self.shard.store.get(sid).attached = s
+            return s
+
+        return await self._off_loop(bind)
+
+    async def _off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` on a worker thread: shard calls that take its compute lock never stall the
+        event loop (every other session's requests, decode channels, heartbeats) while a chunk runs."""
+        return await asyncio.get_running_loop().run_in_executor(None, work, *args)
 
     def _binding(
         self, sid: SessionId, route_id: str, sampling: str | None, hops: tuple[str, ...], client: str | None
