@@ -263,7 +263,8 @@ def run() -> Section:
     section.notes.append(
         "A node's files are the shard GGUF of its range and a head's embedding table (read, not mapped). "
         "The rest of a node's RSS is the interpreter and libraries (~75 MiB) and llama.cpp's compute buffer "
-        "(66.5 MiB at the tail: a 512-row chunk's FFN intermediates); a fetched node also keeps seeding its files "
+        "(66.5 MiB allocated at the tail for a 512-row chunk; resident only what its chunks touch, ~17 MiB for the "
+        "gateway's 128-row chunks); a fetched node also keeps seeding its files "
         "(libtorrent: ~12 MiB of library pages, its session's heap). docs/backends.md, Memory."
     )
     section.notes.append(
