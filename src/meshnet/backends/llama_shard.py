@@ -809,10 +809,12 @@ class LlamaShard(ShardBase[int]):
             return super().grammar(text)  # only the tail holds the vocabulary
         with self._grammar_lock:
             if self._tokenizer is None:  # the first grammar: the file's tokenizer, kept from now on
-                self._tokenizer = LlamaVocab(self._path)
-                if self._tokenizer.info.n_vocab != self._n_vocab:
-                    raise EngineError(f"{self._path}'s tokenizer has {self._tokenizer.info.n_vocab} tokens, "
+                tokenizer = LlamaVocab(self._path)
+                if tokenizer.info.n_vocab != self._n_vocab:
+                    tokenizer.close()
+                    raise EngineError(f"{self._path}'s tokenizer has {tokenizer.info.n_vocab} tokens, "
                                       f"its output {self._n_vocab}")  # fmt: skip
+                self._tokenizer = tokenizer
         return self._tokenizer.grammar(text)
 
     def _recurrent_layers(self, arch: str, n_layer: int) -> list[bool]:
