@@ -311,17 +311,16 @@ class NodeService:
             timeout = hop_timeout_s(self.config.hop_timeout_s, len(s.next_hops))
             return await self.transport.send(s.next_hops[0], request, timeout_s=timeout)
         except MeshnetError as exc:
-            error = exc
             if exc.failed_hop is not None and exc.failed_hop not in s.next_hops:
                 # The hops after this one can know only of their own failures: blaming this hop,
                 # one before it or a node off the route (relayed up as if this hop said so) is the
                 # next hop's own failure.
-                error = HopFailed(f"{exc.message} (it blamed {exc.failed_hop}, not a hop after {self.config.node_id})",
-                                  failed_hop=s.next_hops[0])  # fmt: skip
-            s.break_with(error)
-            if error is exc:
-                raise
-            raise error from None
+                lie = HopFailed(f"{exc.message} (it blamed {exc.failed_hop}, not a hop after {self.config.node_id})",
+                                failed_hop=s.next_hops[0])  # fmt: skip
+                s.break_with(lie)
+                raise lie from None
+            s.break_with(exc)
+            raise
 
     async def _sampled(
         self, s: NodeSession, request: HopRequest, logits: np.ndarray, me: HopEntry, *, direct: bool
