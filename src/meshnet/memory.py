@@ -9,6 +9,11 @@ a 1.5B model held 889 MiB after serving with glibc's default, 855 MiB with two a
 arenas keep their free pages until their top is free. Measured on a fetched 12-layer tail of a 0.5B
 model: 631 MiB anonymous memory at serving time, 521 MiB after ``malloc_trim(0)`` (which also
 releases free pages in the middle of every arena).
+``fix_mmap_threshold`` keeps large blocks out of the heaps altogether: glibc raises its mmap
+threshold to the size of each large block freed (up to 32 MiB), after which every logits row,
+seam tensor and request body of that size is carved from a heap, whose freed holes then stay
+resident. Fixed at 128 KiB, they are mapped and unmapped each time: after three chats a 14-layer
+tail of a 1.5B model held a 51 MiB heap with glibc's default, 33 MiB fixed; its head 56 and 27 MiB.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ import ctypes.util
 import logging
 from typing import Any
 
-__all__ = ["HEAP_ARENAS", "limit_heap_arenas", "release_free_memory"]
+__all__ = ["HEAP_ARENAS", "MMAP_THRESHOLD", "fix_mmap_threshold", "limit_heap_arenas", "release_free_memory"]
 
 log = logging.getLogger(__name__)
 
 HEAP_ARENAS = 2  # the main heap and one shared by every other thread
-_M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept
+_M_ARENA_MAX = -8  # glibc's mallopt parameters (malloc.h)
+_M_MMAP_THRESHOLD = -3
 
 
 def _libc_function(name: str) -> Any:
@@ -34,16 +41,27 @@ def _libc_function(name: str) -> Any:
         return None
 
 
-def limit_heap_arenas(count: int = HEAP_ARENAS) -> bool:
-    """Let malloc keep at most ``count`` heap arenas (glibc's ``mallopt(M_ARENA_MAX)``; the
-    ``MALLOC_ARENA_MAX`` variable, set from inside): call it before starting threads. Whether it
-    took effect; elsewhere a no-op that returns False."""
+def _mallopt(param: int, value: int) -> bool:
     mallopt = _libc_function("mallopt")
     if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_ARENA_MAX, count))
+    return bool(mallopt(param, value))
+
+
+def limit_heap_arenas(count: int = HEAP_ARENAS) -> bool:
+    """Let malloc keep at most ``count`` heap arenas (glibc's ``mallopt(M_ARENA_MAX)``; the
+    ``MALLOC_ARENA_MAX`` variable, set from inside): call it before starting threads. Whether it
+    took effect; elsewhere a no-op that returns False."""
+    return _mallopt(_M_ARENA_MAX, count)
+
+
+def fix_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
+    """Map every block of ``size`` bytes or more on its own, and unmap it when freed, for the life of
+    the process (glibc's ``mallopt(M_MMAP_THRESHOLD)``, which also stops the threshold's growth).
+    Whether it took effect; elsewhere a no-op that returns False."""
+    return _mallopt(_M_MMAP_THRESHOLD, size)
 
 
 def release_free_memory() -> bool:

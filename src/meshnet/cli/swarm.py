@@ -280,9 +280,10 @@ def add_decode_batch(parser: argparse.ArgumentParser) -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from meshnet.memory import limit_heap_arenas
+    from meshnet.memory import fix_mmap_threshold, limit_heap_arenas
 
     limit_heap_arenas()  # before any thread: a node's memory is its weights and KV (meshnet.memory)
+    fix_mmap_threshold()
     setup_logging()
     check_advertisable(args.host, public_url(args.public_url))  # a bad one fails now, not after loading the model
     per_client(args)  # likewise
