@@ -61,8 +61,8 @@ from meshnet.memory import fix_mmap_threshold
 if sys.argv[1] == "fixed":
     assert fix_mmap_threshold()
 class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -75,7 +75,8 @@ print(info.hblkhd >> 20)
 
 
 def _mapped_mib(mode: str) -> int:
-    done = subprocess.run([sys.executable, "-c", _THRESHOLD, mode], capture_output=True, text=True, timeout=60, check=True)
+    command = [sys.executable, "-c", _THRESHOLD, mode]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
     return int(done.stdout.split()[-1])
 
 

@@ -29,8 +29,8 @@ def add_context_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-budget-mb",
         type=float,
         default=None,
-        help=f"memory for the KV of all sessions on this node, in MiB (default: {DEFAULT_MEMORY_SHARE * 100:.0f}%% of the "
-        "memory available at start-up); the default context is lowered to fit it",
+        help=f"memory for the KV of all sessions on this node, in MiB (default: {DEFAULT_MEMORY_SHARE * 100:.0f}%% "
+        "of the memory available at start-up); the default context is lowered to fit it",
     )
 
 
