@@ -19,6 +19,10 @@ from tests.procs import meshnet_process, tracker_url
 
 from benchmarks.bench_serve import DECODE_PROMPT, _rate, _stream
 from benchmarks.common import Section, median, route_compute_ms
+from meshnet.layers import LayerRange
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
+from meshnet.protocol.signing import HopKey, check_signatures
+from meshnet.routes import Hop
 
 CORES = os.cpu_count() or 2
 CTX = 4096
@@ -70,6 +74,40 @@ def _overhead_ms(url: str, model: str, hops: int) -> tuple[float, float]:
     times, _ = _stream(url, model, DECODE_PROMPT, DECODE_TOKENS, gid)
     step = 1000 / _rate(times)
     return step, (step - route_compute_ms(url, gid)) / hops
+
+
+def _signing_ms(hops: int, repeats: int = 2000) -> float:
+    """What signed entries add to one decode step of a ``hops``-hop route, in ms: every hop signs its
+    entry (the tail over its token too) on the step's critical path, and the gateway checks them
+    all (protocol.signing), on an answer parsed from the JSON a route sends."""
+    keys = [HopKey.generate() for _ in range(hops)]
+    route = tuple(Hop(f"n{i}", f"http://n{i}", LayerRange(i, i + 1, hops), key=k.public) for i, k in enumerate(keys))
+
+    def entry(i: int) -> HopEntry:
+        return HopEntry(f"n{i}", f"{i}:{i + 1}", 7.931, 1234, "0c1f" * 8, None if i == hops - 1 else "9a3e" * 8, 1)
+
+    def step() -> HopAnswer:
+        *before, tail = keys
+        signed = [k.sign("sess", entry(i)) for i, k in enumerate(before)]
+        answer = HopAnswer(AnswerKind.TOKEN, (tail.sign("sess", entry(hops - 1)),), position=1235, token=4242,
+                           logprob=-0.1734)  # fmt: skip
+        return tail.sign_answer("sess", answer).after(*signed)
+
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        answer = HopAnswer.from_json(200, step().to_json())
+        check_signatures("sess", route, answer)
+        times.append(time.perf_counter() - began)
+    signing = median(times)
+    plain = []  # the same without signing or checking: building and parsing the answer
+    for _ in range(repeats):
+        began = time.perf_counter()
+        answer = HopAnswer(AnswerKind.TOKEN, tuple(entry(i) for i in range(hops)), position=1235, token=4242,
+                           logprob=-0.1734)  # fmt: skip
+        HopAnswer.from_json(200, answer.to_json())
+        plain.append(time.perf_counter() - began)
+    return 1000 * max(0.0, signing - median(plain))
 
 
 def run() -> Section:
@@ -151,6 +189,10 @@ def run() -> Section:
     )  # fmt: skip
     shown = ", ".join(f"{x:.2f}" for x in sorted(pair_ratios))
     section.add("security on ÷ off, each pair (sorted)", shown)
+    signing_ms, step_ms = _signing_ms(3), 1000 / rate["route"]
+    section.add("signed entries: signing (3 hops) + the gateway's check, per decode step", f"{signing_ms:.3f} ms")
+    signed_ratio = (step_ms - signing_ms) / step_ms  # decode with signing ÷ without, at the measured step
+    section.add("decode with signed entries ÷ without", f"{signed_ratio:.4f}", "≥ 0.97", signed_ratio >= 0.97)
     section.add("route decode, --no-tls --core-lease", f"{rate['split']:.1f} tok/s")
     lease_gain = rate["split"] / rate["plain"]
     section.add("core lease ÷ cores split, decode (both --no-tls)", f"{lease_gain:.3f}")

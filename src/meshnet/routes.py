@@ -33,6 +33,7 @@ class Hop:
     identity: str | None = None  # the model identity it runs (one per route; docs/tracker.md)
     quantization: str | None = None  # its weights' quantization, as it advertises it
     max_positions: int = 0  # positions one session may hold on it (0: it did not say)
+    key: str | None = None  # its hop key, as the tracker pinned it (protocol.signing); None: not checked
 
     def as_json(self) -> dict[str, str]:
         """What telemetry and the swarm view show of the hop: where it is and what it runs."""

@@ -20,6 +20,7 @@ import pytest
 from meshnet.ids import SessionId
 from meshnet.protocol.http_binding import encode_request, encode_reroute
 from meshnet.protocol.messages import HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.signing import HopKey
 from meshnet.protocol.wire import encode_tensor
 from tests.private_swarm import PrivateSwarm, node_urls, private_swarm
 from tests.procs import member_client
@@ -86,7 +87,7 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
 
 def _registration(scene: Scene, **fields: Any) -> dict[str, Any]:
     body = {"node_id": "spy", "url": "https://127.0.0.1:9", "model": scene.model, "layers": "0:15",
-            "total_layers": 30}  # fmt: skip
+            "total_layers": 30, "hop_key": HopKey.generate().public}  # fmt: skip
     return {**body, **fields}
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from meshnet.protocol.signing import HopKey
 from meshnet.tracker.plausibility import MAX_FLOOR_S
 from tests.private_swarm import PrivateSwarm, node_urls, private_swarm
 from tests.procs import member_client
@@ -73,7 +74,7 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
 
 def _registration(node_id: str, model: str, **fields: Any) -> dict[str, Any]:
     return {"node_id": node_id, "url": "https://127.0.0.1:9", "model": model, "layers": "0:30",
-            "total_layers": 30, **fields}  # fmt: skip
+            "total_layers": 30, "hop_key": HopKey.generate().public, **fields}  # fmt: skip
 
 
 def _served_throughout(scene: Scene, attack: threading.Thread) -> list[int]:

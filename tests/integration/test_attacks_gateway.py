@@ -27,6 +27,7 @@ from starlette.routing import Route
 from meshnet.ids import SessionId
 from meshnet.protocol.http_binding import encode_request
 from meshnet.protocol.messages import HopRequest, Payload, Verb
+from meshnet.protocol.signing import HopKey
 from meshnet.protocol.wire import encode_tensor
 from meshnet.security.tls import Credentials
 from tests.asgi import serve_in_thread
@@ -173,7 +174,8 @@ def _fake_node(credentials: Path, size: int) -> Iterator[str]:
 
 
 def _register(scene: Scene, url: str, node_id: str = "spy") -> None:
-    body = {"node_id": node_id, "url": url, "model": "not-this-model", "layers": "0:1", "total_layers": 1}
+    body = {"node_id": node_id, "url": url, "model": "not-this-model", "layers": "0:1", "total_layers": 1,
+            "hop_key": HopKey.generate().public}  # fmt: skip
     with member_client(scene.swarm.member("spy")) as spy:
         answer = spy.post(f"{scene.tracker}/v1/nodes", json=body)
     assert answer.status_code in (200, 201), answer.text

@@ -1,14 +1,21 @@
-"""A lying tail on a real swarm: a token id outside the vocabulary is a failed hop, repaired with identical
-text; the gateway (whose detokenizer aborts the process on such an id) never sees it.
+"""Lying hops on a real swarm.
 
-The liar is a member that forwards every request to a real tail but rewrites one decode answer. It
-advertises a speed no honest node has, so the tracker puts it on the route.
+- A tail answering a token id outside the vocabulary is a failed hop, repaired with identical text;
+  the gateway (whose detokenizer aborts the process on such an id) never sees it.
+- A head that changes the tail's token in the answer it relays, or rewrites the tail's entry, is
+  caught on that answer by the entries' signatures (protocol.signing): the generation stops with
+  ``route_inconsistent``, and no token of the forged answer reaches the client.
+
+The liar is a member that forwards every request to a real node (which signs its entries with its
+own key, advertised by the liar) but rewrites answers. It advertises a speed no honest node has,
+so the tracker puts it on the route.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -28,13 +35,12 @@ OUT_OF_VOCABULARY = 10**9
 _HOP_HEADERS_DROPPED = ("host", "content-length", "transfer-encoding", "connection")
 
 
-class LyingTail:
-    """Forwards to ``backend``; the ``lie_at``-th decode or verify answer names a token no vocabulary has."""
+class Liar:
+    """Forwards every request to ``backend``; ``rewrite`` may change a JSON answer (None: unchanged)."""
 
-    def __init__(self, backend: str, lie_at: int) -> None:
+    def __init__(self, backend: str, rewrite: Callable[[str, dict[str, Any]], dict[str, Any] | None]) -> None:
         self.backend = backend
-        self.lie_at = lie_at
-        self.steps = 0
+        self.rewrite = rewrite
         self.lied = False
         self.app = Starlette(routes=[Route("/{path:path}", self.forward, methods=["GET", "POST", "DELETE"])])
 
@@ -45,16 +51,30 @@ class LyingTail:
                 request.method, f"{self.backend}{request.url.path}", content=await request.body(), headers=headers
             )
         body = answer.content
-        if answer.status_code == 200 and request.url.path.endswith(("/decode-step", "/verify")):
-            self.steps += 1
-            if self.steps == self.lie_at:
-                data = answer.json()
-                if "tokens" in data:
-                    data["tokens"][0] = OUT_OF_VOCABULARY
-                else:
-                    data["token"] = OUT_OF_VOCABULARY
-                body, self.lied = json.dumps(data).encode(), True
+        if answer.status_code == 200 and answer.headers.get("content-type", "").startswith("application/json"):
+            changed = self.rewrite(request.url.path, answer.json())
+            if changed is not None:
+                body, self.lied = json.dumps(changed).encode(), True
         return Response(body, status_code=answer.status_code, media_type=answer.headers.get("content-type"))
+
+
+def out_of_vocabulary_at(step: int) -> Callable[[str, dict[str, Any]], dict[str, Any] | None]:
+    """The ``step``-th decode or verify answer names a token no vocabulary has."""
+    seen = [0]
+
+    def rewrite(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
+        if not path.endswith(("/decode-step", "/verify")):
+            return None
+        seen[0] += 1
+        if seen[0] != step:
+            return None
+        if "tokens" in data:
+            data["tokens"][0] = OUT_OF_VOCABULARY
+        else:
+            data["token"] = OUT_OF_VOCABULARY
+        return data
+
+    return rewrite
 
 
 def wait_nodes(tracker: str, names: set[str]) -> dict[str, dict[str, Any]]:
@@ -78,10 +98,12 @@ def test_a_tail_answering_a_token_outside_the_vocabulary_is_repaired_and_the_tex
             meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--ctx", "512"]) as gateway,
         ):
             honest = wait_nodes(tracker.url, {"head", "honest"})["honest"]
-            liar = LyingTail(backend.url, lie_at=3)
+            liar = Liar(backend.url, out_of_vocabulary_at(3))
             with serve_in_thread(liar.app) as liar_url:
-                # Same numerics as the honest tail (so it may replace the liar exactly), absurdly fast.
+                # Same numerics as the honest tail (so it may replace the liar exactly), absurdly fast;
+                # the key its backend signs with.
                 advert = {**honest, "node_id": "liar", "url": liar_url, "decode_tps": 1e6, "prefill_tps": 1e6}
+                advert["hop_key"] = httpx.get(f"{backend.url}/v1/health", timeout=10).json()["hop_key"]
                 advert.update(idle_s=0.0, heartbeat_s=15.0)
                 assert httpx.post(f"{tracker.url}/v1/nodes", json=advert, timeout=10).status_code in (200, 201)
                 body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 24, "temperature": 0}
@@ -97,4 +119,56 @@ def test_a_tail_answering_a_token_outside_the_vocabulary_is_repaired_and_the_tex
                 again = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
                 assert again.status_code == 200, again.text
                 assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
+            assert gateway.popen.poll() is None
+
+
+def _change_token(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
+    """A head that hands the gateway another token than the tail chose (a valid one)."""
+    if "token" not in data or not data.get("hops"):
+        return None
+    data["token"] = data["token"] + 1 if data["token"] < 40 else data["token"] - 1
+    return data
+
+
+def _rewrite_tail_entry(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
+    """A head that rewrites the tail's entry in the answer it relays (here: claims the tail took longer)."""
+    hops = data.get("hops") or []
+    if len(hops) < 2 or "token" not in data:
+        return None
+    hops[-1]["compute_ms"] = hops[-1]["compute_ms"] + 50.0
+    return data
+
+
+@pytest.mark.parametrize(("rewrite", "caught"), [(_change_token, "answer it vouches for"), (_rewrite_tail_entry, "")],
+                         ids=["changed-token", "rewritten-entry"])  # fmt: skip
+def test_a_head_that_changes_what_the_tail_answered_is_caught_on_that_answer(
+    tmp_path, rewrite: Callable[[str, dict[str, Any]], dict[str, Any] | None], caught: str
+) -> None:
+    db = f"sqlite:///{tmp_path}/tracker.db"
+    with meshnet_process(["tracker", "--port", "0", "--db", db]) as tracker:
+        common = ["--threads", "1", "--ctx", "512"]
+        with (
+            meshnet_process(["node", "--layers", "0:15", "--node-id", "head", "--tracker", tracker.url, *common]),
+            meshnet_process(["node", "--layers", "15:30", "--node-id", "tail", "--tracker", tracker.url, *common]),
+            meshnet_process(["node", "--layers", "0:15", "--node-id", "liar", *common]) as backend,
+            meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--ctx", "512"]) as gateway,
+        ):
+            head = wait_nodes(tracker.url, {"head", "tail"})["head"]
+            liar = Liar(backend.url, rewrite)
+            with serve_in_thread(liar.app) as liar_url:
+                advert = {**head, "node_id": "liar", "url": liar_url, "decode_tps": 1e6, "prefill_tps": 1e6}
+                advert["hop_key"] = httpx.get(f"{backend.url}/v1/health", timeout=10).json()["hop_key"]
+                advert.update(idle_s=0.0, heartbeat_s=15.0)
+                assert httpx.post(f"{tracker.url}/v1/nodes", json=advert, timeout=10).status_code in (200, 201)
+                body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 8, "temperature": 0,
+                        "stream": True}  # fmt: skip
+                with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=120) as streamed:
+                    lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+                assert liar.lied, "the liar was never on the route"
+                events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+                texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
+                assert not "".join(texts), f"text from a forged answer reached the client: {texts}"
+                error = next(e["error"] for e in events if "error" in e)
+                assert error["code"] == "route_inconsistent", error
+                assert "node tail" in error["message"] and caught in error["message"], error
             assert gateway.popen.poll() is None

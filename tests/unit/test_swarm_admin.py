@@ -14,6 +14,7 @@ import pytest
 
 from meshnet.cli.main import main
 from meshnet.cli.swarm_admin import parse_duration
+from meshnet.protocol.signing import HopKey
 from meshnet.security.identity import SwarmCA
 from meshnet.security.invites import mint_invite, peek_invite
 from meshnet.security.tls import Credentials
@@ -139,7 +140,8 @@ def test_the_tracker_takes_members_only_and_a_node_registers_as_itself(
         assert answer.status_code == 401 and answer.json()["error"]["code"] == "certificate_required"
         assert anonymous.get(f"{tracker.url}/v1/swarm/ca").content == (swarm_dir / "ca.pem").read_bytes()
         assert anonymous.post(f"{tracker.url}/v1/swarm/join", content=b"{}").status_code == 400
-    body = {"url": "https://127.0.0.1:9", "model": "m", "layers": "0:1", "total_layers": 1}
+    body = {"url": "https://127.0.0.1:9", "model": "m", "layers": "0:1", "total_layers": 1,
+            "hop_key": HopKey.generate().public}  # fmt: skip
     with _client(tmp_path / "reg", swarm_dir) as node:
         answer = node.post(f"{tracker.url}/v1/nodes", json={**body, "node_id": "someone-else"})
         assert answer.status_code == 403 and answer.json()["error"]["param"] == "node_id"

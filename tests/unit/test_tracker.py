@@ -308,6 +308,7 @@ UNADVERTISED = {
     "bt_peer": None,
     "numerics": None,
     "wire_dtype": "float32",
+    "hop_key": None,
     "architecture": None,
     "seam": None,
     "max_verify": 0,

@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 
 from meshnet.errors import RateLimited
 from meshnet.layers import LayerRange
+from meshnet.protocol.signing import HopKey
 from meshnet.tracker.app import create_tracker_app
 from meshnet.tracker.db import BillingRow, TrackerDB
 from meshnet.tracker.failures import MEMBER_FAILURE_WINDOW_S, FailureLedger
@@ -249,7 +250,7 @@ def test_floods_are_429_per_member_with_retry_after(private: PrivateTracker) -> 
 
 def _heartbeat(private: PrivateTracker, node_id: str, **fields: Any) -> Any:
     body = {"node_id": node_id, "url": f"https://{node_id}.local:7000", "model": MODEL, "layers": "15:30",
-            "total_layers": 30, **fields}  # fmt: skip
+            "total_layers": 30, "hop_key": HopKey.generate().public, **fields}  # fmt: skip
     return private.member(node_id, trusted=True).post("/v1/nodes", json=body)
 
 

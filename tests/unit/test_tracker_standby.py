@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from meshnet.protocol.signing import HopKey
 from meshnet.protocol.tickets import REPAIR, TicketVerifier
 from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_member_key
 from meshnet.security.membership import SwarmAuthority
@@ -47,7 +48,7 @@ class Swarm:
     def register(self, node_id: str, layers: str, *, trusted: bool = True, **fields: Any) -> None:
         body = {"node_id": node_id, "url": f"https://{node_id}.local:7000", "model": MODEL, "layers": layers,
                 "total_layers": 30, "backend": "fake", "kv_bytes_free": 1 << 30, "prefill_tps": 1000.0,
-                "decode_tps": 100.0, "numerics": NUMERICS, **fields}  # fmt: skip
+                "decode_tps": 100.0, "numerics": NUMERICS, "hop_key": HopKey.generate().public, **fields}  # fmt: skip
         answer = self.member(node_id, trusted=trusted).post("/v1/nodes", json=body)
         assert answer.status_code in (200, 201), answer.text
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from meshnet.protocol.signing import HopKey
 from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_member_key
 from meshnet.security.membership import SwarmAuthority
 from meshnet.security.transport import TLS_EXTENSION, ASGIApp
@@ -65,7 +66,7 @@ def tracker(tmp_path: Path) -> Iterator[PrivateTracker]:
 def register(tracker: PrivateTracker, node_id: str, layers: str, *, trusted: bool, tps: float = 100.0) -> None:
     body = {"node_id": node_id, "url": f"https://{node_id}.local:7000", "model": MODEL, "layers": layers,
             "total_layers": 30, "backend": "fake", "kv_bytes_free": 1 << 30, "prefill_tps": tps * 10,
-            "decode_tps": tps, "numerics": "fake 1; threads 1",
+            "decode_tps": tps, "numerics": "fake 1; threads 1", "hop_key": HopKey.generate().public,
             "trusted": not trusted}  # a claim in the body: ignored, the certificate decides  # fmt: skip
     answer = tracker.member(node_id, trusted=trusted).post("/v1/nodes", json=body)
     assert answer.status_code in (200, 201), answer.text

@@ -32,8 +32,10 @@ HTTP, so repair is the same.
 
 Every answer is checked before its token goes out (``protocol.ledger.verify_hops``): each hop must
 hold the positions the gateway sent and have computed them from what the hop before it sent —
-from the gateway's own token ids, in the gateway's chunks, at the head. A route that disagrees
-ends the generation with ``RouteInconsistent`` instead of streaming text from it.
+from the gateway's own token ids, in the gateway's chunks, at the head — and every entry must be
+signed by its own hop's key as the tracker pinned it, the tail's over its token too
+(``protocol.signing``: no hop answers for another). A route that disagrees ends the generation
+with ``RouteInconsistent`` instead of streaming text from it.
 
 Every HTTP call is bounded in time, so a dead hop ends in a retry or a stated failure, never a hang.
 
@@ -95,6 +97,7 @@ from meshnet.protocol.messages import (
     Verb,
 )
 from meshnet.protocol.prefix import block_hashes
+from meshnet.protocol.signing import check_signatures
 from meshnet.protocol.wire import encode_tensor
 from meshnet.routes import Hop, RoutePlan, hop_timeout_s
 from meshnet.sampling import Alternatives, Sampler
@@ -300,6 +303,7 @@ class RouteEngine:
                 identity=_text_or_none(h.get("identity")),
                 quantization=_text_or_none(h.get("quantization")),
                 max_positions=int(h.get("max_positions") or 0),
+                key=_text_or_none(h.get("hop_key")),
             )
             for h in hops
         )
@@ -385,7 +389,7 @@ class RouteEngine:
                 yield RouteChange("reroute", failure.message, failed.node, run.plan, run.retries, 0, _since(began))
                 continue
             if answer is not None:
-                verify_hops(run.ledger, run.plan.hops, answer.hops)
+                _verified(run.ledger, run.plan, answer)
                 run.usage.add(run.plan.hops, prefill=len(tokens) - run.cached)
             return answer
 
@@ -485,12 +489,12 @@ class RouteEngine:
         run.usage.decoded(took)  # the tracker checks the route's advertised speeds by it
         kept = _kept(answer, position, len(chunk))
         if direct:  # every entry describes the whole chunk: the hops drop drafts lazily
-            verify_hops(run.ledger, run.plan.hops, answer.hops)
+            _verified(run.ledger, run.plan, answer)
             run.ledger.rewind(kept)
             run.surplus = kept < position + len(chunk)
         else:
             run.ledger.rewind(kept)
-            verify_hops(run.ledger, run.plan.hops, answer.hops)
+            _verified(run.ledger, run.plan, answer)
         run.usage.add(run.plan.hops, decode=kept - position)
         return answer
 
@@ -643,7 +647,7 @@ class RouteEngine:
                 above[:0] = cleared.hops[:1]
             answer = answer.after(*above)
         self._check_tokens(answer, run.plan)
-        verify_hops(run.ledger, run.plan.hops, answer.hops)  # the repaired route holds what the old one did
+        _verified(run.ledger, run.plan, answer)  # the repaired route holds what the old one did
         run.usage.add(new_hops[first : first + count], prefill=position - restored)
         run.usage.add(new_hops, decode=1)
         kept = {h.url for h in new_hops}
@@ -760,7 +764,7 @@ class RouteEngine:
         expected = ChunkLedger(False, list(run.ledger.ends), list(run.ledger.inputs))
         expected.rewind(held)
         try:
-            verify_hops(expected, plan.hops, answer.hops)
+            _verified(expected, plan, answer)
         except RouteInconsistent as exc:
             _log.warning("prefix cache: route %s holds other KV for this prompt's blocks (%s); prefilling cold",
                          plan.route_id, exc.message)  # fmt: skip
@@ -898,6 +902,14 @@ def _since(began: float) -> float:
 def _ticketed(plan: RoutePlan) -> dict[str, str]:
     """The headers of a ``DELETE`` on a node: a private swarm's nodes want the session's ticket."""
     return {} if plan.ticket is None else {H.TICKET: plan.ticket}
+
+
+def _verified(expected: ChunkLedger, plan: RoutePlan, answer: HopAnswer) -> None:
+    """Raise ``RouteInconsistent`` unless ``answer``'s entries show the route holding what ``expected``
+    says, each computed from what the hop before it sent (``verify_hops``), and each signed by its
+    own hop's key, the tail's over the answer too (``check_signatures``)."""
+    verify_hops(expected, plan.hops, answer.hops)
+    check_signatures(plan.session_id, plan.hops, answer)
 
 
 def _text_or_none(value: Any) -> str | None:

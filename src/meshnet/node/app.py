@@ -243,6 +243,7 @@ def _health(node: NodeService) -> dict[str, Any]:
         "status": "ok",
         "node_id": config.node_id,
         "url": config.url,
+        "hop_key": config.hop_key.public,  # the key its answer entries are signed with (protocol.signing)
         "model": info.model_id,
         "architecture": info.architecture,
         "backend": info.backend,
@@ -306,6 +307,7 @@ async def _heartbeat(
                 "kv_bytes_free": node.shard.store.free_bytes(),
                 "heartbeat_s": node.config.heartbeat_s,
                 "wire_dtype": node.config.wire_dtype,
+                "hop_key": node.config.hop_key.public,  # what its entries are signed with (protocol.signing)
                 "hardware": host_hardware(threads),
                 **advert_fields(node.shard, node.traffic, prober),
                 "prefix_filter": node.prefix_cache.filter().encode() if node.prefix_cache is not None else None,

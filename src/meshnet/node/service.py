@@ -61,7 +61,7 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -106,6 +106,7 @@ from meshnet.protocol.messages import (
     RestoreRequest,
     Verb,
 )
+from meshnet.protocol.signing import HopKey
 from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, RouteTicket, TicketKind, TicketVerifier
 from meshnet.protocol.wire import TensorFrame, encode_tensor, frame_values
 from meshnet.routes import hop_timeout_s
@@ -151,6 +152,8 @@ class NodeConfig:
     publication: tuple[bytes, bytes] | None = None
     # The longest a tail's sampling of one token may take (node.sampling_lane): past it, that generation fails.
     sample_deadline_s: float = DEFAULT_SAMPLE_DEADLINE_S
+    # Signs every entry this node puts in an answer (protocol.signing); its public half is advertised.
+    hop_key: HopKey = field(default_factory=HopKey.generate)
 
 
 class NodeService:
@@ -345,16 +348,18 @@ class NodeService:
         if not drafts:
             (token,), (logprob,) = chosen.tokens, chosen.logprobs
             top = chosen.tops[0] if chosen.tops is not None else None
-            return HopAnswer(AnswerKind.TOKEN, (me,), position=start + n, token=token, logprob=logprob, top=top)
+            answer = HopAnswer(AnswerKind.TOKEN, (me,), position=start + n, token=token, logprob=logprob, top=top)
+            return self.config.hop_key.sign_answer(s.session, answer)  # the tail vouches for its token
         tokens, logprobs, tops = list(chosen.tokens), list(chosen.logprobs), chosen.tops
         kept = start + len(tokens)
         await self.rewind(s, kept)
         if not direct:
             me = self._entry(s, me.compute_ms, positions=me.positions)
-        return HopAnswer(
+        answer = HopAnswer(
             AnswerKind.TOKENS, (me,), position=kept, tokens=tuple(tokens), logprobs=tuple(logprobs), tops=tops,
             drafted=len(drafts), accepted=len(tokens) - 1,
         )  # fmt: skip
+        return self.config.hop_key.sign_answer(s.session, answer)
 
     async def _drop_rejected(self, s: NodeSession, answer: HopAnswer, *, start: int, n: int) -> None:
         """Keep what the verify ``answer`` kept (up to its ``position``) of the chunk of ``n`` at ``start``."""
@@ -1004,10 +1009,11 @@ class NodeService:
             at += size
 
     def _entry(self, s: NodeSession, compute_ms: float = 0.0, positions: int | None = None) -> HopEntry:
-        """This hop's entry in an answer: who computed what, and its ledger (protocol.ledger)."""
+        """This hop's entry in an answer: who computed what, and its ledger (protocol.ledger), signed
+        (protocol.signing)."""
         ledger = s.ledger.describe()
         out = ledger.get("output_digest")
-        return HopEntry(
+        entry = HopEntry(
             node=self.config.node_id,
             layers=str(self.info.layers),
             compute_ms=round(compute_ms, 3),
@@ -1016,6 +1022,7 @@ class NodeService:
             output_digest=None if out is None else str(out),
             positions=positions,
         )
+        return self.config.hop_key.sign(s.session, entry)
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,8 @@ __all__ = [
     "remote_error",
 ]
 
+_SIGNATURE_CHARS = 128  # an Ed25519 signature in base64url is 86
+
 
 class Verb(StrEnum):
     PREFILL = "prefill"
@@ -233,6 +235,7 @@ class HopEntry:
     input_digest: str
     output_digest: str | None = None
     positions: int | None = None
+    signature: str | None = None  # the hop's, over the entry (protocol.signing)
 
     def to_json(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"node": self.node, "layers": self.layers}
@@ -243,6 +246,8 @@ class HopEntry:
         entry["input_digest"] = self.input_digest
         if self.output_digest is not None:
             entry["output_digest"] = self.output_digest
+        if self.signature is not None:
+            entry["sig"] = self.signature
         return entry
 
     @classmethod
@@ -252,16 +257,18 @@ class HopEntry:
             raise ValueError("a hop entry is an object")
         node, layers, held = raw.get("node"), raw.get("layers"), raw.get("held")
         digest, out, positions = raw.get("input_digest"), raw.get("output_digest"), raw.get("positions")
-        compute = raw.get("compute_ms", 0.0)
+        compute, signature = raw.get("compute_ms", 0.0), raw.get("sig")
         if not (isinstance(node, str) and isinstance(layers, str) and isinstance(digest, str)):
             raise ValueError('a hop entry names its "node", "layers" and "input_digest" as strings')
         if not _count(held) or not (positions is None or _count(positions)):
             raise ValueError('a hop entry\'s "held" and "positions" are counts')
         if not (out is None or isinstance(out, str)):
             raise ValueError('a hop entry\'s "output_digest" is a string')
+        if not (signature is None or (isinstance(signature, str) and len(signature) <= _SIGNATURE_CHARS)):
+            raise ValueError(f'a hop entry\'s "sig" is a string of at most {_SIGNATURE_CHARS} characters')
         if not (isinstance(compute, int | float) and not isinstance(compute, bool) and math.isfinite(compute)):
             raise ValueError('a hop entry\'s "compute_ms" is a finite number')
-        return cls(node, layers, float(compute), held, digest, out, positions)  # type: ignore[arg-type]
+        return cls(node, layers, float(compute), held, digest, out, positions, signature)  # type: ignore[arg-type]
 
 
 class AnswerKind(StrEnum):

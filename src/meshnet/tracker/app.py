@@ -26,6 +26,7 @@ from meshnet.httputil import EXCEPTION_HANDLERS, read_body, service_url
 from meshnet.layers import LayerRange
 from meshnet.models.families import family_of_model_type
 from meshnet.protocol.prefix import FILTER_BITS, PrefixFilter
+from meshnet.protocol.signing import HOP_KEY_CHARS, check_public_key
 from meshnet.security.identity import Member
 from meshnet.security.membership import (
     CA_PATH,
@@ -102,6 +103,8 @@ class Registration(BaseModel):
     bt_peer: str | None = Field(None, pattern=r"^\S+:\d{1,5}$", max_length=300)  # where it seeds them
     numerics: str | None = Field(None, max_length=512)  # what decides its low bits (ShardInfo.numerics)
     wire_dtype: str = Field("float32", pattern=r"^(float32|bfloat16|float16)$")  # the activations it sends
+    # The Ed25519 key its answer entries are signed with (protocol.signing); routes hand it to gateways.
+    hop_key: str | None = Field(None, min_length=HOP_KEY_CHARS, max_length=HOP_KEY_CHARS)
     architecture: str | None = Field(None, min_length=1, max_length=64)  # GGUF general.architecture
     seam: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=1, max_length=4)  # per position
     max_verify: int = Field(0, ge=0, le=1024)  # drafted positions one verify chunk may add (0: no speculation)
@@ -118,6 +121,11 @@ class Registration(BaseModel):
     @classmethod
     def _reachable(cls, url: str) -> str:
         return service_url(url)
+
+    @field_validator("hop_key")
+    @classmethod
+    def _hop_key(cls, key: str | None) -> str | None:
+        return None if key is None else check_public_key(key)
 
     @field_validator("prefill_tps", "decode_tps")
     @classmethod
@@ -223,6 +231,7 @@ def _node_json(node: NodeRecord, *, probation: bool = False) -> dict[str, Any]:
         "bt_peer": node.bt_peer,
         "numerics": node.numerics,
         "wire_dtype": node.wire_dtype,
+        "hop_key": node.hop_key,
         "architecture": node.architecture,
         "seam": list(node.seam) if node.seam is not None else None,
         "max_verify": node.max_verify,
@@ -323,6 +332,12 @@ def create_tracker_app(
     async def register(request: Request) -> Response:
         reg = parse_body(Registration, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         certified = None if swarm is None else _admit_member(request, reg, limits)
+        if swarm is not None and reg.hop_key is None:
+            raise InvalidRequest(
+                "a private swarm takes only nodes that sign their answers: register with a hop_key "
+                "(a Meshnet node sends one; upgrade this one)",
+                param="hop_key",
+            )
         layers = _registered_layers(reg)
         # Not refused: an honest node never reaches its ceilings, and a node that claims more only
         # gets routed as if it had claimed them (GET /v1/nodes shows both).
@@ -351,6 +366,7 @@ def create_tracker_app(
             bt_peer=reg.bt_peer,
             numerics=reg.numerics,
             wire_dtype=reg.wire_dtype,
+            hop_key=reg.hop_key,
             architecture=reg.architecture,
             seam=tuple(reg.seam) if reg.seam is not None else None,
             max_verify=reg.max_verify,

@@ -132,6 +132,7 @@ class NodeRecord:
     bt_peer: str | None = None  # HOST:PORT where it seeds ``files`` over BitTorrent
     numerics: str | None = None  # what decides the low bits of its results (None: unknown)
     wire_dtype: str = "float32"  # the dtype of the activations it sends onward
+    hop_key: str | None = None  # the key its answer entries are signed with (protocol.signing)
     architecture: str | None = None  # GGUF general.architecture (None: an older node did not say)
     seam: tuple[int, ...] | None = None  # per-position shape of what crosses its seams
     max_verify: int = 0  # drafted positions one verify chunk may add (speculative decoding)

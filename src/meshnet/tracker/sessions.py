@@ -176,9 +176,10 @@ def hops_json(chain: Sequence[NodeRecord]) -> list[dict[str, Any]]:
 
 
 def _runs(node: NodeRecord) -> dict[str, Any]:
-    """What a hop runs (one identity per route) and the positions a session may hold on it, as far
-    as the node said (an older node says none of it)."""
-    said = {"identity": node.identity, "quantization": node.quantization, "max_positions": node.max_positions}
+    """What a hop runs (one identity per route), the positions a session may hold on it and the key
+    its entries are signed with, as far as the node said (an older node says none of it)."""
+    said = {"identity": node.identity, "quantization": node.quantization, "max_positions": node.max_positions,
+            "hop_key": node.hop_key}  # fmt: skip
     return {k: v for k, v in said.items() if v}
 
 
