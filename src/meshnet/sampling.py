@@ -16,6 +16,14 @@ mass on the drafted token): keep draft ``d`` with probability ``p(d)``; on a rej
 ``p`` with ``d`` removed. Every kept token is then distributed exactly as ``p`` (the distribution
 ``sample`` draws from), so speculation never changes what the user samples from.
 
+A draw can be checked by someone without the logits (``Draw``, ``check_draw``): ``sample_committed``
+also returns the distribution the draw used — its first ``COMMITTED`` candidates, most likely first,
+with their final probabilities (after bias, penalties, temperature, top-k and top-p), the total the
+draw normalized their running sum by, and how many candidates there were. With the seed and the
+position, the token follows from those numbers alone, exactly (float64 values written as JSON
+read back as the same bits; numpy's ``Generator.choice`` is a ``searchsorted`` of one uniform in
+the normalized running sum): a route's gateway re-derives the tail's draw (docs/security.md).
+
 A grammar (``SamplingParams.grammar``, GBNF text; ``meshnet.backends.grammar``) restricts every choice to
 the tokens it allows; the sampler asks it about the token it would pick and masks only when that one
 is refused. Its state follows the generated tokens the caller reports (``set_history`` / ``advance``),
@@ -32,7 +40,17 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["GREEDY_BELOW", "MAX_GRAMMAR_BYTES", "MAX_TOP_LOGPROBS", "Alternatives", "Sampler", "SamplingParams"]
+__all__ = [
+    "COMMITTED",
+    "GREEDY_BELOW",
+    "MAX_GRAMMAR_BYTES",
+    "MAX_TOP_LOGPROBS",
+    "Alternatives",
+    "Draw",
+    "Sampler",
+    "SamplingParams",
+    "check_draw",
+]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 # A grammar travels in a header to every hop (docs/protocol.md); the nodes accept headers this large.
@@ -41,8 +59,81 @@ MAX_GRAMMAR_BYTES = 64 * 1024
 # probabilities to NaN, and far above the overflow such a distribution is the argmax anyway (vLLM's eps).
 GREEDY_BELOW = 1e-5
 
+COMMITTED = 20  # the candidates a draw commits to
+GRAMMAR_STREAM = 3  # the random stream of a draw the grammar constrained (``Sampler._constrained``)
+
 Logits = npt.NDArray[np.float32]
 Alternatives = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """The distribution one token was drawn from, as far as it decides the token: the first
+    candidates (most likely first) and their final probabilities, the total their running sum was
+    normalized by, how many candidates there were, and the random stream used. A greedy choice
+    commits its token first (``probs``: its softmax under the biased logits, for the record)."""
+
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+    total: float
+    size: int
+    stream: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        if not 1 <= n <= COMMITTED or len(self.probs) != n or self.size < n:
+            raise ValueError(f"a draw commits 1 to {COMMITTED} candidates, each with a probability, of its {self.size}")
+        if not all(0.0 <= p <= 1.0 for p in self.probs) or not 0.0 < self.total < 2.0:
+            raise ValueError("a draw's probabilities lie within [0, 1] and its total near 1")
+        if any(t < 0 for t in self.ids) or len(set(self.ids)) != n or self.stream not in (0, GRAMMAR_STREAM):
+            raise ValueError("a draw names distinct token ids and stream 0 or 3")
+
+    def to_json(self) -> dict[str, object]:
+        return {"ids": list(self.ids), "probs": list(self.probs), "total": self.total, "size": self.size,
+                "stream": self.stream}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, raw: object) -> Draw:
+        """Raises ``ValueError`` on anything but a draw ``to_json`` could have written."""
+        if not isinstance(raw, dict):
+            raise ValueError("a draw is an object")
+        ids, probs, total, size, stream = (raw.get(k) for k in ("ids", "probs", "total", "size", "stream"))
+        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise ValueError('a draw\'s "ids" are token ids')
+        if not (isinstance(probs, list) and all(isinstance(p, float) for p in probs) and isinstance(total, float)):
+            raise ValueError('a draw\'s "probs" and "total" are numbers')
+        if not (isinstance(size, int) and isinstance(stream, int)) or isinstance(size, bool):
+            raise ValueError('a draw\'s "size" and "stream" are integers')
+        return cls(tuple(ids), tuple(probs), total, size, stream)
+
+
+def draw_rng(seed: int, position: int, stream: int = 0) -> np.random.Generator:
+    """The generator of a seeded draw: a function of the seed, the position and what it is for."""
+    return np.random.default_rng([seed, position] if stream == 0 else [seed, position, stream])
+
+
+def check_draw(params: SamplingParams, draw: Draw | None, token: int, position: int) -> str | None:
+    """Why ``token`` is not what ``draw`` gives at ``position`` under ``params`` (``None``: it is).
+    A seeded draw is re-derived exactly; past the committed candidates it must name none of them."""
+    if draw is None:
+        return "it committed to no distribution"
+    if draw.stream == GRAMMAR_STREAM and not params.grammar:
+        return "it claims a grammar constrained the draw, and the request has none"
+    if params.greedy:
+        if draw.ids[0] != token:
+            return f"greedy decoding gives its most likely token {draw.ids[0]}, not {token}"
+        return None
+    if params.seed is None:
+        return None  # an unseeded draw cannot be re-derived; a gateway always seeds
+    cdf = np.cumsum(np.array(draw.probs, dtype=np.float64)) / draw.total
+    index = int(np.searchsorted(cdf, draw_rng(params.seed, position, draw.stream).random(), side="right"))
+    if index < len(draw.ids):
+        if draw.ids[index] != token:
+            return f"the seed draws candidate {index} (token {draw.ids[index]}) from its distribution, not {token}"
+        return None
+    if token in draw.ids or index >= draw.size:
+        return f"the seed draws past its {len(draw.ids)} committed candidates, and token {token} is not there"
+    return None
 
 
 class TokenGrammar(Protocol):
@@ -163,8 +254,17 @@ class Sampler:
         biased = self._biased(logits, self.generated)
         token = self._choose(biased, position)
         if self.grammar is not None and not self.grammar.allows(token):
-            token = self._constrained(biased, position)
+            token = self._constrained(biased, position)[0]
         return token, _logprob(logits, token)
+
+    def sample_committed(self, logits: Logits, position: int | None = None) -> tuple[int, float, Draw]:
+        """``sample``, with the distribution the token was drawn from (``Draw``): the same token."""
+        biased = self._biased(logits, self.generated)
+        log_z = _log_z(logits)
+        token, draw = self._draw(biased, position, log_z=log_z if biased is logits else None)
+        if self.grammar is not None and not self.grammar.allows(token):
+            token, draw = self._constrained(biased, position)
+        return token, float(logits[token]) - log_z, draw
 
     def alternatives(self, logits: Logits) -> Alternatives:
         """The ``top_logprobs`` most likely tokens under the model (before bias and temperature, like
@@ -226,7 +326,7 @@ class Sampler:
         p = self.params
         if p.seed is None or position is None:
             return self._rng
-        return np.random.default_rng([p.seed, position] if stream == 0 else [p.seed, position, stream])
+        return draw_rng(p.seed, position, stream)
 
     def _biased(self, logits: Logits, counts: collections.Counter[int]) -> Logits:
         """``logits`` with the logit bias added and the penalties for the ``counts`` of generated tokens taken off."""
@@ -252,13 +352,34 @@ class Sampler:
         candidates, probs = self._distribution(logits)
         return int(candidates[self._rng_for(position, stream).choice(probs.shape[0], p=probs)])
 
-    def _constrained(self, logits: Logits, position: int | None) -> int:
+    def _draw(
+        self, logits: Logits, position: int | None, stream: int = 0, *, log_z: float | None = None
+    ) -> tuple[int, Draw]:
+        """``_choose`` and what it drew from. The draw is ``Generator.choice``'s own: one uniform,
+        searched in the running sum of the probabilities normalized by its last value. ``log_z``:
+        that of ``logits``, if the caller has it."""
+        if self.params.greedy:
+            token = int(np.argmax(logits))
+            return token, _greedy_draw(logits, token, stream, log_z)
+        candidates, probs = self._distribution(logits)
+        cdf = probs.cumsum()
+        total = float(cdf[-1])
+        cdf /= cdf[-1]
+        index = int(cdf.searchsorted(self._rng_for(position, stream).random(), side="right"))
+        n = min(COMMITTED, candidates.shape[0])
+        draw = Draw(tuple(int(t) for t in candidates[:n]), tuple(float(p) for p in probs[:n]), total,
+                    int(candidates.shape[0]), stream)  # fmt: skip
+        return int(candidates[index]), draw
+
+    def _constrained(self, logits: Logits, position: int | None) -> tuple[int, Draw]:
         """The choice when the grammar refused the unconstrained one: the most likely allowed token,
         or a fresh draw (its own stream) from the distribution restricted to the allowed tokens."""
         assert self.grammar is not None
-        if self.params.greedy:
-            return self.grammar.best(logits)
-        return self._choose(self.grammar.mask(logits), position, stream=3)
+        if self.params.greedy:  # committed alone: the others would need the grammar's verdict on every token
+            token = self.grammar.best(logits)
+            prob = min(1.0, float(np.exp(np.float64(logits[token]) - _log_z(logits))))
+            return token, Draw((token,), (prob,), 1.0, int(logits.shape[0]), GRAMMAR_STREAM)
+        return self._draw(self.grammar.mask(logits), position, stream=GRAMMAR_STREAM)
 
     def _distribution(self, logits: Logits) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
         """The candidate tokens and their probabilities after temperature, top-k and top-p."""
@@ -277,6 +398,18 @@ class Sampler:
             cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
             candidates, probs = candidates[:cut], probs[:cut] / probs[:cut].sum()
         return candidates, probs
+
+
+def _greedy_draw(logits: Logits, token: int, stream: int, log_z: float | None = None) -> Draw:
+    """A greedy choice's commitment: ``token`` first, then the most likely others (ties: lower id
+    first, as ``argmax``), with their probabilities under ``logits`` at temperature 1."""
+    n = min(COMMITTED, logits.shape[0])
+    best = np.argpartition(logits, -n)[-n:]
+    best = best[np.lexsort((best, -logits[best].astype(np.float64)))]
+    ids = [token, *(int(t) for t in best if int(t) != token)][:n]
+    log_z = _log_z(logits) if log_z is None else log_z
+    probs = tuple(min(1.0, max(0.0, float(np.exp(np.float64(logits[t]) - log_z)))) for t in ids)
+    return Draw(tuple(ids), probs, 1.0, int(logits.shape[0]), stream)
 
 
 def _logprob(logits: Logits, token: int) -> float:

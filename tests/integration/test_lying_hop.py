@@ -5,6 +5,8 @@
 - A head that changes the tail's token in the answer it relays, or rewrites the tail's entry, is
   caught on that answer by the entries' signatures (protocol.signing): the generation stops with
   ``route_inconsistent``, and no token of the forged answer reaches the client.
+- A tail that signs another token than the distribution it committed to gives with the gateway's
+  seed (sampling.check_draw) is a failed tail, repaired with identical text, greedy or sampled.
 
 The liar is a member that forwards every request to a real node (which signs its entries with its
 own key, advertised by the liar) but rewrites answers. It advertises a speed no honest node has,
@@ -25,6 +27,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from meshnet.protocol.messages import HopAnswer
+from meshnet.protocol.signing import HopKey
 from tests.asgi import serve_in_thread
 from tests.procs import meshnet_process
 
@@ -36,11 +40,16 @@ _HOP_HEADERS_DROPPED = ("host", "content-length", "transfer-encoding", "connecti
 
 
 class Liar:
-    """Forwards every request to ``backend``; ``rewrite`` may change a JSON answer (None: unchanged)."""
+    """Forwards every request to ``backend``; ``rewrite`` may change a JSON answer (None: unchanged).
+    With a ``key`` it is a tail that signs its lies: every answer it changed is signed anew with the
+    key it advertises (protocol.signing); without one its changes keep the backend's signature."""
 
-    def __init__(self, backend: str, rewrite: Callable[[str, dict[str, Any]], dict[str, Any] | None]) -> None:
+    def __init__(
+        self, backend: str, rewrite: Callable[[str, dict[str, Any]], dict[str, Any] | None], key: HopKey | None = None
+    ) -> None:
         self.backend = backend
         self.rewrite = rewrite
+        self.key = key
         self.lied = False
         self.app = Starlette(routes=[Route("/{path:path}", self.forward, methods=["GET", "POST", "DELETE"])])
 
@@ -51,11 +60,22 @@ class Liar:
                 request.method, f"{self.backend}{request.url.path}", content=await request.body(), headers=headers
             )
         body = answer.content
-        if answer.status_code == 200 and answer.headers.get("content-type", "").startswith("application/json"):
-            changed = self.rewrite(request.url.path, answer.json())
-            if changed is not None:
-                body, self.lied = json.dumps(changed).encode(), True
+        if answer.status_code in (200, 202) and answer.headers.get("content-type", "").startswith("application/json"):
+            data = answer.json()
+            changed = self.rewrite(request.url.path, data) if answer.status_code == 200 else None
+            self.lied = self.lied or changed is not None
+            data = data if changed is None else changed
+            if self.key is not None and "hops" in data:  # the tail's own entry, signed anew: /v1/sessions/{id}/...
+                session = request.url.path.split("/")[3]
+                data = self.key.sign_answer(session, HopAnswer.from_json(answer.status_code, data)).to_json()
+            body = json.dumps(data).encode()
         return Response(body, status_code=answer.status_code, media_type=answer.headers.get("content-type"))
+
+    def public_key(self, backend: str) -> str:
+        """The key to advertise: its own, or the backend's whose signatures it passes on."""
+        if self.key is not None:
+            return self.key.public
+        return str(httpx.get(f"{backend}/v1/health", timeout=10).json()["hop_key"])
 
 
 def out_of_vocabulary_at(step: int) -> Callable[[str, dict[str, Any]], dict[str, Any] | None]:
@@ -98,12 +118,11 @@ def test_a_tail_answering_a_token_outside_the_vocabulary_is_repaired_and_the_tex
             meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--ctx", "512"]) as gateway,
         ):
             honest = wait_nodes(tracker.url, {"head", "honest"})["honest"]
-            liar = Liar(backend.url, out_of_vocabulary_at(3))
+            liar = Liar(backend.url, out_of_vocabulary_at(3), key=HopKey.generate())
             with serve_in_thread(liar.app) as liar_url:
-                # Same numerics as the honest tail (so it may replace the liar exactly), absurdly fast;
-                # the key its backend signs with.
+                # Same numerics as the honest tail (so it may replace the liar exactly), absurdly fast.
                 advert = {**honest, "node_id": "liar", "url": liar_url, "decode_tps": 1e6, "prefill_tps": 1e6}
-                advert["hop_key"] = httpx.get(f"{backend.url}/v1/health", timeout=10).json()["hop_key"]
+                advert["hop_key"] = liar.public_key(backend.url)
                 advert.update(idle_s=0.0, heartbeat_s=15.0)
                 assert httpx.post(f"{tracker.url}/v1/nodes", json=advert, timeout=10).status_code in (200, 201)
                 body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 24, "temperature": 0}
@@ -157,7 +176,7 @@ def test_a_head_that_changes_what_the_tail_answered_is_caught_on_that_answer(
             liar = Liar(backend.url, rewrite)
             with serve_in_thread(liar.app) as liar_url:
                 advert = {**head, "node_id": "liar", "url": liar_url, "decode_tps": 1e6, "prefill_tps": 1e6}
-                advert["hop_key"] = httpx.get(f"{backend.url}/v1/health", timeout=10).json()["hop_key"]
+                advert["hop_key"] = liar.public_key(backend.url)
                 advert.update(idle_s=0.0, heartbeat_s=15.0)
                 assert httpx.post(f"{tracker.url}/v1/nodes", json=advert, timeout=10).status_code in (200, 201)
                 body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 8, "temperature": 0,
@@ -171,4 +190,56 @@ def test_a_head_that_changes_what_the_tail_answered_is_caught_on_that_answer(
                 error = next(e["error"] for e in events if "error" in e)
                 assert error["code"] == "route_inconsistent", error
                 assert "node tail" in error["message"] and caught in error["message"], error
+            assert gateway.popen.poll() is None
+
+
+def changed_token_at(step: int) -> Callable[[str, dict[str, Any]], dict[str, Any] | None]:
+    """The ``step``-th decode answer names another token (a valid one) than the tail drew."""
+    seen = [0]
+
+    def rewrite(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
+        if not path.endswith("/decode-step") or "token" not in data:
+            return None
+        seen[0] += 1
+        if seen[0] != step:
+            return None
+        data["token"] = data["token"] + 1 if data["token"] < 40 else data["token"] - 1
+        return data
+
+    return rewrite
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_tail_that_signs_another_token_than_its_draw_gives_is_repaired_with_the_same_text(
+    tmp_path, temperature: float
+) -> None:
+    db = f"sqlite:///{tmp_path}/tracker.db"
+    with meshnet_process(["tracker", "--port", "0", "--db", db]) as tracker:
+        common = ["--threads", "1", "--ctx", "512"]
+        with (
+            meshnet_process(["node", "--layers", "0:15", "--node-id", "head", "--tracker", tracker.url, *common]),
+            meshnet_process(["node", "--layers", "15:30", "--node-id", "honest", "--tracker", tracker.url, *common]),
+            meshnet_process(["node", "--layers", "15:30", "--node-id", "liar", *common]) as backend,
+            meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--ctx", "512"]) as gateway,
+        ):
+            honest = wait_nodes(tracker.url, {"head", "honest"})["honest"]
+            liar = Liar(backend.url, changed_token_at(3), key=HopKey.generate())
+            with serve_in_thread(liar.app) as liar_url:
+                advert = {**honest, "node_id": "liar", "url": liar_url, "decode_tps": 1e6, "prefill_tps": 1e6}
+                advert.update(hop_key=liar.public_key(backend.url), idle_s=0.0, heartbeat_s=15.0)
+                assert httpx.post(f"{tracker.url}/v1/nodes", json=advert, timeout=10).status_code in (200, 201)
+                body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 16,
+                        "temperature": temperature, "seed": 1234}  # fmt: skip
+                first = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
+                assert first.status_code == 200, first.text
+                gid = first.headers["x-meshnet-generation-id"]
+                events = httpx.get(f"{gateway.url}/v1/generations/{gid}/events", timeout=30).text
+                retries = [json.loads(line[6:]) for line in events.splitlines() if '"route.retry"' in line]
+                assert liar.lied, "the liar was never on the route"
+                assert [r["failed_node"] for r in retries] == ["liar"], retries
+                assert "draw" in retries[0]["reason"] or "greedy" in retries[0]["reason"], retries
+                # The liar is off the live set now: the same seeded request runs head -> honest.
+                again = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
+                assert again.status_code == 200, again.text
+                assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
             assert gateway.popen.poll() is None

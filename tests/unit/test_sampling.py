@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import numpy as np
 import pytest
 
-from meshnet.sampling import Sampler, SamplingParams
+from meshnet.sampling import Draw, Sampler, SamplingParams, check_draw
 
 
 def _logits(seed: int = 0, vocab: int = 64) -> np.ndarray:
@@ -312,3 +314,142 @@ def test_a_penalized_verify_picks_what_step_by_step_sampling_picks():
     verifier.generated.update([5])
     tokens, _ = verifier.verify(rows, steps[:5], position=0)  # the drafts are exactly what steps chose
     assert tokens == steps and len(set(steps)) > 1
+
+
+# -- committed draws (Draw, check_draw): the gateway re-derives the tail's token ----------------------------
+
+
+def _random_case(rng: np.random.Generator) -> tuple[np.ndarray, SamplingParams, int]:
+    vocab = int(rng.integers(2, 3000))
+    logits = (rng.standard_normal(vocab) * rng.uniform(0.1, 8)).astype(np.float32)
+    params = SamplingParams(
+        temperature=float(rng.choice([0.0, 0.3, 0.7, 1.0, 1.5])),
+        top_p=float(rng.choice([1.0, 0.9, 0.5])),
+        top_k=int(rng.choice([0, 5, 40])),
+        seed=int(rng.integers(0, 2**62)),
+        logit_bias=((0, float(rng.uniform(-5, 5))),),
+        presence_penalty=float(rng.choice([0.0, 0.5])),
+    )
+    return logits, params, int(rng.integers(0, 10**6))
+
+
+def _over_the_wire(draw: Draw) -> Draw:
+    return Draw.from_json(json.loads(json.dumps(draw.to_json())))
+
+
+def test_a_committed_draw_is_the_draw_sample_makes_and_the_gateway_re_derives_it_exactly():
+    rng = np.random.default_rng(7)
+    past = 0
+    for _ in range(2000):
+        logits, params, position = _random_case(rng)
+        sampler = Sampler(params)
+        sampler.set_history([1, 2, 2])
+        token, logprob, draw = sampler.sample_committed(logits, position)
+        again = Sampler(params)
+        again.set_history([1, 2, 2])
+        assert again.sample(logits, position) == (token, logprob)  # the same choice as before commitments
+        draw = _over_the_wire(draw)
+        assert check_draw(params, draw, token, position) is None
+        past += token not in draw.ids
+    assert past < 200  # flat random distributions: a few draws fall past the 20 committed candidates
+
+
+def test_another_token_than_the_draw_gives_is_caught_unless_the_draw_fell_past_the_committed_candidates():
+    rng = np.random.default_rng(8)
+    caught = within = 0
+    for _ in range(2000):
+        logits, params, position = _random_case(rng)
+        token, _, draw = Sampler(params).sample_committed(logits, position)
+        flipped = (token + 1) % logits.shape[0]
+        why = check_draw(params, _over_the_wire(draw), flipped, position)
+        within += token in draw.ids
+        caught += why is not None
+        if token in draw.ids:  # the seed picks one committed candidate: anything else is caught
+            assert why is not None
+    assert caught >= within
+
+
+def test_a_greedy_draw_commits_its_token_first_and_any_other_token_is_caught():
+    logits = np.array([0.1, 3.0, 3.0, -1.0, 2.5], dtype=np.float32)
+    params = SamplingParams(temperature=0.0, seed=5)
+    token, _, draw = Sampler(params).sample_committed(logits, 9)
+    assert token == 1 and draw.ids[:3] == (1, 2, 4) and draw.size == 5  # ties: the lower id, as argmax
+    assert abs(sum(draw.probs) - 1.0) < 1e-9
+    assert check_draw(params, draw, 1, 9) is None
+    assert "greedy" in (check_draw(params, draw, 2, 9) or "")
+
+
+def test_a_draw_of_another_seed_or_position_does_not_pass():
+    rng = np.random.default_rng(9)
+    mismatches = 0
+    for _ in range(200):
+        logits = (rng.standard_normal(50) * 0.5).astype(np.float32)  # flat: draws spread over candidates
+        params = SamplingParams(temperature=1.0, seed=int(rng.integers(0, 2**62)))
+        token, _, draw = Sampler(params).sample_committed(logits, 3)
+        moved = dataclasses.replace(params, seed=params.seed + 1)
+        mismatches += check_draw(moved, draw, token, 3) is not None or check_draw(params, draw, token, 4) is not None
+    assert mismatches > 150
+
+
+def test_a_draw_without_commitment_or_with_a_grammar_stream_the_request_lacks_is_refused():
+    params = SamplingParams(temperature=1.0, seed=1)
+    assert "no distribution" in (check_draw(params, None, 3, 0) or "")
+    draw = Draw((3, 4), (0.6, 0.4), 1.0, 2, stream=3)
+    assert "grammar" in (check_draw(params, draw, 3, 0) or "")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [],
+        {"ids": [], "probs": [], "total": 1.0, "size": 0, "stream": 0},
+        {"ids": [1, 1], "probs": [0.5, 0.5], "total": 1.0, "size": 2, "stream": 0},
+        {"ids": [1], "probs": [1.5], "total": 1.0, "size": 1, "stream": 0},
+        {"ids": [1], "probs": [1], "total": 1.0, "size": 1, "stream": 0},
+        {"ids": [1], "probs": [1.0], "total": 1.0, "size": 1, "stream": 2},
+        {"ids": [1], "probs": [1.0], "total": 1.0, "size": 0, "stream": 0},
+        {"ids": list(range(21)), "probs": [0.01] * 21, "total": 1.0, "size": 30, "stream": 0},
+        {"ids": [True], "probs": [1.0], "total": 1.0, "size": 1, "stream": 0},
+    ],
+)
+def test_a_malformed_draw_is_refused(raw: object):
+    with pytest.raises(ValueError):
+        Draw.from_json(raw)
+
+
+class _EvenOnly:
+    """A grammar that allows even token ids only (the sampler's view of a compiled grammar)."""
+
+    def allows(self, token: int) -> bool:
+        return token % 2 == 0
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        masked = logits.copy()
+        masked[1::2] = -np.inf
+        return masked
+
+    def best(self, logits: np.ndarray) -> int:
+        return int(np.argmax(self.mask(logits)))
+
+    def accept(self, token: int) -> None: ...
+
+    def sync(self, history: object) -> None: ...
+
+    def cancel(self) -> None: ...
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draw_the_grammar_constrained_is_committed_on_its_own_stream_and_re_derived(temperature: float):
+    rng = np.random.default_rng(11)
+    checked = 0
+    for _ in range(200):
+        logits = rng.standard_normal(64).astype(np.float32)
+        params = SamplingParams(temperature=temperature, seed=int(rng.integers(0, 2**62)), grammar="root ::= x")
+        sampler = Sampler(params, _EvenOnly())
+        token, _, draw = sampler.sample_committed(logits, 5)
+        assert token % 2 == 0 and Sampler(params, _EvenOnly()).sample(logits, 5)[0] == token
+        if draw.stream == 3:
+            checked += 1
+            assert check_draw(params, _over_the_wire(draw), token, 5) is None
+            assert check_draw(dataclasses.replace(params, grammar=""), draw, token, 5) is not None
+    assert checked > 50  # about half the unconstrained choices are odd

@@ -13,6 +13,7 @@ from meshnet.layers import LayerRange
 from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
 from meshnet.protocol.signing import HopKey, check_public_key, check_signatures
 from meshnet.routes import Hop
+from meshnet.sampling import Draw
 from meshnet.tracker.app import Registration
 from meshnet.tracker.db import TrackerDB
 from meshnet.tracker.sessions import parse_body
@@ -113,3 +114,15 @@ def test_a_private_swarm_takes_no_node_that_does_not_sign(tmp_path) -> None:
         assert tracker.member("n", trusted=False).get("/v1/nodes").json()["nodes"][0]["hop_key"] == HEAD.public
     finally:
         db.close()
+
+
+def test_the_tails_signature_covers_the_distribution_it_committed_to() -> None:
+    draw = Draw((42, 7), (0.75, 0.125), 1.0, 100)
+    tail = TAIL.sign(SESSION, _entry("tail", "6:12"))
+    answer = HopAnswer(AnswerKind.TOKEN, (tail,), position=5, token=42, logprob=-0.125, draw=draw)
+    signed = wire(TAIL.sign_answer(SESSION, answer).after(HEAD.sign(SESSION, _entry("head", "0:6"))))
+    assert signed.draw == draw
+    check_signatures(SESSION, ROUTE, signed)
+    forged = dataclasses.replace(draw, ids=(7, 42))  # a hop on the way makes the token look drawn
+    with pytest.raises(RouteInconsistent, match="node tail"):
+        check_signatures(SESSION, ROUTE, dataclasses.replace(signed, draw=forged))

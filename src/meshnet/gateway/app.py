@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import secrets
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -303,7 +304,14 @@ async def _gen_request(
         await run_in_threadpool(check_grammar_cost, compile_it, param=grammar_param)
     return GenerationRequest(
         prompt_tokens=tuple(tokens),
-        sampling=dataclasses.replace(sampling, generated_from=n, grammar=grammar),
+        # The gateway seeds every generation it does not get a seed for: a route's tail draws with it,
+        # and the gateway re-derives each draw from the distribution the tail commits to (sampling.check_draw).
+        sampling=dataclasses.replace(
+            sampling,
+            generated_from=n,
+            grammar=grammar,
+            seed=secrets.randbits(62) if sampling.seed is None else sampling.seed,
+        ),
         max_tokens=limit if limit is not None else cap - n,
         stop=body.stop_sequences,
     )

@@ -97,10 +97,10 @@ from meshnet.protocol.messages import (
     Verb,
 )
 from meshnet.protocol.prefix import block_hashes
-from meshnet.protocol.signing import check_signatures
+from meshnet.protocol.signing import CLAIMED_KINDS, check_signatures
 from meshnet.protocol.wire import encode_tensor
 from meshnet.routes import Hop, RoutePlan, hop_timeout_s
-from meshnet.sampling import Alternatives, Sampler
+from meshnet.sampling import Alternatives, Sampler, SamplingParams, check_draw
 
 __all__ = ["RouteEngine", "Tokenizer"]
 
@@ -141,6 +141,7 @@ class _Run:
 
     plan: RoutePlan
     sampling: str
+    params: SamplingParams  # what ``sampling`` says: the tail's draws are re-derived with it (sampling.check_draw)
     usage: Usage
     ledger: ChunkLedger
     grammar: bool = False  # the tail samples under a grammar: a hop's grammar_too_costly is the request's 400
@@ -325,8 +326,9 @@ class RouteEngine:
             raise InvalidRequest("a route engine generates only on a planned route")
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")
-        run = _Run(plan, json.dumps(dataclasses.asdict(sampler.params)), Usage(), ChunkLedger(sends=False),
-                   grammar=bool(sampler.params.grammar))  # fmt: skip
+        params = sampler.params
+        run = _Run(plan, json.dumps(dataclasses.asdict(params)), params, Usage(), ChunkLedger(sends=False),
+                   grammar=bool(params.grammar))  # fmt: skip
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
         hashes = block_hashes(tokens, self.prefill_chunk, namespace=plan.prefix_namespace) if self.prefix_cache else []
         run.prefix = PrefixClaim(self.prefill_chunk, tuple(hashes)) if hashes else None
@@ -479,7 +481,7 @@ class RouteEngine:
             direct = answer is not None
             if answer is None:
                 answer = self._send(run.plan, request)
-            self._check_tokens(answer, run.plan)
+            self._check_tokens(answer, run)
         except (HopFailed, InvalidRequest) as raised:
             failure = _hop_failure(run, raised)
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
@@ -646,7 +648,7 @@ class RouteEngine:
                 cleared = self._post_reroute(run.plan, new_hops[i].url, reroute, below=len(new_hops) - i)
                 above[:0] = cleared.hops[:1]
             answer = answer.after(*above)
-        self._check_tokens(answer, run.plan)
+        self._check_tokens(answer, run)
         _verified(run.ledger, run.plan, answer)  # the repaired route holds what the old one did
         run.usage.add(new_hops[first : first + count], prefill=position - restored)
         run.usage.add(new_hops, decode=1)
@@ -698,10 +700,15 @@ class RouteEngine:
         run.failed_nodes.add(hop.node)
         return hop
 
-    def _check_tokens(self, answer: HopAnswer, plan: RoutePlan) -> None:
-        """The tokens an answer brings must be ids of this vocabulary with finite logprobs: anything else
-        (a faulty or malicious tail, or a hop that altered the answer on its way back) is a failed tail,
-        repaired like one — never a token id handed to the detokenizer, which aborts on one it lacks."""
+    def _check_tokens(self, answer: HopAnswer, run: _Run) -> None:
+        """The tokens an answer brings must be ids of this vocabulary with finite logprobs, and a
+        sampled one what the distribution the tail committed to gives with the gateway's seed
+        (``sampling.check_draw``): anything else is a failed tail, repaired like one — never a token
+        id handed to the detokenizer, which aborts on one it lacks. The entries' signatures are
+        checked first: a token a hop changed on its way back stops the generation instead
+        (``RouteInconsistent``), and a tail is blamed only for what it signed."""
+        plan = run.plan
+        check_signatures(plan.session_id, plan.hops, answer)
         tail, n_vocab = plan.hops[-1], self.info.n_vocab
         if answer.kind not in (AnswerKind.TOKEN, AnswerKind.TOKENS):
             raise HopFailed(f"the tail {tail.node} answered a step with {answer.kind}", failed_hop=tail.url)
@@ -713,6 +720,12 @@ class RouteEngine:
                         f"vocabulary [0, {n_vocab}) with a logprob <= 0",
                         failed_hop=tail.url,
                     )
+        if answer.kind is AnswerKind.TOKEN and tail.key is not None:  # a signing tail commits to its draw
+            assert answer.token is not None and answer.position is not None
+            why = check_draw(run.params, answer.draw, answer.token, answer.position)
+            if why is not None:
+                raise HopFailed(f"the tail {tail.node} answered token {answer.token} at {answer.position}: {why}",
+                                failed_hop=tail.url)  # fmt: skip
 
     def _report_failure(self, plan: RoutePlan, hop: Hop, reason: str) -> None:
         with contextlib.suppress(MeshnetError):  # reliability bookkeeping only; a new route is what matters
@@ -737,7 +750,7 @@ class RouteEngine:
             answer = self._send(run.plan, request)
             yield PrefillProgress(done=end, total=total, cached=run.cached)
         if answer is not None:
-            self._check_tokens(answer, run.plan)
+            self._check_tokens(answer, run)
         return answer
 
     def _reuse(self, run: _Run, tokens: Sequence[int]) -> Generator[EngineStep, None, int]:
@@ -907,9 +920,11 @@ def _ticketed(plan: RoutePlan) -> dict[str, str]:
 def _verified(expected: ChunkLedger, plan: RoutePlan, answer: HopAnswer) -> None:
     """Raise ``RouteInconsistent`` unless ``answer``'s entries show the route holding what ``expected``
     says, each computed from what the hop before it sent (``verify_hops``), and each signed by its
-    own hop's key, the tail's over the answer too (``check_signatures``)."""
+    own hop's key, the tail's over the answer too (``check_signatures``; for an answer with tokens
+    ``_check_tokens`` checked them before looking at its tokens)."""
     verify_hops(expected, plan.hops, answer.hops)
-    check_signatures(plan.session_id, plan.hops, answer)
+    if answer.kind not in CLAIMED_KINDS:
+        check_signatures(plan.session_id, plan.hops, answer)
 
 
 def _text_or_none(value: Any) -> str | None:

@@ -110,7 +110,7 @@ from meshnet.protocol.signing import HopKey
 from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, RouteTicket, TicketKind, TicketVerifier
 from meshnet.protocol.wire import TensorFrame, encode_tensor, frame_values
 from meshnet.routes import hop_timeout_s
-from meshnet.sampling import Alternatives, Sampler
+from meshnet.sampling import Alternatives, Draw, Sampler
 from meshnet.session.store import Session
 
 T = TypeVar("T")
@@ -348,8 +348,9 @@ class NodeService:
         if not drafts:
             (token,), (logprob,) = chosen.tokens, chosen.logprobs
             top = chosen.tops[0] if chosen.tops is not None else None
-            answer = HopAnswer(AnswerKind.TOKEN, (me,), position=start + n, token=token, logprob=logprob, top=top)
-            return self.config.hop_key.sign_answer(s.session, answer)  # the tail vouches for its token
+            answer = HopAnswer(AnswerKind.TOKEN, (me,), position=start + n, token=token, logprob=logprob, top=top,
+                               draw=chosen.draw)  # fmt: skip
+            return self.config.hop_key.sign_answer(s.session, answer)  # the tail vouches for its token and draw
         tokens, logprobs, tops = list(chosen.tokens), list(chosen.logprobs), chosen.tops
         kept = start + len(tokens)
         await self.rewind(s, kept)
@@ -1027,11 +1028,13 @@ class NodeService:
 
 @dataclass(frozen=True, slots=True)
 class _Chosen:
-    """What the tail's sampler decided for one answer: its tokens, their logprobs and alternatives."""
+    """What the tail's sampler decided for one answer: its tokens, their logprobs and alternatives, and
+    (one sampled token) the distribution it was drawn from."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     tops: tuple[Alternatives, ...] | None
+    draw: Draw | None = None
 
 
 def _choose(
@@ -1044,8 +1047,8 @@ def _choose(
         sampler.set_history(history)
     wants_top = bool(sampler.params.top_logprobs)
     if not drafts:
-        token, logprob = sampler.sample(logits, position=at)
-        return _Chosen((token,), (logprob,), (sampler.alternatives(logits),) if wants_top else None)
+        token, logprob, draw = sampler.sample_committed(logits, position=at)
+        return _Chosen((token,), (logprob,), (sampler.alternatives(logits),) if wants_top else None, draw)
     tokens, logprobs = sampler.verify(logits, drafts, position=at)
     tops = tuple(sampler.alternatives(row) for row in logits[: len(tokens)]) if wants_top else None
     return _Chosen(tuple(tokens), tuple(logprobs), tops)

@@ -36,7 +36,7 @@ from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol.prefix import MAX_PREFIX_BLOCKS
 from meshnet.protocol.wire import TensorFrame
-from meshnet.sampling import Alternatives
+from meshnet.sampling import Alternatives, Draw
 
 __all__ = [
     "AnswerKind",
@@ -297,6 +297,7 @@ class HopAnswer:
     accepted: int = 0  # TOKENS: the drafts kept
     session: SessionId | None = None  # REROUTED
     next_hops: tuple[str, ...] = ()  # REROUTED
+    draw: Draw | None = None  # TOKEN: the distribution the tail drew it from (sampling.Draw)
 
     @property
     def status(self) -> int:
@@ -320,7 +321,9 @@ class HopAnswer:
             }
         if kind is AnswerKind.TOKEN:
             top = {"top": _pairs(self.top)} if self.top is not None else {}
-            return {"token": self.token, "logprob": self.logprob, **top, "position": self.position, "hops": hops}
+            draw = {"draw": self.draw.to_json()} if self.draw is not None else {}
+            return {"token": self.token, "logprob": self.logprob, **top, **draw, "position": self.position,
+                    "hops": hops}  # fmt: skip
         tops = {"tops": [_pairs(t) for t in self.tops]} if self.tops is not None else {}
         return {
             "tokens": list(self.tokens),
@@ -379,9 +382,10 @@ class HopAnswer:
         token, logprob = raw.get("token"), raw.get("logprob")
         if not _integer(token) or not _number(logprob):
             raise ValueError('a hop answer carries "token" (an integer) and "logprob" (a number)')
-        top = raw.get("top")
+        top, draw = raw.get("top"), raw.get("draw")
         return cls(AnswerKind.TOKEN, entries, position=position, token=int(token), logprob=float(logprob),  # type: ignore[arg-type]
-                   top=None if top is None else _alternatives(top))  # fmt: skip
+                   top=None if top is None else _alternatives(top),
+                   draw=None if draw is None else Draw.from_json(draw))  # fmt: skip
 
 
 def remote_error(error: MeshnetError, *, sender: str, sender_is_head: bool) -> MeshnetError:
