@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from meshnet.protocol.signing import HopKey
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
+from meshnet.protocol.signing import HopKey, claim_of
 from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_member_key
 from meshnet.security.membership import SwarmAuthority
 from meshnet.security.transport import TLS_EXTENSION, ASGIApp
@@ -63,10 +64,25 @@ def tracker(tmp_path: Path) -> Iterator[PrivateTracker]:
         db.close()
 
 
+NODE_KEYS: dict[str, HopKey] = {}
+
+
+def node_key(node_id: str) -> HopKey:
+    """The hop key a node of these tests registers with and signs its receipts with."""
+    return NODE_KEYS.setdefault(node_id, HopKey.generate())
+
+
+def receipt(node_id: str, layers: str, session_id: str, held: int) -> dict[str, Any]:
+    """A lone node's receipt for ``held`` positions of a session (it is head and tail: tracker.receipts)."""
+    entry = HopEntry(node_id, layers, 1.0, held, "00" * 16, None, held)
+    answer = HopAnswer(AnswerKind.TOKEN, (entry,), position=held, token=1, logprob=-0.1)
+    return {"entry": node_key(node_id).sign(session_id, entry, answer).to_json(), "answer": claim_of(answer)}
+
+
 def register(tracker: PrivateTracker, node_id: str, layers: str, *, trusted: bool, tps: float = 100.0) -> None:
     body = {"node_id": node_id, "url": f"https://{node_id}.local:7000", "model": MODEL, "layers": layers,
             "total_layers": 30, "backend": "fake", "kv_bytes_free": 1 << 30, "prefill_tps": tps * 10,
-            "decode_tps": tps, "numerics": "fake 1; threads 1", "hop_key": HopKey.generate().public,
+            "decode_tps": tps, "numerics": "fake 1; threads 1", "hop_key": node_key(node_id).public,
             "trusted": not trusted}  # a claim in the body: ignored, the certificate decides  # fmt: skip
     answer = tracker.member(node_id, trusted=trusted).post("/v1/nodes", json=body)
     assert answer.status_code in (200, 201), answer.text
@@ -94,8 +110,9 @@ def measure(tracker: PrivateTracker, node_id: str, layers: str, *, steps: int = 
     session = gateway.post("/v1/sessions", json={"model": MODEL, "total_layers": 30}).json()
     assert route(session) == [node_id], session
     work = {"node_id": node_id, "layers": layers, "prefill_tokens": 8, "decode_tokens": steps}
+    signed = receipt(node_id, layers, session["session_id"], 8 + steps)
     report = {"session_id": session["session_id"], "route_id": session["route_id"], "records": [work],
-              "decode_s": steps * 0.001}  # fmt: skip
+              "decode_s": steps * 0.001, "receipts": [signed]}  # fmt: skip
     answer = gateway.post("/v1/billing", json=report)
     assert answer.status_code == 201 and answer.json()["speed_check"]["plausible"], answer.text
 

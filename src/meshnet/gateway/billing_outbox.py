@@ -36,6 +36,8 @@ import httpx
 
 from meshnet.fsutil import PRIVATE_MODE, write_atomic
 from meshnet.httputil import error_message
+from meshnet.protocol.messages import HopAnswer
+from meshnet.protocol.signing import claim_of
 from meshnet.routes import Hop, RoutePlan
 from meshnet.tracker.billing import MAX_DECODE_S
 
@@ -64,12 +66,25 @@ class Usage:
 
     nodes: dict[str, _NodeUsage] = field(default_factory=dict)
     decode_s: float = 0.0
+    # Each node's latest signed entry of the session, from an answer the gateway verified (with the
+    # answer it vouched for, at the tail): its receipt (tracker.receipts).
+    receipts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def add(self, hops: Iterable[Hop], *, prefill: int = 0, decode: int = 0) -> None:
         for hop in hops:
             entry = self.nodes.setdefault(hop.node, _NodeUsage(str(hop.layers)))
             entry.prefill_tokens += prefill
             entry.decode_tokens += decode
+
+    def signed(self, answer: HopAnswer) -> None:
+        """The entries of an answer the gateway verified: each node's becomes its receipt so far."""
+        last = len(answer.hops) - 1
+        for i, entry in enumerate(answer.hops):
+            if entry.signature is not None:
+                self.receipts[entry.node] = {
+                    "entry": entry.to_json(),
+                    "answer": claim_of(answer) if i == last else None,
+                }
 
     def decoded(self, seconds: float) -> None:
         """One decode step took ``seconds`` (a clock that went backwards counts 0)."""
@@ -124,6 +139,9 @@ class BillingOutbox:
             return  # nothing was computed (e.g. refused before prefill)
         body: dict[str, Any] = {"session_id": plan.session_id, "route_id": plan.route_id, "records": records}
         body["outcome"] = outcome
+        receipts = [usage.receipts[r["node_id"]] for r in records if r["node_id"] in usage.receipts]
+        if receipts:
+            body["receipts"] = receipts
         if usage.decode_s > 0 and any(r["decode_tokens"] for r in records):
             body["decode_s"] = round(min(usage.decode_s, MAX_DECODE_S), 6)  # the tracker refuses more
         self._enqueue({**body, "_created": time.time()}, spooled=False)

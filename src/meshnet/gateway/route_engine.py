@@ -391,7 +391,7 @@ class RouteEngine:
                 yield RouteChange("reroute", failure.message, failed.node, run.plan, run.retries, 0, _since(began))
                 continue
             if answer is not None:
-                _verified(run.ledger, run.plan, answer)
+                _verified(run, answer)
                 run.usage.add(run.plan.hops, prefill=len(tokens) - run.cached)
             return answer
 
@@ -491,12 +491,12 @@ class RouteEngine:
         run.usage.decoded(took)  # the tracker checks the route's advertised speeds by it
         kept = _kept(answer, position, len(chunk))
         if direct:  # every entry describes the whole chunk: the hops drop drafts lazily
-            _verified(run.ledger, run.plan, answer)
+            _verified(run, answer)
             run.ledger.rewind(kept)
             run.surplus = kept < position + len(chunk)
         else:
             run.ledger.rewind(kept)
-            _verified(run.ledger, run.plan, answer)
+            _verified(run, answer)
         run.usage.add(run.plan.hops, decode=kept - position)
         return answer
 
@@ -649,7 +649,7 @@ class RouteEngine:
                 above[:0] = cleared.hops[:1]
             answer = answer.after(*above)
         self._check_tokens(answer, run)
-        _verified(run.ledger, run.plan, answer)  # the repaired route holds what the old one did
+        _verified(run, answer)  # the repaired route holds what the old one did
         run.usage.add(new_hops[first : first + count], prefill=position - restored)
         run.usage.add(new_hops, decode=1)
         kept = {h.url for h in new_hops}
@@ -777,7 +777,7 @@ class RouteEngine:
         expected = ChunkLedger(False, list(run.ledger.ends), list(run.ledger.inputs))
         expected.rewind(held)
         try:
-            _verified(expected, plan, answer)
+            _verified(run, answer, expected)
         except RouteInconsistent as exc:
             _log.warning("prefix cache: route %s holds other KV for this prompt's blocks (%s); prefilling cold",
                          plan.route_id, exc.message)  # fmt: skip
@@ -917,14 +917,17 @@ def _ticketed(plan: RoutePlan) -> dict[str, str]:
     return {} if plan.ticket is None else {H.TICKET: plan.ticket}
 
 
-def _verified(expected: ChunkLedger, plan: RoutePlan, answer: HopAnswer) -> None:
+def _verified(run: _Run, answer: HopAnswer, expected: ChunkLedger | None = None) -> None:
     """Raise ``RouteInconsistent`` unless ``answer``'s entries show the route holding what ``expected``
-    says, each computed from what the hop before it sent (``verify_hops``), and each signed by its
-    own hop's key, the tail's over the answer too (``check_signatures``; for an answer with tokens
-    ``_check_tokens`` checked them before looking at its tokens)."""
-    verify_hops(expected, plan.hops, answer.hops)
+    (by default the run's ledger) says, each computed from what the hop before it sent
+    (``verify_hops``), and each signed by its own hop's key, the tail's over the answer too
+    (``check_signatures``; for an answer with tokens ``_check_tokens`` checked them before looking
+    at its tokens). The entries become the nodes' receipts for the session (``Usage.signed``)."""
+    plan = run.plan
+    verify_hops(run.ledger if expected is None else expected, plan.hops, answer.hops)
     if answer.kind not in CLAIMED_KINDS:
         check_signatures(plan.session_id, plan.hops, answer)
+    run.usage.signed(answer)
 
 
 def _text_or_none(value: Any) -> str | None:

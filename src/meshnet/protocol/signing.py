@@ -33,7 +33,16 @@ from meshnet.errors import RouteInconsistent
 from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
 from meshnet.routes import Hop
 
-__all__ = ["CLAIMED_KINDS", "HOP_KEY_CHARS", "HopKey", "check_public_key", "check_signatures", "signed_bytes"]
+__all__ = [
+    "CLAIMED_KINDS",
+    "HOP_KEY_CHARS",
+    "HopKey",
+    "check_public_key",
+    "check_signatures",
+    "claim_of",
+    "signed_by",
+    "signed_bytes",
+]
 
 _DOMAIN = b"meshnet-hop-entry/1\n"
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
@@ -113,6 +122,17 @@ def _public(text: str) -> Ed25519PublicKey:
     return key
 
 
+def signed_by(key: str, session: str, entry: HopEntry, claim: dict[str, Any] | None) -> bool:
+    """Whether ``entry`` carries the signature of ``key`` over itself, ``session`` and ``claim``."""
+    if entry.signature is None:
+        return False
+    try:
+        _public(key).verify(_unb64(entry.signature), signed_bytes(session, entry, claim))
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+    return True
+
+
 def check_signatures(session: str, route: Sequence[Hop], answer: HopAnswer) -> None:
     """Raise ``RouteInconsistent`` unless every entry of ``answer`` is signed by the key the tracker
     pinned for its hop of ``route`` (a hop pinned without a key, an in-process route, is not
@@ -125,11 +145,8 @@ def check_signatures(session: str, route: Sequence[Hop], answer: HopAnswer) -> N
         if entry.signature is None:
             raise RouteInconsistent(f"{where} is not signed: a hop answered for it, or it runs an older Meshnet")
         claim = claim_of(answer) if i == last else None
-        try:
-            signature = _unb64(entry.signature)
-            _public(hop.key).verify(signature, signed_bytes(session, entry, claim))
-        except (InvalidSignature, ValueError, binascii.Error):
+        if not signed_by(hop.key, session, entry, claim):
             what = "and the answer it vouches for" if claim is not None else ""
             raise RouteInconsistent(
                 f"{where} {what} does not carry its signature: another hop made it up or changed it".replace("  ", " ")
-            ) from None
+            )

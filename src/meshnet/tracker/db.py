@@ -37,6 +37,9 @@ _sessions = sa.Table(
     sa.Column("ended_reason", sa.Text, nullable=True),
     # Every "NODE_ID LAYERS" that was ever on the route (repairs add to it): whose work may be billed.
     sa.Column("members", sa.Text, nullable=False, server_default="[]"),
+    # {"NODE_ID LAYERS": hop key} of every member that advertised one (protocol.signing): its
+    # billing receipts are checked against it, after a repair replaced it too.
+    sa.Column("hop_keys", sa.Text, nullable=False, server_default="{}"),
     # 1: the session's route and every repair of it take trusted nodes only (POST /v1/sessions).
     sa.Column("trusted_only", sa.Integer, nullable=False, server_default="0"),
     # The member (a private swarm's gateway) that opened it: only it repairs, reports, bills, closes.
@@ -61,6 +64,8 @@ _billing = sa.Table(
     sa.Column("units", sa.Float, nullable=False),
     sa.Column("outcome", sa.String(16), nullable=False),
     sa.Column("recorded_at", sa.Float, nullable=False),
+    # The node's signed receipt for the work (tracker.receipts; JSON), checked when the record was taken.
+    sa.Column("receipt", sa.Text, nullable=True),
     sa.UniqueConstraint("session_id", "node_id", name="billing_session_node"),
 )
 _BILLING_FIELDS = [c.name for c in _billing.columns if c.name != "id"]
@@ -75,10 +80,16 @@ class BillingRow:
     n_layers: int
     prefill_tokens: int
     decode_tokens: int
+    receipt: str | None = None  # its signed receipt, as JSON
 
 
 def _members(hops: Sequence[dict[str, Any]], before: Sequence[str]) -> list[str]:
     return sorted({*before, *(member(h["node_id"], h["layers"]) for h in hops)})
+
+
+def _hop_keys(hops: Sequence[dict[str, Any]], before: dict[str, str]) -> dict[str, str]:
+    keys = {member(h["node_id"], h["layers"]): h["hop_key"] for h in hops if isinstance(h.get("hop_key"), str)}
+    return {**before, **keys}
 
 
 def _stored_members(raw: str, hops: Sequence[dict[str, Any]]) -> list[str]:
@@ -132,6 +143,7 @@ class TrackerDB:
         row = {**session, "hops": json.dumps(session["hops"]), "status": "open", "updated": session["created"]}
         row["trusted_only"] = int(bool(session.get("trusted_only")))
         row["members"] = json.dumps(_members(session["hops"], []))
+        row["hop_keys"] = json.dumps(_hop_keys(session["hops"], {}))
         with self._engine.begin() as conn:
             conn.execute(sa.insert(_sessions).values(**row))
 
@@ -142,22 +154,27 @@ class TrackerDB:
             return None
         hops = json.loads(row["hops"])
         members = _stored_members(row["members"], hops)
-        return {**row, "hops": hops, "members": members, "trusted_only": bool(row["trusted_only"])}
+        keys = json.loads(row["hop_keys"]) or _hop_keys(hops, {})
+        return {**row, "hops": hops, "members": members, "hop_keys": keys, "trusted_only": bool(row["trusted_only"])}
 
     def repin_session(self, session_id: str, hops: list[dict[str, Any]]) -> None:
         """A repaired route: the session's new hops (route id and session stay); the replaced hops stay
         members (their work is billed)."""
         with self._engine.begin() as conn:
             row = conn.execute(
-                sa.select(_sessions.c.hops, _sessions.c.members).where(_sessions.c.session_id == session_id)
+                sa.select(_sessions.c.hops, _sessions.c.members, _sessions.c.hop_keys).where(
+                    _sessions.c.session_id == session_id
+                )
             ).first()
             before = _stored_members(row.members, json.loads(row.hops)) if row is not None else []
+            keys = _hop_keys(hops, json.loads(row.hop_keys) if row is not None else {})
             conn.execute(
                 sa.update(_sessions)
                 .where(_sessions.c.session_id == session_id)
                 .values(
                     hops=json.dumps(hops),
                     members=json.dumps(_members(hops, before)),
+                    hop_keys=json.dumps(keys),
                     repairs=_sessions.c.repairs + 1,
                     updated=time.time(),
                 )
@@ -215,6 +232,7 @@ class TrackerDB:
                     "units": b.units,
                     "outcome": outcome,
                     "recorded_at": now,
+                    "receipt": row.receipt,
                 }
             )
         try:

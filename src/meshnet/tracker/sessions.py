@@ -54,6 +54,7 @@ from meshnet.tracker.db import BillingRow, TrackerDB, member
 from meshnet.tracker.failures import FailureLedger
 from meshnet.tracker.limits import FAILURES, REPAIRS, RateLimits
 from meshnet.tracker.plausibility import SpeedChecks
+from meshnet.tracker.receipts import Receipt, check_receipts
 from meshnet.tracker.repair import PinnedHop, Repair, equivalent_nodes, plan_repair
 from meshnet.tracker.routing import NodeRecord, RouteChoice, RouteRequest, select_routes
 
@@ -144,6 +145,9 @@ class BillingReport(BaseModel):
     # Seconds the gateway spent in the session's decode steps (tracker.plausibility judges the route's
     # advertised speeds by it); None: not measured (an older gateway), nothing is judged.
     decode_s: float | None = Field(None, ge=0, le=MAX_DECODE_S, allow_inf_nan=False, strict=True)
+    # One signed receipt per billed node (tracker.receipts); None: an older gateway sent none, which a
+    # private swarm refuses.
+    receipts: list[Receipt] | None = Field(None, max_length=1000)
 
 
 SchemaT = TypeVar("SchemaT", bound=BaseModel)
@@ -681,6 +685,15 @@ class SessionsApi:
                     param="records.node_id",
                 )
             rows.append(BillingRow(work.node_id, str(layers), len(layers), work.prefill_tokens, work.decode_tokens))
+        if req.receipts is not None:
+            proofs = check_receipts(session, rows, req.receipts)
+            rows = [replace(row, receipt=proofs.get(row.node_id)) for row in rows]
+        elif session.get("owner") is not None:  # a private swarm's gateway
+            raise InvalidRequest(
+                f"session {req.session_id} is billed without receipts: a private swarm bills only the work its "
+                "nodes signed for (send each billed node's receipt; upgrade this gateway)",
+                param="receipts",
+            )
         fresh = self.db.record_billing(session, req.outcome, rows)
         self.db.end_session(req.session_id, "closed", f"billed ({req.outcome})")
         answer: dict[str, Any] = {"session_id": req.session_id, "duplicate": not fresh}
