@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from meshnet.sampling import Draw, Sampler, SamplingParams, check_draw
+from meshnet.sampling import SORTED_HEAD, Draw, Sampler, SamplingParams, check_draw
 
 
 def _logits(seed: int = 0, vocab: int = 64) -> np.ndarray:
@@ -453,3 +453,42 @@ def test_a_draw_the_grammar_constrained_is_committed_on_its_own_stream_and_re_de
             assert check_draw(params, _over_the_wire(draw), token, 5) is None
             assert check_draw(dataclasses.replace(params, grammar=""), draw, token, 5) is not None
     assert checked > 50  # about half the unconstrained choices are odd
+
+
+def _sorted_reference(logits: np.ndarray, params: SamplingParams) -> dict[int, float]:
+    """The distribution by a full sort of the vocabulary (what ``_distribution`` computed before it
+    sorted only its head): token id -> probability."""
+    candidates, values = np.arange(logits.shape[0]), logits.astype(np.float64)
+    if 0 < params.top_k < values.shape[0]:
+        keep = np.argpartition(values, -params.top_k)[-params.top_k :]
+        candidates, values = candidates[keep], values[keep]
+    order = np.lexsort((candidates, -values))
+    candidates, values = candidates[order], values[order] / params.temperature
+    probs = np.exp(values - values[0])
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
+        candidates, probs = candidates[:cut], probs[:cut] / probs[:cut].sum()
+    return dict(zip(candidates.tolist(), probs.tolist(), strict=True))
+
+
+@pytest.mark.parametrize("peaked", [True, False], ids=["peaked", "flat"])
+def test_the_distribution_sorts_its_head_and_is_the_full_sorts_distribution(peaked: bool):
+    rng = np.random.default_rng(12)
+    for _ in range(40):
+        vocab = int(rng.integers(300, 5000))
+        logits = (rng.standard_normal(vocab) * 2).astype(np.float32)
+        if peaked:  # a language model's: a few tokens far above the rest
+            logits[rng.choice(vocab, 8, replace=False)] += 12
+        params = SamplingParams(temperature=float(rng.choice([0.5, 1.0, 1.7])), top_p=float(rng.choice([1.0, 0.9])),
+                                top_k=int(rng.choice([0, 40, 400])), seed=1)  # fmt: skip
+        candidates, probs = Sampler(params)._distribution(logits)
+        head = min(SORTED_HEAD, candidates.shape[0])
+        assert np.all(np.diff(probs[:head]) <= 0)  # the head is sorted, most likely first
+        if head < candidates.shape[0]:
+            assert probs[head:].max() <= probs[head - 1]  # nothing after it is more likely
+            # the rest in id order; or, where top-p needed more than the head, everything sorted
+            assert np.all(np.diff(candidates[head:]) > 0) or np.all(np.diff(probs) <= 0)
+        reference = _sorted_reference(logits, params)
+        assert set(candidates.tolist()) == set(reference)
+        assert np.allclose(probs, [reference[t] for t in candidates.tolist()], rtol=1e-9, atol=1e-15)
