@@ -427,7 +427,7 @@ def _greedy_draw(logits: Logits, token: int, stream: int, log_z: float | None = 
     best = best[np.lexsort((best, -logits[best].astype(np.float64)))]
     ids = [token, *(int(t) for t in best if int(t) != token)][:n]
     log_z = _log_z(logits) if log_z is None else log_z
-    probs = tuple(min(1.0, max(0.0, float(np.exp(np.float64(logits[t]) - log_z)))) for t in ids)
+    probs = tuple(np.clip(np.exp(logits[ids].astype(np.float64) - log_z), 0.0, 1.0).tolist())
     return Draw(tuple(ids), probs, 1.0, int(logits.shape[0]), stream)
 
 

@@ -238,7 +238,8 @@ class NodeService:
         self._record(s, request.sizes, tokens, hidden, frame)
         if direct is not None:
             s.seq = direct.seq
-        me = self._entry(s, compute_ms, positions=n)
+        answers = self.info.layers.is_tail and request.final and not request.replay  # signed with its answer
+        me = self._entry(s, compute_ms, positions=n, sign=not answers)
         if self.info.layers.is_tail:
             if request.replay:
                 return HopAnswer(AnswerKind.REPLAYED, (me,), count=n)
@@ -355,7 +356,7 @@ class NodeService:
         kept = start + len(tokens)
         await self.rewind(s, kept)
         if not direct:
-            me = self._entry(s, me.compute_ms, positions=me.positions)
+            me = self._entry(s, me.compute_ms, positions=me.positions, sign=False)
         answer = HopAnswer(
             AnswerKind.TOKENS, (me,), position=kept, tokens=tuple(tokens), logprobs=tuple(logprobs), tops=tops,
             drafted=len(drafts), accepted=len(tokens) - 1,
@@ -1009,9 +1010,11 @@ class NodeService:
             s.ledger.record(size, inputs[at : at + size].tobytes(), out)
             at += size
 
-    def _entry(self, s: NodeSession, compute_ms: float = 0.0, positions: int | None = None) -> HopEntry:
+    def _entry(
+        self, s: NodeSession, compute_ms: float = 0.0, positions: int | None = None, *, sign: bool = True
+    ) -> HopEntry:
         """This hop's entry in an answer: who computed what, and its ledger (protocol.ledger), signed
-        (protocol.signing)."""
+        (protocol.signing) unless the caller signs it with its answer (``sign=False``)."""
         ledger = s.ledger.describe()
         out = ledger.get("output_digest")
         entry = HopEntry(
@@ -1023,7 +1026,7 @@ class NodeService:
             output_digest=None if out is None else str(out),
             positions=positions,
         )
-        return self.config.hop_key.sign(s.session, entry)
+        return self.config.hop_key.sign(s.session, entry) if sign else entry
 
 
 @dataclass(frozen=True, slots=True)
