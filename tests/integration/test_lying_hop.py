@@ -15,9 +15,11 @@ so the tracker puts it on the route.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,12 +32,13 @@ from starlette.routing import Route
 from meshnet.protocol.messages import HopAnswer
 from meshnet.protocol.signing import HopKey
 from tests.asgi import serve_in_thread
-from tests.procs import meshnet_process
+from tests.procs import Proc, meshnet_process
 
 pytestmark = pytest.mark.real
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 OUT_OF_VOCABULARY = 10**9
+Rewrite = Callable[[str, dict[str, Any]], dict[str, Any] | None]  # (request path, JSON answer) -> changed or None
 _HOP_HEADERS_DROPPED = ("host", "content-length", "transfer-encoding", "connection")
 
 
@@ -44,9 +47,7 @@ class Liar:
     With a ``key`` it is a tail that signs its lies: every answer it changed is signed anew with the
     key it advertises (protocol.signing); without one its changes keep the backend's signature."""
 
-    def __init__(
-        self, backend: str, rewrite: Callable[[str, dict[str, Any]], dict[str, Any] | None], key: HopKey | None = None
-    ) -> None:
+    def __init__(self, backend: str, rewrite: Rewrite, key: HopKey | None = None) -> None:
         self.backend = backend
         self.rewrite = rewrite
         self.key = key
@@ -78,7 +79,7 @@ class Liar:
         return str(httpx.get(f"{backend}/v1/health", timeout=10).json()["hop_key"])
 
 
-def out_of_vocabulary_at(step: int) -> Callable[[str, dict[str, Any]], dict[str, Any] | None]:
+def out_of_vocabulary_at(step: int) -> Rewrite:
     """The ``step``-th decode or verify answer names a token no vocabulary has."""
     seen = [0]
 
@@ -107,38 +108,59 @@ def wait_nodes(tracker: str, names: set[str]) -> dict[str, dict[str, Any]]:
         time.sleep(0.2)
 
 
-def test_a_tail_answering_a_token_outside_the_vocabulary_is_repaired_and_the_text_is_unchanged(tmp_path) -> None:
+@contextlib.contextmanager
+def _swarm(tmp_path: Path, liar_layers: str) -> Iterator[tuple[str, Proc, Proc]]:
+    """A tracker with a head (0:15) and a tail (15:30) registered, a gateway, and a node of
+    ``liar_layers`` that is not registered: the backend a liar fronts. Yields the tracker's URL, the
+    gateway and the backend."""
     db = f"sqlite:///{tmp_path}/tracker.db"
     with meshnet_process(["tracker", "--port", "0", "--db", db]) as tracker:
         common = ["--threads", "1", "--ctx", "512"]
         with (
             meshnet_process(["node", "--layers", "0:15", "--node-id", "head", "--tracker", tracker.url, *common]),
-            meshnet_process(["node", "--layers", "15:30", "--node-id", "honest", "--tracker", tracker.url, *common]),
-            meshnet_process(["node", "--layers", "15:30", "--node-id", "liar", *common]) as backend,
+            meshnet_process(["node", "--layers", "15:30", "--node-id", "tail", "--tracker", tracker.url, *common]),
+            meshnet_process(["node", "--layers", liar_layers, "--node-id", "liar", *common]) as backend,
             meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--ctx", "512"]) as gateway,
         ):
-            honest = wait_nodes(tracker.url, {"head", "honest"})["honest"]
-            liar = Liar(backend.url, out_of_vocabulary_at(3), key=HopKey.generate())
-            with serve_in_thread(liar.app) as liar_url:
-                # Same numerics as the honest tail (so it may replace the liar exactly), absurdly fast.
-                advert = {**honest, "node_id": "liar", "url": liar_url, "decode_tps": 1e6, "prefill_tps": 1e6}
-                advert["hop_key"] = liar.public_key(backend.url)
-                advert.update(idle_s=0.0, heartbeat_s=15.0)
-                assert httpx.post(f"{tracker.url}/v1/nodes", json=advert, timeout=10).status_code in (200, 201)
-                body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 24, "temperature": 0}
-                first = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
-                assert first.status_code == 200, first.text
-                gid = first.headers["x-meshnet-generation-id"]
-                events = httpx.get(f"{gateway.url}/v1/generations/{gid}/events", timeout=30).text
-                retries = [json.loads(line[6:]) for line in events.splitlines() if '"route.retry"' in line]
-                assert liar.lied, "the liar was never on the route"
-                assert [r["failed_node"] for r in retries] == ["liar"], retries
-                assert "vocabulary" in retries[0]["reason"], retries
-                # The liar is off the live set now: the same request runs head -> honest, undisturbed.
-                again = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
-                assert again.status_code == 200, again.text
-                assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
-            assert gateway.popen.poll() is None
+            wait_nodes(tracker.url, {"head", "tail"})
+            yield tracker.url, gateway, backend
+            assert gateway.popen.poll() is None  # whatever the liar did, the gateway stands
+
+
+def _register_liar(tracker: str, like: str, liar: Liar, backend: Proc, url: str) -> None:
+    """Register the liar at ``url`` as node ``like``'s twin (the same numerics, so that node may
+    replace it exactly), absurdly fast, so the tracker routes through it."""
+    twin = wait_nodes(tracker, {like})[like]
+    advert = {**twin, "node_id": "liar", "url": url, "decode_tps": 1e6, "prefill_tps": 1e6}
+    advert.update(hop_key=liar.public_key(backend.url), idle_s=0.0, heartbeat_s=15.0)
+    assert httpx.post(f"{tracker}/v1/nodes", json=advert, timeout=10).status_code in (200, 201)
+
+
+def _a_lying_tail_is_repaired(tmp_path: Path, rewrite: Rewrite, body: dict[str, Any], reason: tuple[str, ...]) -> None:
+    """A route head -> liar, where the liar is a tail that signs its lies (``rewrite``), and an honest
+    tail of the same numerics beside it: ``body``'s completion is repaired once, around the liar only,
+    for a ``reason`` that names one of the words given, and its text is the honest route's."""
+    with _swarm(tmp_path, "15:30") as (tracker, gateway, backend):
+        liar = Liar(backend.url, rewrite, key=HopKey.generate())
+        with serve_in_thread(liar.app) as liar_url:
+            _register_liar(tracker, "tail", liar, backend, liar_url)
+            first = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
+            assert first.status_code == 200, first.text
+            gid = first.headers["x-meshnet-generation-id"]
+            events = httpx.get(f"{gateway.url}/v1/generations/{gid}/events", timeout=30).text
+            retries = [json.loads(line[6:]) for line in events.splitlines() if '"route.retry"' in line]
+            assert liar.lied, "the liar was never on the route"
+            assert [r["failed_node"] for r in retries] == ["liar"], retries
+            assert any(word in retries[0]["reason"] for word in reason), retries
+            # The liar is off the live set now: the same request runs head -> honest, undisturbed.
+            again = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
+            assert again.status_code == 200, again.text
+            assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
+
+
+def test_a_tail_answering_a_token_outside_the_vocabulary_is_repaired_and_the_text_is_unchanged(tmp_path) -> None:
+    body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 24, "temperature": 0}
+    _a_lying_tail_is_repaired(tmp_path, out_of_vocabulary_at(3), body, ("vocabulary",))
 
 
 def _change_token(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
@@ -161,39 +183,26 @@ def _rewrite_tail_entry(path: str, data: dict[str, Any]) -> dict[str, Any] | Non
 @pytest.mark.parametrize(("rewrite", "caught"), [(_change_token, "answer it vouches for"), (_rewrite_tail_entry, "")],
                          ids=["changed-token", "rewritten-entry"])  # fmt: skip
 def test_a_head_that_changes_what_the_tail_answered_is_caught_on_that_answer(
-    tmp_path, rewrite: Callable[[str, dict[str, Any]], dict[str, Any] | None], caught: str
+    tmp_path, rewrite: Rewrite, caught: str
 ) -> None:
-    db = f"sqlite:///{tmp_path}/tracker.db"
-    with meshnet_process(["tracker", "--port", "0", "--db", db]) as tracker:
-        common = ["--threads", "1", "--ctx", "512"]
-        with (
-            meshnet_process(["node", "--layers", "0:15", "--node-id", "head", "--tracker", tracker.url, *common]),
-            meshnet_process(["node", "--layers", "15:30", "--node-id", "tail", "--tracker", tracker.url, *common]),
-            meshnet_process(["node", "--layers", "0:15", "--node-id", "liar", *common]) as backend,
-            meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--ctx", "512"]) as gateway,
-        ):
-            head = wait_nodes(tracker.url, {"head", "tail"})["head"]
-            liar = Liar(backend.url, rewrite)
-            with serve_in_thread(liar.app) as liar_url:
-                advert = {**head, "node_id": "liar", "url": liar_url, "decode_tps": 1e6, "prefill_tps": 1e6}
-                advert["hop_key"] = liar.public_key(backend.url)
-                advert.update(idle_s=0.0, heartbeat_s=15.0)
-                assert httpx.post(f"{tracker.url}/v1/nodes", json=advert, timeout=10).status_code in (200, 201)
-                body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 8, "temperature": 0,
-                        "stream": True}  # fmt: skip
-                with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=120) as streamed:
-                    lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
-                assert liar.lied, "the liar was never on the route"
-                events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
-                texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
-                assert not "".join(texts), f"text from a forged answer reached the client: {texts}"
-                error = next(e["error"] for e in events if "error" in e)
-                assert error["code"] == "route_inconsistent", error
-                assert "node tail" in error["message"] and caught in error["message"], error
-            assert gateway.popen.poll() is None
+    with _swarm(tmp_path, "0:15") as (tracker, gateway, backend):
+        liar = Liar(backend.url, rewrite)
+        with serve_in_thread(liar.app) as liar_url:
+            _register_liar(tracker, "head", liar, backend, liar_url)
+            body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 8, "temperature": 0,
+                    "stream": True}  # fmt: skip
+            with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=120) as streamed:
+                lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+            assert liar.lied, "the liar was never on the route"
+            events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+            texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
+            assert not "".join(texts), f"text from a forged answer reached the client: {texts}"
+            error = next(e["error"] for e in events if "error" in e)
+            assert error["code"] == "route_inconsistent", error
+            assert "node tail" in error["message"] and caught in error["message"], error
 
 
-def changed_token_at(step: int) -> Callable[[str, dict[str, Any]], dict[str, Any] | None]:
+def changed_token_at(step: int) -> Rewrite:
     """The ``step``-th decode answer names another token (a valid one) than the tail drew."""
     seen = [0]
 
@@ -213,33 +222,6 @@ def changed_token_at(step: int) -> Callable[[str, dict[str, Any]], dict[str, Any
 def test_a_tail_that_signs_another_token_than_its_draw_gives_is_repaired_with_the_same_text(
     tmp_path, temperature: float
 ) -> None:
-    db = f"sqlite:///{tmp_path}/tracker.db"
-    with meshnet_process(["tracker", "--port", "0", "--db", db]) as tracker:
-        common = ["--threads", "1", "--ctx", "512"]
-        with (
-            meshnet_process(["node", "--layers", "0:15", "--node-id", "head", "--tracker", tracker.url, *common]),
-            meshnet_process(["node", "--layers", "15:30", "--node-id", "honest", "--tracker", tracker.url, *common]),
-            meshnet_process(["node", "--layers", "15:30", "--node-id", "liar", *common]) as backend,
-            meshnet_process(["gateway", "--tracker", tracker.url, "--port", "0", "--ctx", "512"]) as gateway,
-        ):
-            honest = wait_nodes(tracker.url, {"head", "honest"})["honest"]
-            liar = Liar(backend.url, changed_token_at(3), key=HopKey.generate())
-            with serve_in_thread(liar.app) as liar_url:
-                advert = {**honest, "node_id": "liar", "url": liar_url, "decode_tps": 1e6, "prefill_tps": 1e6}
-                advert.update(hop_key=liar.public_key(backend.url), idle_s=0.0, heartbeat_s=15.0)
-                assert httpx.post(f"{tracker.url}/v1/nodes", json=advert, timeout=10).status_code in (200, 201)
-                body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 16,
-                        "temperature": temperature, "seed": 1234}  # fmt: skip
-                first = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
-                assert first.status_code == 200, first.text
-                gid = first.headers["x-meshnet-generation-id"]
-                events = httpx.get(f"{gateway.url}/v1/generations/{gid}/events", timeout=30).text
-                retries = [json.loads(line[6:]) for line in events.splitlines() if '"route.retry"' in line]
-                assert liar.lied, "the liar was never on the route"
-                assert [r["failed_node"] for r in retries] == ["liar"], retries
-                assert "draw" in retries[0]["reason"] or "greedy" in retries[0]["reason"], retries
-                # The liar is off the live set now: the same seeded request runs head -> honest.
-                again = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
-                assert again.status_code == 200, again.text
-                assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
-            assert gateway.popen.poll() is None
+    body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 16, "temperature": temperature,
+            "seed": 1234}  # fmt: skip
+    _a_lying_tail_is_repaired(tmp_path, changed_token_at(3), body, ("draw", "greedy"))
