@@ -1,5 +1,5 @@
-"""Billing on evidence: each node's signed receipt for the work a gateway bills (docs/security.md,
-"Billing receipts").
+"""Billing on evidence: each node's signed receipt for the work a gateway bills (docs/billing.md,
+"Receipts: billing on evidence").
 
 A receipt is the latest entry a node signed in an answer of the session that the gateway verified
 (protocol.signing: the node's layers, the positions it holds, the running digests of what it
