@@ -78,6 +78,13 @@ def test_a_hop_cannot_make_up_another_hops_entry() -> None:
         check_signatures(SESSION, ROUTE, dataclasses.replace(answer, hops=(garbled, tail)))
 
 
+def test_a_hop_that_answers_alone_and_signs_the_token_itself_is_caught_before_the_tail_is_blamed() -> None:
+    head = _entry("head", "0:6")
+    alone = HopAnswer(AnswerKind.TOKEN, (head,), position=5, token=42, logprob=-0.125)
+    with pytest.raises(RouteInconsistent, match="answered for nodes"):
+        check_signatures(SESSION, ROUTE, wire(HEAD.sign_answer(SESSION, alone)))
+
+
 def test_an_entry_of_another_session_does_not_pass() -> None:
     with pytest.raises(RouteInconsistent):
         check_signatures("sess-2", ROUTE, wire(honest()))

@@ -134,11 +134,16 @@ def signed_by(key: str, session: str, entry: HopEntry, claim: dict[str, Any] | N
 
 
 def check_signatures(session: str, route: Sequence[Hop], answer: HopAnswer) -> None:
-    """Raise ``RouteInconsistent`` unless every entry of ``answer`` is signed by the key the tracker
-    pinned for its hop of ``route`` (a hop pinned without a key, an in-process route, is not
-    checked), the last one also over the answer's content."""
+    """Raise ``RouteInconsistent`` unless ``answer`` has one entry per hop of ``route``, in order, each
+    signed by the key the tracker pinned for its hop (a hop pinned without a key, an in-process
+    route, is not checked), the last one also over the answer's content. (Without the count, a hop
+    could answer alone, sign the answer itself and have the tail blamed for its token.)"""
+    if [e.node for e in answer.hops] != [h.node for h in route]:
+        raise RouteInconsistent(
+            f"the route answered for nodes {[e.node for e in answer.hops]}; the session is on {[h.node for h in route]}"
+        )
     last = len(answer.hops) - 1
-    for i, (hop, entry) in enumerate(zip(route, answer.hops, strict=False)):
+    for i, (hop, entry) in enumerate(zip(route, answer.hops, strict=True)):
         if hop.key is None:
             continue
         where = f"the entry of node {hop.node} (layers {hop.layers})"
