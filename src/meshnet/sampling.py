@@ -108,6 +108,14 @@ class Draw:
         return cls(tuple(ids), tuple(probs), total, size, stream)
 
 
+def _drawn_index(running: npt.NDArray[np.float64], total: float, uniform: float) -> int:
+    """Where ``uniform`` falls in the running sum of the probabilities (``running``, ``np.cumsum``)
+    normalized by ``total``: numpy's ``Generator.choice`` with ``p`` (one uniform, ``searchsorted``
+    on the right). The tail draws with it over every candidate, the gateway re-derives with it over
+    the committed first ones: the same additions and divisions, so the same bits."""
+    return int(np.searchsorted(running / total, uniform, side="right"))
+
+
 def draw_rng(seed: int, position: int, stream: int = 0) -> np.random.Generator:
     """The generator of a seeded draw: a function of the seed, the position and what it is for."""
     return np.random.default_rng([seed, position] if stream == 0 else [seed, position, stream])
@@ -126,8 +134,8 @@ def check_draw(params: SamplingParams, draw: Draw | None, token: int, position: 
         return None
     if params.seed is None:
         return None  # an unseeded draw cannot be re-derived; a gateway always seeds
-    cdf = np.cumsum(np.array(draw.probs, dtype=np.float64)) / draw.total
-    index = int(np.searchsorted(cdf, draw_rng(params.seed, position, draw.stream).random(), side="right"))
+    uniform = draw_rng(params.seed, position, draw.stream).random()
+    index = _drawn_index(np.cumsum(np.array(draw.probs, dtype=np.float64)), draw.total, uniform)
     if index < len(draw.ids):
         if draw.ids[index] != token:
             return f"the seed draws candidate {index} (token {draw.ids[index]}) from its distribution, not {token}"
@@ -363,10 +371,9 @@ class Sampler:
             token = int(np.argmax(logits))
             return token, _greedy_draw(logits, token, stream, log_z)
         candidates, probs = self._distribution(logits)
-        cdf = probs.cumsum()
-        total = float(cdf[-1])
-        cdf /= cdf[-1]
-        index = int(cdf.searchsorted(self._rng_for(position, stream).random(), side="right"))
+        running = np.cumsum(probs)
+        total = float(running[-1])
+        index = _drawn_index(running, total, self._rng_for(position, stream).random())
         n = min(COMMITTED, candidates.shape[0])
         draw = Draw(tuple(int(t) for t in candidates[:n]), tuple(float(p) for p in probs[:n]), total,
                     int(candidates.shape[0]), stream)  # fmt: skip

@@ -125,7 +125,7 @@ class _RoomlessRoute:
         from meshnet.gateway.route_engine import _Run
         from meshnet.protocol.ledger import ChunkLedger
 
-        run = _Run(_plan(self.info), "{}", SamplingParams(), Usage(), ChunkLedger(sends=False))
+        run = _Run(_plan(self.info), SamplingParams(), Usage(), ChunkLedger(sends=False))
         steps = self.engine._prefill_with_retries(run, [1, 2, 3], threading.Event())
         return list(steps)
 
@@ -188,7 +188,7 @@ def test_a_grammar_too_costly_fails_only_a_request_with_a_grammar(tmp_path: Any,
         yield  # a generator, as the real one
 
     route.engine._prefill = prefill  # type: ignore[method-assign]
-    run = _Run(_plan(route.info), "{}", SamplingParams(), Usage(), ChunkLedger(sends=False), grammar=grammar)
+    run = _Run(_plan(route.info), SamplingParams(), Usage(), ChunkLedger(sends=False), grammar=grammar)
     steps = route.engine._prefill_with_retries(run, [1, 2, 3], threading.Event())
     if grammar:
         with pytest.raises(InvalidRequest) as refused:

@@ -36,7 +36,7 @@ import httpx
 
 from meshnet.fsutil import PRIVATE_MODE, write_atomic
 from meshnet.httputil import error_message
-from meshnet.protocol.messages import HopAnswer
+from meshnet.protocol.messages import HopAnswer, HopEntry
 from meshnet.protocol.signing import claim_of
 from meshnet.routes import Hop, RoutePlan
 from meshnet.tracker.billing import MAX_DECODE_S
@@ -67,8 +67,8 @@ class Usage:
     nodes: dict[str, _NodeUsage] = field(default_factory=dict)
     decode_s: float = 0.0
     # Each node's latest signed entry of the session, from an answer the gateway verified (with the
-    # answer it vouched for, at the tail): its receipt (tracker.receipts).
-    receipts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # answer it vouched for, at the tail): its receipt (tracker.receipts), written out at billing.
+    receipts: dict[str, tuple[HopEntry, HopAnswer | None]] = field(default_factory=dict)
 
     def add(self, hops: Iterable[Hop], *, prefill: int = 0, decode: int = 0) -> None:
         for hop in hops:
@@ -81,10 +81,14 @@ class Usage:
         last = len(answer.hops) - 1
         for i, entry in enumerate(answer.hops):
             if entry.signature is not None:
-                self.receipts[entry.node] = {
-                    "entry": entry.to_json(),
-                    "answer": claim_of(answer) if i == last else None,
-                }
+                self.receipts[entry.node] = (entry, answer if i == last else None)
+
+    def receipt(self, node: str) -> dict[str, Any] | None:
+        """``node``'s receipt as the tracker takes it (``None``: it signed no entry)."""
+        if node not in self.receipts:
+            return None
+        entry, answer = self.receipts[node]
+        return {"entry": entry.to_json(), "answer": None if answer is None else claim_of(answer)}
 
     def decoded(self, seconds: float) -> None:
         """One decode step took ``seconds`` (a clock that went backwards counts 0)."""
@@ -139,7 +143,7 @@ class BillingOutbox:
             return  # nothing was computed (e.g. refused before prefill)
         body: dict[str, Any] = {"session_id": plan.session_id, "route_id": plan.route_id, "records": records}
         body["outcome"] = outcome
-        receipts = [usage.receipts[r["node_id"]] for r in records if r["node_id"] in usage.receipts]
+        receipts = [r for r in (usage.receipt(record["node_id"]) for record in records) if r is not None]
         if receipts:
             body["receipts"] = receipts
         if usage.decode_s > 0 and any(r["decode_tokens"] for r in records):

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -140,8 +141,7 @@ class _Run:
     sent them — every hop's ledger must agree with it, protocol.ledger)."""
 
     plan: RoutePlan
-    sampling: str
-    params: SamplingParams  # what ``sampling`` says: the tail's draws are re-derived with it (sampling.check_draw)
+    params: SamplingParams  # the tail samples with them; the gateway re-derives its draws (sampling.check_draw)
     usage: Usage
     ledger: ChunkLedger
     grammar: bool = False  # the tail samples under a grammar: a hop's grammar_too_costly is the request's 400
@@ -159,6 +159,11 @@ class _Run:
     # KV snapshots (node.snapshots): hop node id -> (its standby's node id, the positions snapshotted)
     standbys: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     snapshot_at: int = 0  # the positions the hops' latest snapshots hold (0: none taken)
+
+    @functools.cached_property
+    def sampling(self) -> str:
+        """``params`` as the route's first request carries them (``X-Meshnet-Sampling``)."""
+        return json.dumps(dataclasses.asdict(self.params))
 
     def add(self, tokens: Sequence[int]) -> None:
         """``tokens`` become the route's next chunk (a prompt chunk, or one decode step)."""
@@ -326,9 +331,7 @@ class RouteEngine:
             raise InvalidRequest("a route engine generates only on a planned route")
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")
-        params = sampler.params
-        run = _Run(plan, json.dumps(dataclasses.asdict(params)), params, Usage(), ChunkLedger(sends=False),
-                   grammar=bool(params.grammar))  # fmt: skip
+        run = _Run(plan, sampler.params, Usage(), ChunkLedger(sends=False), grammar=bool(sampler.params.grammar))
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
         hashes = block_hashes(tokens, self.prefill_chunk, namespace=plan.prefix_namespace) if self.prefix_cache else []
         run.prefix = PrefixClaim(self.prefill_chunk, tuple(hashes)) if hashes else None

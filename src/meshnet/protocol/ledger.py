@@ -37,6 +37,7 @@ __all__ = [
     "DIGEST_BYTES",
     "EMPTY_DIGEST",
     "ChunkLedger",
+    "check_answered_by",
     "extend_digest",
     "format_chunks",
     "pack_chunks",
@@ -166,16 +167,22 @@ class ChunkLedger:
         return fields
 
 
+def check_answered_by(route: Sequence[Hop], hops: Sequence[HopEntry]) -> None:
+    """Raise ``RouteInconsistent`` unless an answer's ``hops`` entries name the nodes of ``route``,
+    one each, in order."""
+    if [h.node for h in hops] != [h.node for h in route]:
+        raise RouteInconsistent(
+            f"the route answered for nodes {[h.node for h in hops]}; the session is on {[h.node for h in route]}"
+        )
+
+
 def verify_hops(expected: ChunkLedger, route: Sequence[Hop], hops: Sequence[HopEntry]) -> None:
     """Raise ``RouteInconsistent`` unless the ``hops`` entries of an answer show every hop of
     ``route`` holding the positions of ``expected`` (the gateway's own ledger of the token ids it
     sent), the head having computed them from those token ids in those chunks, and every other hop
     from exactly what the hop before it sent."""
     want = expected.describe()
-    if [h.node for h in hops] != [h.node for h in route]:
-        raise RouteInconsistent(
-            f"the route answered for nodes {[h.node for h in hops]}; the session is on {[h.node for h in route]}"
-        )
+    check_answered_by(route, hops)
     for i, (hop, seen) in enumerate(zip(route, hops, strict=True)):
         where = f"node {hop.node} (layers {hop.layers})"
         if seen.held != want["held"]:

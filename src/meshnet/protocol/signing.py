@@ -18,7 +18,6 @@ text that reads back as the same float, so the gateway, which parsed the answer,
 from __future__ import annotations
 
 import base64
-import binascii
 import dataclasses
 import json
 import re
@@ -30,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from meshnet.errors import RouteInconsistent
+from meshnet.protocol.ledger import check_answered_by
 from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
 from meshnet.routes import Hop
 
@@ -105,7 +105,7 @@ def check_public_key(text: str) -> str:
         raise ValueError(f"a hop key is {HOP_KEY_CHARS} characters of base64url (an Ed25519 public key)")
     try:
         Ed25519PublicKey.from_public_bytes(_unb64(text))
-    except (ValueError, binascii.Error):
+    except ValueError:  # binascii.Error is one
         raise ValueError("a hop key is an Ed25519 public key in base64url") from None
     return text
 
@@ -138,10 +138,7 @@ def check_signatures(session: str, route: Sequence[Hop], answer: HopAnswer) -> N
     signed by the key the tracker pinned for its hop (a hop pinned without a key, an in-process
     route, is not checked), the last one also over the answer's content. (Without the count, a hop
     could answer alone, sign the answer itself and have the tail blamed for its token.)"""
-    if [e.node for e in answer.hops] != [h.node for h in route]:
-        raise RouteInconsistent(
-            f"the route answered for nodes {[e.node for e in answer.hops]}; the session is on {[h.node for h in route]}"
-        )
+    check_answered_by(route, answer.hops)
     last = len(answer.hops) - 1
     for i, (hop, entry) in enumerate(zip(route, answer.hops, strict=True)):
         if hop.key is None:
@@ -151,7 +148,5 @@ def check_signatures(session: str, route: Sequence[Hop], answer: HopAnswer) -> N
             raise RouteInconsistent(f"{where} is not signed: a hop answered for it, or it runs an older Meshnet")
         claim = claim_of(answer) if i == last else None
         if not signed_by(hop.key, session, entry, claim):
-            what = "and the answer it vouches for" if claim is not None else ""
-            raise RouteInconsistent(
-                f"{where} {what} does not carry its signature: another hop made it up or changed it".replace("  ", " ")
-            )
+            what = f"{where} and the answer it vouches for" if claim is not None else where
+            raise RouteInconsistent(f"{what} does not carry its signature: another hop made it up or changed it")
