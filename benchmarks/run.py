@@ -36,6 +36,7 @@ BENCHES = {
     "chaos": "bench_chaos",
     "families": "bench_families",
     "real": "bench_real",
+    "audits": "bench_audits",
 }
 # Run only when asked for by name (`make chaos`): they take most of an hour.
 SLOW = {"chaos"}

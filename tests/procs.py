@@ -170,13 +170,15 @@ def join_member(swarm: Proc, role: str, member_id: str) -> Path:
 
 @contextlib.contextmanager
 def meshnet_process(
-    args: Sequence[str], *, ready_timeout_s: float = 180.0, prefix: Sequence[str] = ()
-) -> Iterator[Proc]:
+    args: Sequence[str], *, ready_timeout_s: float = 180.0, prefix: Sequence[str] = (),
+    command: Sequence[str] = MESHNET,
+) -> Iterator[Proc]:  # fmt: skip
     """Run ``meshnet ARGS`` until it prints ``listening on URL``; always stop it afterwards.
-    ``prefix`` runs it under a command that execs it, e.g. ``ip netns exec NS``."""
+    ``prefix`` runs it under a command that execs it, e.g. ``ip netns exec NS``; ``command`` runs
+    another program than ``meshnet`` (tests.liar_node)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     popen = subprocess.Popen(
-        [*prefix, *MESHNET, *args],
+        [*prefix, *command, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -318,6 +318,8 @@ UNADVERTISED = {
     "identity": None,
     "max_positions": 0,
     "context_length": 0,
+    "auditor": False,  # an auditor is listed but never routed (tracker.audits)
+    "suspended": None,  # no failed audit keeps it off the routes
 }
 
 

@@ -34,7 +34,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
     engine = sa.create_engine(url)
     with engine.begin() as conn:  # every test starts from empty tables
-        conn.execute(sa.text("DROP TABLE IF EXISTS sessions, billing_records"))
+        conn.execute(sa.text("DROP TABLE IF EXISTS sessions, billing_records, audits, suspensions"))
     engine.dispose()
 
 
@@ -89,7 +89,8 @@ def test_billing_records_are_written_once_and_read_back_with_totals(client: Test
         assert record["units"] == pytest.approx(one.units)
         assert record["outcome"] == "completed"
     assert data["totals"] == {"records": 3, "sessions": 1, "prefill_layer_tokens": 300, "decode_layer_tokens": 150,
-                              "units": pytest.approx(3 * one.units)}  # fmt: skip
+                              "units": pytest.approx(3 * one.units), "voided_records": 0,
+                              "voided_units": 0.0}  # fmt: skip
     assert client.get("/v1/sessions/" + session["session_id"]).json()["status"] == "closed"
     by_node = client.get("/v1/billing", params={"node_id": "b"}).json()
     assert [r["node_id"] for r in by_node["records"]] == ["b"] and by_node["totals"]["records"] == 1
@@ -291,5 +292,71 @@ def test_a_database_of_an_older_tracker_gets_the_new_columns_and_index(db_url: s
         indexes = {i["name"] for i in sa.inspect(engine).get_indexes("sessions")}
         engine.dispose()
         assert "sessions_status_updated" in indexes
+    finally:
+        db.close()
+
+
+def test_billing_records_of_an_older_tracker_get_the_voided_column(db_url: str):
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:  # billing_records as a tracker before audits wrote it (no "voided")
+        conn.execute(
+            sa.text(
+                "CREATE TABLE billing_records (id INTEGER PRIMARY KEY, session_id VARCHAR(64) NOT NULL, "
+                "node_id VARCHAR(128) NOT NULL, route_id VARCHAR(64) NOT NULL, model VARCHAR(512) NOT NULL, "
+                "layers VARCHAR(32) NOT NULL, prefill_tokens BIGINT NOT NULL, decode_tokens BIGINT NOT NULL, "
+                "prefill_layer_tokens BIGINT NOT NULL, decode_layer_tokens BIGINT NOT NULL, units FLOAT NOT NULL, "
+                "outcome VARCHAR(16) NOT NULL, recorded_at FLOAT NOT NULL, receipt TEXT)"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO billing_records VALUES (1, 'ses-old', 'a', 'rte-old', 'm', '0:10', 10, 5, 100, 50, "
+                "0.2, 'completed', 1.0, NULL)"
+            )
+        )
+    engine.dispose()
+    db = TrackerDB(db_url)
+    try:
+        [record], totals = db.billing()
+        assert record["voided"] is None and totals["units"] == pytest.approx(0.2) and totals["voided_records"] == 0
+        assert db.void_billing("a", "audit aud-1 failed the node (reexecuted): test") == 1
+        [record], totals = db.billing()
+        assert record["voided"].startswith("audit aud-1") and totals["units"] == 0
+        assert totals["voided_units"] == pytest.approx(0.2) and db.void_billing("a", "again") == 0
+    finally:
+        db.close()
+
+
+def test_audits_suspensions_and_voided_billing_are_kept_by_the_database(db_url: str):
+    from meshnet.tracker.audit_store import AuditRow
+    from meshnet.tracker.db import BillingRow
+
+    db = TrackerDB(db_url)
+    try:
+        session = {"session_id": "ses-1", "route_id": "rte-1", "model": MODEL, "created": 1.0,
+                   "hops": [{"node_id": "a", "layers": "0:30"}]}  # fmt: skip
+        db.save_session(session)
+        row = AuditRow("ses-1", "a", "0:30", "reexecuted", "fail", "wrong", ("x", "y"), "{}")
+        stored, fresh = db.audits.record(row)
+        again, fresh_again = db.audits.record(row)
+        assert fresh and not fresh_again and again == stored and stored["auditors"] == ["x", "y"]
+        db.audits.record(AuditRow("ses-1", "a", "0:30", "reexecuted", "pass", "fine", ("z",), "{}"))
+        assert [a["verdict"] for a in db.audits.listing()] == ["pass", "fail"]
+        assert [a["verdict"] for a in db.audits.listing(verdict="fail", node_id="a", session_id="ses-1")] == ["fail"]
+        assert db.audits.failing_auditors("a") == {"x", "y"} and db.audits.failing_auditors("b") == set()
+        db.audits.suspend("a", "audit: wrong", stored["audit_id"])
+        assert db.audits.suspend("a", "later", "aud-2")["reason"] == "audit: wrong"  # the first one stays
+        # A session that started before the verdict is billed voided.
+        assert db.record_billing(db.load_session("ses-1") or {}, "completed", [BillingRow("a", "0:30", 30, 4, 2)])
+        [record], totals = db.billing()
+        assert stored["audit_id"] in record["voided"] and totals["units"] == 0 and totals["voided_records"] == 1
+    finally:
+        db.close()
+    db = TrackerDB(db_url)  # a restart reads the suspensions back
+    try:
+        assert db.audits.suspended("a") == "audit: wrong" and db.audits.lift("a") and not db.audits.lift("a")
+        assert db.audits.suspended("a") is None and db.audits.suspensions() == []
     finally:
         db.close()

@@ -111,6 +111,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             tracker_tls=client_tls,
             learn=engines.learn if args.learn_models == "on" else None,
             allowed_hosts=host_policy(args),
+            audits=engines.audits,
         )
         serve_app(app, sock)
     finally:
@@ -120,6 +121,9 @@ def run_gateway(args: argparse.Namespace) -> int:
         if draft is not None:
             draft.close()
     return 0
+
+
+DEFAULT_AUDIT_RATE = 0.05
 
 
 class _Engines:
@@ -132,6 +136,7 @@ class _Engines:
         self.client_tls = client_tls
         self.outbox = BillingOutbox(args.tracker, spool_dir=args.billing_spool, tls=client_tls)
         self.learned: list[Any] = []  # vocabularies of the models learned from the tracker
+        self.audits = _audits(args, client_tls)
 
     def route_engine(self, vocab: Any, n_ctx: int, draft: Any = None) -> Any:
         from meshnet.gateway.route_engine import RouteEngine
@@ -155,6 +160,7 @@ class _Engines:
             outbox=self.outbox,
             client_tls=self.client_tls,
             trusted_only=args.trusted_only,
+            audits=self.audits,
         )
 
     def learn(self, publication: Any) -> Any:
@@ -169,6 +175,22 @@ class _Engines:
     def close(self) -> None:
         for vocab in self.learned:
             vocab.close()
+        if self.audits is not None:
+            self.audits.close()
+
+
+def _audits(args: argparse.Namespace, client_tls: Any) -> Any:
+    """Audit sampling at ``--audit-rate`` (default: 0.05 in a private swarm, whose members may be
+    untrusted; 0 in an open swarm, which has no trusted auditors); ``None`` at 0."""
+    from meshnet.gateway.audits import Audits
+
+    rate = args.audit_rate if args.audit_rate is not None else (DEFAULT_AUDIT_RATE if client_tls is not None else 0.0)
+    if not 0.0 <= rate <= 1.0:
+        usage_error(f"meshnet gateway: --audit-rate is a fraction of sessions in [0, 1], got {rate}")
+    if rate == 0.0:
+        return None
+    print(f"meshnet: auditing {rate:.1%} of sessions on trusted auditor nodes (--audit-rate)", flush=True)
+    return Audits(args.tracker, rate, tls=client_tls)
 
 
 def _check_membership(args: argparse.Namespace, keys: Any, member: Any) -> None:

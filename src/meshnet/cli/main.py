@@ -97,6 +97,15 @@ def _add_up_parser(sub: Any) -> None:
     )
     up.add_argument("--backend", choices=("llama", "torch"), default="llama")
     up.add_argument(
+        "--audit-rate",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="audit this fraction of sessions: one more (trusted) node per layer range runs as an auditor, "
+        "never routed, and re-executes audited sessions bit for bit (default 0: up's own nodes are trusted; "
+        "docs/security.md, Audit sampling)",
+    )
+    up.add_argument(
         "--threads", type=int, help="threads per node (default: cores / nodes, at least 1; with --core-lease all cores)"
     )
     up.add_argument(

@@ -122,6 +122,7 @@ def serve_node(
         max_sessions_per_client=per_client(args),
         publication=(seeder.manifest.to_json(), seeder.torrent_bytes) if seeder is not None else None,
         sample_deadline_s=args.sample_deadline,
+        auditor=args.auditor,
     )
     print(
         f"meshnet: node {node_id} holds layers {info.layers} of {info.model_id} ({info.backend}, "

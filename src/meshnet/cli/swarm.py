@@ -124,6 +124,13 @@ def add_swarm_commands(sub: Any) -> None:
         help="activations kept for route repair, all sessions together (MiB; 0 turns repair from this node off)",
     )
     node.add_argument(
+        "--auditor",
+        action="store_true",
+        help="serve as an auditor: never on a route; re-executes audited sessions' hops of these layers for "
+        "gateways and signs what they give (a private swarm takes auditors from trusted members only; "
+        "docs/security.md, Audit sampling)",
+    )
+    node.add_argument(
         "--prefix-cache-mb",
         type=float,
         default=128.0,
@@ -194,6 +201,15 @@ def _add_gateway(sub: Any) -> None:
         action="store_true",
         help="route every generation over trusted nodes only (those whose certificate grants the trusted tier: "
         "meshnet swarm invite --trusted); needs --swarm-dir",
+    )
+    gateway.add_argument(
+        "--audit-rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="audit this fraction of sessions, secretly: re-executed after the fact on trusted auditor nodes "
+        "(meshnet node --auditor) and compared bit for bit; a hop that fails is reported to the tracker, which "
+        "voids its pay and suspends it (default 0.05 with --swarm-dir, 0 in an open swarm; docs/security.md)",
     )
     gateway.add_argument(
         "--hop-timeout",

@@ -125,6 +125,9 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange], int | Non
     if (args.speculative == "draft") != (args.draft_gguf is not None):
         print("meshnet up: --speculative draft and --draft-gguf PATH go together", file=sys.stderr)
         return None
+    if not 0.0 <= args.audit_rate <= 1.0:
+        print(f"meshnet up: --audit-rate is a fraction of sessions in [0, 1], got {args.audit_rate}", file=sys.stderr)
+        return None
     gguf = resolve_gguf(args.gguf, "up")
     if not check_certified(gguf, "up", allow=args.allow_uncertified, backend=args.backend):
         return None
@@ -212,21 +215,9 @@ def run_up(args: argparse.Namespace) -> int:
             f"meshnet: tracker {tracker_url}; loading {args.nodes} nodes ({_sharing(lease, threads)}) ...", flush=True
         )
         nodes = _wait_nodes(tracker_url, args.nodes, children[1:], deadline, swarm.admin_tls() if swarm else None)
-        gateway_args = [
-            "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),
-            "--host", args.host, *(["--ctx", str(args.ctx)] if args.ctx else []),
-            "--max-concurrency", str(args.max_sessions),
-            "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens),
-            *(["--draft-gguf", str(args.draft_gguf)] if args.draft_gguf else []),
-            *(["--core-lease", str(workdir / "cores.lock")] if lease and args.draft_gguf else []),
-            "--decode-channel", args.decode_channel,
-            *(["--chat-template-file", str(args.chat_template_file)] if args.chat_template_file else []),
-            *(["--api-keys", str(args.api_keys)] if args.api_keys else []),
-            *(["--no-auth"] if args.no_auth else []),
-            *(arg for host in args.allowed_host for arg in ("--allowed-host", host)),
-            *(swarm.member_args("gateway", "gateway", tracker_url) if swarm else []),
-        ]  # fmt: skip
-        gateway = _Child("gateway", gateway_args, workdir / "gateway.log")
+        _start_auditors(args, gguf, children, nodes, threads=threads, lease=lease, workdir=workdir, swarm=swarm,
+                        tracker_url=tracker_url, deadline=deadline)  # fmt: skip
+        gateway = _gateway(args, gguf, tracker_url, lease=lease, workdir=workdir, swarm=swarm)
         children.append(gateway)
         gateway_url = _wait_url(gateway, deadline)
         _banner(gateway_url, tracker_url, nodes, swarm.directory if swarm else None)
@@ -255,6 +246,50 @@ def run_up(args: argparse.Namespace) -> int:
         for child in reversed(children):
             child.stop()
         print("meshnet: swarm stopped", flush=True)
+
+
+def _gateway(
+    args: argparse.Namespace, gguf: Path, tracker_url: str, *, lease: bool, workdir: Path, swarm: _PrivateSwarm | None
+) -> _Child:
+    """The swarm's gateway process."""
+    gateway_args = [
+        "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),
+        "--host", args.host, *(["--ctx", str(args.ctx)] if args.ctx else []),
+        "--max-concurrency", str(args.max_sessions),
+        "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens),
+        *(["--draft-gguf", str(args.draft_gguf)] if args.draft_gguf else []),
+        *(["--core-lease", str(workdir / "cores.lock")] if lease and args.draft_gguf else []),
+        "--decode-channel", args.decode_channel, "--audit-rate", str(args.audit_rate),
+        *(["--chat-template-file", str(args.chat_template_file)] if args.chat_template_file else []),
+        *(["--api-keys", str(args.api_keys)] if args.api_keys else []),
+        *(["--no-auth"] if args.no_auth else []),
+        *(arg for host in args.allowed_host for arg in ("--allowed-host", host)),
+        *(swarm.member_args("gateway", "gateway", tracker_url) if swarm else []),
+    ]  # fmt: skip
+    return _Child("gateway", gateway_args, workdir / "gateway.log")
+
+
+def _start_auditors(
+    args: argparse.Namespace, gguf: Path, children: list[_Child], nodes: list[dict[str, Any]], *, threads: int,
+    lease: bool, workdir: Path, swarm: _PrivateSwarm | None, tracker_url: str, deadline: float,
+) -> None:  # fmt: skip
+    """``--audit-rate``: one auditor node (trusted, never routed; node.audit) per layer range the
+    routes use, added to ``children`` (so they are stopped with the rest) and waited for."""
+    if args.audit_rate <= 0:
+        return
+    ranges = sorted({n["layers"] for n in nodes})
+    print(f"meshnet: {len(ranges)} auditor node(s) for --audit-rate {args.audit_rate} ...", flush=True)
+    for i, layers in enumerate(ranges):
+        auditor_args = [
+            "node", "--gguf", str(gguf), "--layers", layers, "--port", "0", "--tracker", tracker_url,
+            "--backend", args.backend, "--threads", str(threads), "--node-id", f"auditor-{i}", "--auditor",
+            *_context_args(args), "--max-sessions", "1",
+            *(["--core-lease", str(workdir / "cores.lock")] if lease else []),
+            *(["--allow-uncertified"] if args.allow_uncertified else []),
+            *(swarm.member_args("node", f"auditor-{i}", tracker_url) if swarm else []),
+        ]  # fmt: skip
+        children.append(_Child(f"auditor-{i} ({layers})", auditor_args, workdir / f"auditor-{i}.log"))
+    _wait_nodes(tracker_url, len(nodes) + len(ranges), children[1:], deadline, swarm.admin_tls() if swarm else None)
 
 
 class _PrivateSwarm:

@@ -30,6 +30,8 @@ from meshnet.backends.base import TextEngine
 from meshnet.backends.grammar import check_grammar_cost
 from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError
 from meshnet.gateway import dashboard, swarm_view
+from meshnet.gateway.audits import MAX_RECORDS as MAX_AUDITS_LISTED
+from meshnet.gateway.audits import Audits
 from meshnet.gateway.auth import ApiKeyMiddleware, KeyRing, admit_generations, key_policy, key_routes
 from meshnet.gateway.catalog import Learner, ModelCatalog, ServedModel
 from meshnet.gateway.chat_template import ChatTemplate
@@ -79,6 +81,7 @@ class GatewayState:
     tracker: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tracker_tls: ssl.SSLContext | None = None  # a private swarm's member TLS, for the swarm view
+    audits: Audits | None = None  # audit sampling (--audit-rate; gateway.audits)
 
     def for_model(self, model: str) -> GatewayState:
         """This state as the request's ``model`` sees it: its engine, queue and chat template
@@ -99,13 +102,15 @@ def create_app(
     learn: Learner | None = None,
     more_engines: Sequence[TextEngine] = (),
     allowed_hosts: HostPolicy | None = None,
+    audits: Audits | None = None,
 ) -> Starlette:
     """Compose a gateway around one engine; the caller owns the engine's lifetime. ``chat_template``
     replaces the model's own; with ``api_keys`` the API needs a key (``gateway.auth``). With
     ``swarm_tracker`` and ``learn`` it also serves the models the tracker knows (gateway.catalog);
     ``more_engines`` are served beside the first from the start (the caller owns them too). With
     ``allowed_hosts`` a request for another ``Host`` is refused (``gateway.origin``: the CLI always
-    gives one), and a browser request from another origin always is."""
+    gives one), and a browser request from another origin always is. ``audits``: the route engines'
+    audit sampling, read by ``GET /v1/audits`` and ``/metrics``."""
     hub = TelemetryHub()
     metrics = GatewayMetrics()
     catalog = ModelCatalog(
@@ -125,6 +130,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         tracker_tls=tracker_tls,
         catalog=catalog,
+        audits=audits,
     )
 
     @contextlib.asynccontextmanager
@@ -141,6 +147,7 @@ def create_app(
         Route("/v1/generations/{generation_id}", _with(state, get_generation), methods=["GET"]),
         Route("/v1/generations/{generation_id}/events", _with(state, generation_events), methods=["GET"]),
         Route("/v1/swarm", _with(state, swarm), methods=["GET"]),
+        Route("/v1/audits", _with(state, list_audits), methods=["GET"]),
         Route("/v1/health", _with(state, health), methods=["GET"]),
         Route("/health", _with(state, health), methods=["GET"]),
         Route("/metrics", _with(state, prometheus), methods=["GET"]),
@@ -768,4 +775,27 @@ async def swarm(state: GatewayState, _: Request) -> Response:
 
 
 async def prometheus(state: GatewayState, _: Request) -> Response:
+    if state.audits is not None:
+        for verdict in ("pass", "fail", "skipped"):
+            state.metrics.audits.labels(verdict=verdict).set(state.audits.counts[verdict])
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def list_audits(state: GatewayState, request: Request) -> Response:
+    """``GET /v1/audits``: this gateway's audit verdicts, newest first (gateway.audits); filters
+    ``node_id``, ``session_id``, ``verdict`` (pass | fail), ``limit`` (1..1000, default 100)."""
+    query = request.query_params
+    verdict = query.get("verdict")
+    if verdict not in (None, "pass", "fail"):
+        raise InvalidRequest(f"verdict is pass or fail, got {verdict!r}", param="verdict")
+    try:
+        limit = int(query.get("limit", "100"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_AUDITS_LISTED:
+        raise InvalidRequest(f"limit is a whole number in 1..{MAX_AUDITS_LISTED}", param="limit")
+    audits = state.audits
+    if audits is None:
+        return JSONResponse({"audit_rate": 0.0, "counts": {}, "audits": []})
+    found = audits.records(node=query.get("node_id"), session=query.get("session_id"), verdict=verdict, limit=limit)
+    return JSONResponse({"audit_rate": audits.rate, "counts": dict(audits.counts), "audits": found})

@@ -47,6 +47,12 @@ class GatewayMetrics:
             "Generations stopped because the hops of their route disagreed on what they computed",
             registry=r,
         )
+        self.audits = Gauge(
+            "meshnet_gateway_audits",
+            "Audited hops by verdict (pass, fail; skipped: no auditor of its layers, or a full audit queue)",
+            ["verdict"],
+            registry=r,
+        )
         self.active = Gauge("meshnet_generations_active", "Generations running now", registry=r)
         self.queue_depth = Gauge("meshnet_queue_depth", "Generations waiting for the engine", registry=r)
         self.decode_tokens_per_second = Gauge(

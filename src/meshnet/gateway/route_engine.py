@@ -75,6 +75,7 @@ from meshnet.errors import (
     RouteInconsistent,
     hop_error,
 )
+from meshnet.gateway.audits import AuditJob, Audits, collect
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
 from meshnet.gateway.channels import Channels, ChannelUnavailable
 from meshnet.gateway.closer import SessionCloser
@@ -98,7 +99,7 @@ from meshnet.protocol.messages import (
     Verb,
 )
 from meshnet.protocol.prefix import block_hashes
-from meshnet.protocol.signing import CLAIMED_KINDS, check_signatures
+from meshnet.protocol.signing import CLAIMED_KINDS, check_signatures, claim_of
 from meshnet.protocol.wire import encode_tensor
 from meshnet.routes import Hop, RoutePlan, hop_timeout_s
 from meshnet.sampling import Alternatives, Sampler, SamplingParams, check_draw
@@ -117,6 +118,7 @@ CLOSE_WAIT_S = 2.0
 # A hop without room for a session (HopFull) before its first token: wait for room this long in all,
 # in waits doubling from the first, each at most the step.
 ROOM_WAIT_S = 60.0
+AUDIT_MAX_POSITIONS = 16384  # a longer session is not audited: every hop's seam log would cross the network
 ROOM_WAIT_FIRST_S = 0.25
 ROOM_WAIT_MAX_STEP_S = 4.0
 _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
@@ -151,6 +153,9 @@ class _Run:
     # a verify chunk over the decode channel left rejected drafts on the hops before the tail: the
     # next step tells them to drop them (X-Meshnet-Rewind)
     surplus: bool = False
+    # the token id of every position sent, those a rewind dropped cut off at the next chunk (so a
+    # last verify chunk's rejected drafts are still there: an audit re-executes them on those hops)
+    ids: list[int] = dataclasses.field(default_factory=list)
     prefix: PrefixClaim | None = None  # the prompt's blocks, for the hops' prefix caches
     cached: int = 0  # prompt positions the route took from its prefix caches (not computed)
     cold: bool = False  # reuse was refused once (the cached KV did not match the prompt): prefill everything
@@ -159,6 +164,11 @@ class _Run:
     # KV snapshots (node.snapshots): hop node id -> (its standby's node id, the positions snapshotted)
     standbys: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     snapshot_at: int = 0  # the positions the hops' latest snapshots hold (0: none taken)
+    # Audit sampling (gateway.audits): the generation was picked; the tail's signed answers that
+    # committed a draw, by position, on the session they came from (a fresh route starts over)
+    audited: bool = False
+    answers: dict[int, tuple[HopEntry, dict[str, Any]]] = dataclasses.field(default_factory=dict)
+    answers_of: str = ""
 
     @functools.cached_property
     def sampling(self) -> str:
@@ -167,7 +177,9 @@ class _Run:
 
     def add(self, tokens: Sequence[int]) -> None:
         """``tokens`` become the route's next chunk (a prompt chunk, or one decode step)."""
+        del self.ids[self.ledger.position :]  # positions a rewind dropped
         self.ledger.record(len(tokens), np.asarray(tokens, dtype="<i4").tobytes())
+        self.ids.extend(tokens)
 
 
 class RouteEngine:
@@ -191,6 +203,7 @@ class RouteEngine:
         client_tls: ssl.SSLContext | None = None,
         trusted_only: bool = False,
         room_wait_s: float = ROOM_WAIT_S,
+        audits: Audits | None = None,
     ) -> None:
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
@@ -221,6 +234,7 @@ class RouteEngine:
         self.channels = Channels(client_tls) if decode_channel else None
         self.closer = SessionCloser(client_tls)  # every close retried until acknowledged
         self.room_wait_s = room_wait_s  # how long a generation waits for a hop with room (HopFull)
+        self.audits = audits  # audit sampling (--audit-rate); None: no audits
 
     # -- tokenizer ---------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
@@ -332,6 +346,7 @@ class RouteEngine:
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")
         run = _Run(plan, sampler.params, Usage(), ChunkLedger(sends=False), grammar=bool(sampler.params.grammar))
+        run.audited = self.audits is not None and self.audits.chosen()
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
         hashes = block_hashes(tokens, self.prefill_chunk, namespace=plan.prefix_namespace) if self.prefix_cache else []
         run.prefix = PrefixClaim(self.prefill_chunk, tuple(hashes)) if hashes else None
@@ -370,8 +385,26 @@ class RouteEngine:
             outcome = "completed"  # the consumer stopped: a stop sequence, max_tokens or a disconnect
             raise
         finally:
+            job = self._audit_job(run) if run.audited and outcome == "completed" else None
             self._close(run.plan)
             self.outbox.submit(run.plan, run.usage, outcome)
+            if self.audits is not None and run.audited:
+                self.audits.submit(job)
+
+    def _audit_job(self, run: _Run) -> AuditJob | None:
+        """What auditing this generation needs, taken from its route before it closes (gateway.audits)."""
+        held = run.ledger.position
+        if held > AUDIT_MAX_POSITIONS:
+            return None  # its seam logs would be too much to move for an audit
+        plan = run.plan
+        answers = run.answers if run.answers_of == plan.session_id else {}
+        receipts = {node: entry for node, (entry, _) in run.usage.receipts.items()}
+        with contextlib.suppress(MeshnetError):
+            return collect(self._client(), session=plan.session_id, model=self.info.model_id, hops=plan.hops,
+                           chunks=run.ledger.sizes(), tokens=run.ids[:held], sampling=dataclasses.asdict(run.params),
+                           receipts=receipts, answers=answers, rejected=run.ids[held:] if run.surplus else (),
+                           timeout_s=CLOSE_WAIT_S * 5)  # fmt: skip
+        return None
 
     def _prefill_with_retries(
         self, run: _Run, tokens: list[int], cancel: threading.Event
@@ -931,6 +964,12 @@ def _verified(run: _Run, answer: HopAnswer, expected: ChunkLedger | None = None)
     if answer.kind not in CLAIMED_KINDS:
         check_signatures(plan.session_id, plan.hops, answer)
     run.usage.signed(answer)
+    if run.audited and answer.kind is AnswerKind.TOKEN and answer.draw is not None and answer.position is not None:
+        if run.answers_of != plan.session_id:
+            run.answers, run.answers_of = {}, plan.session_id
+        claim = claim_of(answer)
+        assert claim is not None
+        run.answers[answer.position] = (answer.hops[-1], claim)
 
 
 def _text_or_none(value: Any) -> str | None:

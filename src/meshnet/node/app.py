@@ -43,7 +43,9 @@ from meshnet.node.transport import HttpTransport
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
 from meshnet.protocol.channel import CHANNEL_PATH, Kind, encode_frame
+from meshnet.protocol.ledger import format_chunks
 from meshnet.protocol.messages import HopRequest, Verb
+from meshnet.protocol.wire import format_shape
 from meshnet.security.membership import scope_member
 from meshnet.security.revocation import RefuseRevoked, RevokedSerials
 
@@ -142,6 +144,7 @@ def _node_app(
         *_snapshot_routes(node),
         Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
         Route("/v1/sessions/{session_id}", session, methods=["GET"]),
+        *_audit_routes(node),
         WebSocketRoute(CHANNEL_PATH, _channel_endpoint(node, peers)),
         Route("/v1/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -237,6 +240,28 @@ def _snapshot_routes(node: NodeService) -> list[Route]:
     ]
 
 
+def _audit_routes(node: NodeService) -> list[Route]:
+    """Audit sampling (node.audit): a session's seam log for its gateway; an auditor's re-execution."""
+    config = node.config
+
+    async def seam_log(request: Request) -> Response:
+        sid = SessionId(request.path_params["session_id"])
+        frame, chunks = node.seam_log(sid, _caller(request.scope, config))
+        headers = {H.SHAPE: format_shape(frame.shape), H.DTYPE: frame.dtype, H.CHUNKS: format_chunks(chunks)}
+        return Response(frame.body, media_type="application/octet-stream", headers=headers)
+
+    async def audit(request: Request) -> Response:
+        _caller(request.scope, config)  # a private swarm's auditor serves members only
+        check_declared_length(request, config.max_body_bytes, "this node")
+        statement = await node.audit(await read_body(request, config.max_body_bytes, "this node"))
+        return JSONResponse(statement.to_json())
+
+    return [
+        Route("/v1/sessions/{session_id}/seam", seam_log, methods=["GET"]),
+        Route("/v1/audit", audit, methods=["POST"]),
+    ]
+
+
 def _health(node: NodeService) -> dict[str, Any]:
     store, info, config = node.shard.store, node.info, node.config
     return {
@@ -244,6 +269,7 @@ def _health(node: NodeService) -> dict[str, Any]:
         "node_id": config.node_id,
         "url": config.url,
         "hop_key": config.hop_key.public,  # the key its answer entries are signed with (protocol.signing)
+        "auditor": config.auditor,
         "model": info.model_id,
         "architecture": info.architecture,
         "backend": info.backend,
@@ -308,6 +334,7 @@ async def _heartbeat(
                 "heartbeat_s": node.config.heartbeat_s,
                 "wire_dtype": node.config.wire_dtype,
                 "hop_key": node.config.hop_key.public,  # what its entries are signed with (protocol.signing)
+                "auditor": node.config.auditor,  # never routed; re-executes audited sessions (node.audit)
                 "hardware": host_hardware(threads),
                 **advert_fields(node.shard, node.traffic, prober),
                 "prefix_filter": node.prefix_cache.filter().encode() if node.prefix_cache is not None else None,

@@ -15,6 +15,7 @@ class NodeMetrics:
         self.seam_bytes = Counter("meshnet_node_seam_bytes", "Activation bytes sent to the next hop", registry=r)
         self.sessions = Gauge("meshnet_node_sessions", "Sessions holding KV on this node", registry=r)
         self.kv_bytes = Gauge("meshnet_node_kv_bytes", "KV/state bytes held for sessions", registry=r)
+        self.audits = Counter("meshnet_node_audits", "Hops of audited sessions this auditor re-executed", registry=r)
         self.channels = Gauge("meshnet_node_channels_open", "Decode channels dialed to this node, open now", registry=r)
         self.channel_steps = Counter("meshnet_node_channel_steps", "Decode steps taken over a channel", registry=r)
         self.decode_batches = Counter(

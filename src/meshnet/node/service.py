@@ -69,6 +69,7 @@ import numpy as np
 from meshnet.backends.shard import DecodeStep, ShardBackend, ShardOutput, compute_chunks, verify_chunk
 from meshnet.errors import (
     Conflict,
+    Forbidden,
     HopFailed,
     InvalidRequest,
     MeshnetError,
@@ -82,6 +83,7 @@ from meshnet.errors import (
 )
 from meshnet.ids import SessionId
 from meshnet.node.advert import Traffic
+from meshnet.node.audit import AuditLane, reexecute
 from meshnet.node.authority import ClosedSessions, SessionAuthority
 from meshnet.node.batcher import DecodeBatcher
 from meshnet.node.channel import Direct
@@ -93,6 +95,7 @@ from meshnet.node.session import NodeSession, SeamLogs
 from meshnet.node.snapshots import SessionSnapshot
 from meshnet.node.transport import HopTransport
 from meshnet.protocol import headers as H
+from meshnet.protocol.audits import AuditRequest, AuditStatement
 from meshnet.protocol.ledger import ChunkLedger, pack_chunks
 from meshnet.protocol.messages import (
     AnswerKind,
@@ -154,6 +157,8 @@ class NodeConfig:
     sample_deadline_s: float = DEFAULT_SAMPLE_DEADLINE_S
     # Signs every entry this node puts in an answer (protocol.signing); its public half is advertised.
     hop_key: HopKey = field(default_factory=HopKey.generate)
+    # An auditor (``--auditor``, node.audit): re-executes audited sessions' hops, is never on a route.
+    auditor: bool = False
 
 
 class NodeService:
@@ -177,6 +182,7 @@ class NodeService:
         self.batcher = DecodeBatcher(shard, self.metrics.batch) if shard.info.decode_batch > 1 else None
         self.traffic = Traffic()  # queue depth and measured speed, for the tracker (node.advert)
         self.logs = SeamLogs(config.seam_log_bytes)
+        self.audits = AuditLane()  # an auditor's re-executions, one at a time
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache_bytes > 0:
             # kept blocks stay parked in the shard until a live session needs their room (node.prefix_cache)
@@ -787,6 +793,38 @@ class NodeService:
             "broken": s.broken,
             **s.ledger.describe(),
         }
+
+    def seam_log(self, sid: SessionId, caller: str | None = None) -> tuple[TensorFrame, tuple[int, ...]]:
+        """``GET /v1/sessions/{id}/seam``: what this hop sent on of positions ``0..held - 1`` (its
+        seam log) and the chunks it computed them in, for a gateway auditing the session
+        (protocol.audits: they are the next hop's inputs, and its signed output digest covers them)."""
+        s = self._existing(sid)
+        self._check_driver(s, caller, None, "read")
+        held = s.ledger.position
+        if self.info.layers.is_tail:
+            raise Conflict(f"node {self.config.node_id} is the tail of session {sid}: it sends nothing on",
+                           code="no_seam_log")  # fmt: skip
+        if s.busy:
+            raise SessionBusy(f"session {sid} has a request in flight on this node; read its seam log between steps")
+        if s.log is None or not s.log_dtype or held == 0 or len(s.log) % held:
+            raise Conflict(f"session {sid} has no complete seam log on this node (--seam-log-mb)", code="no_seam_log")
+        return self.logs.replay_frame(s, 0, held, self.info.seam.shape, held), tuple(s.ledger.sizes())
+
+    async def audit(self, body: bytes) -> AuditStatement:
+        """``POST /v1/audit`` on an auditor: re-execute another hop's work (node.audit)."""
+        if not self.config.auditor:
+            raise Forbidden(f"node {self.config.node_id} is not an auditor (start one with meshnet node --auditor)")
+        request = AuditRequest.decode(body)
+        if request.held > self.info.max_positions > 0:
+            raise InvalidRequest(
+                f"the audit covers {request.held} positions; this auditor holds {self.info.max_positions}"
+            )
+        grammar_of = self.shard.grammar if self.info.layers.is_tail else None
+        statement = await self.audits.run(
+            lambda: reexecute(self.shard, self.config.hop_key, self.config.node_id, request, grammar_of)
+        )
+        self.metrics.audits.inc()
+        return statement
 
     def sweep(self) -> None:
         """Expire idle sessions: their KV, and with it what this node kept beside it (``_ended``); and

@@ -37,11 +37,14 @@ __all__ = [
     "CLAIMED_KINDS",
     "HOP_KEY_CHARS",
     "HopKey",
+    "b64",
     "check_public_key",
     "check_signatures",
     "claim_of",
+    "public_key",
     "signed_by",
     "signed_bytes",
+    "unb64",
 ]
 
 _DOMAIN = b"meshnet-hop-entry/1\n"
@@ -50,11 +53,11 @@ HOP_KEY_CHARS = 43  # an Ed25519 public key (32 bytes), base64url without paddin
 CLAIMED_KINDS = frozenset({AnswerKind.TOKEN, AnswerKind.TOKENS})  # answers whose content the tail signs
 
 
-def _b64(data: bytes) -> str:
+def b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def _unb64(text: str) -> bytes:
+def unb64(text: str) -> bytes:
     """Strict base64url without padding: a character outside its alphabet is an error, not skipped."""
     if not _BASE64URL.fullmatch(text):
         raise ValueError("not base64url")
@@ -82,16 +85,20 @@ class HopKey:
     def __init__(self, private_key: Ed25519PrivateKey) -> None:
         self._key = private_key
         raw = private_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-        self.public = _b64(raw)
+        self.public = b64(raw)
 
     @classmethod
     def generate(cls) -> HopKey:
         return cls(Ed25519PrivateKey.generate())
 
+    def sign_bytes(self, data: bytes) -> bytes:
+        """The raw signature over ``data`` (for records other than entries: protocol.audits)."""
+        return self._key.sign(data)
+
     def sign(self, session: str, entry: HopEntry, answer: HopAnswer | None = None) -> HopEntry:
         """``entry`` with this key's signature over it, the session and (at the tail) ``answer``'s content."""
         claim = None if answer is None else claim_of(answer)
-        return dataclasses.replace(entry, signature=_b64(self._key.sign(signed_bytes(session, entry, claim))))
+        return dataclasses.replace(entry, signature=b64(self._key.sign(signed_bytes(session, entry, claim))))
 
     def sign_answer(self, session: str, answer: HopAnswer) -> HopAnswer:
         """``answer`` with its last entry (the tail's own) signed over the answer's content too."""
@@ -104,7 +111,7 @@ def check_public_key(text: str) -> str:
     if len(text) != HOP_KEY_CHARS:
         raise ValueError(f"a hop key is {HOP_KEY_CHARS} characters of base64url (an Ed25519 public key)")
     try:
-        Ed25519PublicKey.from_public_bytes(_unb64(text))
+        Ed25519PublicKey.from_public_bytes(unb64(text))
     except ValueError:  # binascii.Error is one
         raise ValueError("a hop key is an Ed25519 public key in base64url") from None
     return text
@@ -113,12 +120,12 @@ def check_public_key(text: str) -> str:
 _KEYS: dict[str, Ed25519PublicKey] = {}  # parsed once per key: a route's keys are checked at every step
 
 
-def _public(text: str) -> Ed25519PublicKey:
+def public_key(text: str) -> Ed25519PublicKey:
     key = _KEYS.get(text)
     if key is None:
         if len(_KEYS) > 4096:
             _KEYS.clear()
-        key = _KEYS[text] = Ed25519PublicKey.from_public_bytes(_unb64(text))
+        key = _KEYS[text] = Ed25519PublicKey.from_public_bytes(unb64(text))
     return key
 
 
@@ -127,7 +134,7 @@ def signed_by(key: str, session: str, entry: HopEntry, claim: dict[str, Any] | N
     if entry.signature is None:
         return False
     try:
-        _public(key).verify(_unb64(entry.signature), signed_bytes(session, entry, claim))
+        public_key(key).verify(unb64(entry.signature), signed_bytes(session, entry, claim))
     except (InvalidSignature, ValueError, TypeError):
         return False
     return True

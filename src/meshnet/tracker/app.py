@@ -1,4 +1,5 @@
-"""The tracker's HTTP surface: node registration/heartbeat, sticky sessions, the node list.
+"""The tracker's HTTP surface: node registration/heartbeat, sticky sessions, the node list (audit
+reports and suspensions: ``tracker.audits``).
 
 State: nodes live in memory (they re-register with every heartbeat, so a restarted tracker
 refills itself within one heartbeat interval); sessions and their pinned routes are persisted in
@@ -40,6 +41,7 @@ from meshnet.security.membership import (
     tracker_policy,
 )
 from meshnet.security.revocation import REVOKED_PATH
+from meshnet.tracker.audits import AuditsApi, check_auditor_registration
 from meshnet.tracker.db import TrackerDB
 from meshnet.tracker.limits import REGISTRATIONS, RateLimits
 from meshnet.tracker.models import Publications, models_routes
@@ -116,6 +118,8 @@ class Registration(BaseModel):
     prefix_filter: str | None = Field(None, max_length=FILTER_BITS // 4)
     # A node started with --layers auto: what it can hold (tracker.placement_api; null: placed by hand)
     placement: PlacementAdvert | None = None
+    # An auditor re-executes audited hops for gateways and is never routed (tracker.audits).
+    auditor: bool = Field(False, strict=True)
 
     @field_validator("url")
     @classmethod
@@ -156,6 +160,9 @@ class _Tracker:
             record = self.records.get(node_id)
             if record is not None and now - node.last_seen > 2 * record.interval_s:
                 self.nodes[node_id] = replace(node, reliability=record.value(now))
+            suspended = self.db.audits.suspended(node_id)  # a failed audit's, or lifted since (tracker.audits)
+            if node.suspended != suspended:
+                self.nodes[node_id] = replace(self.nodes[node_id], suspended=suspended)
         return list(self.nodes.values())
 
     def heartbeat(self, node_id: str, interval_s: float) -> float:
@@ -183,7 +190,7 @@ class _Tracker:
 
     def next_hops(self, node: NodeRecord) -> list[str]:
         """URLs of live nodes a route could send to after ``node``: what it should measure latency to."""
-        if node.layers.is_tail:
+        if node.layers.is_tail or not node.routable:
             return []
         urls = sorted(
             n.url
@@ -193,6 +200,7 @@ class _Tracker:
             and n.layers.total == node.layers.total
             and n.layers.start == node.layers.stop
             and n.node_id != node.node_id
+            and n.routable  # an auditor or a suspended node is never the next hop
         )
         # Many candidates: a different sample each heartbeat, so every pair gets measured in time.
         return urls if len(urls) <= MAX_PROBE_TARGETS else random.sample(urls, MAX_PROBE_TARGETS)
@@ -241,6 +249,8 @@ def _node_json(node: NodeRecord, *, probation: bool = False) -> dict[str, Any]:
         "context_length": node.trained_context,
         # Whether its latest heartbeat advertised prefix-cached blocks; the 2 KiB filter is the router's.
         "holds_prefixes": node.prefix_filter is not None,
+        "auditor": node.auditor,  # never routed: it re-executes audited hops (tracker.audits)
+        "suspended": node.suspended,  # why a failed audit keeps it off every route; null: it does not
     }
     if probation:
         listed["probation"] = node.probation
@@ -299,6 +309,18 @@ def _check_same_model(node: NodeRecord, live: list[NodeRecord]) -> None:
             )
 
 
+def _check_signing(reg: Registration, certified: Member | None, *, private: bool) -> None:
+    """A private swarm's node signs its answers (a hop key); an auditor its statements (tracker.audits)."""
+    if private and reg.hop_key is None:
+        raise InvalidRequest(
+            "a private swarm takes only nodes that sign their answers: register with a hop_key "
+            "(a Meshnet node sends one; upgrade this one)",
+            param="hop_key",
+        )
+    if reg.auditor:
+        check_auditor_registration(hop_key=reg.hop_key, certified=certified, private=private)
+
+
 def _admit_member(request: Request, reg: Registration, limits: RateLimits) -> Member | None:
     """A private swarm's registration comes from the node it names, within its rate limit, at an
     https URL whose host its certificate lists; the member, for its trust tier."""
@@ -332,12 +354,7 @@ def create_tracker_app(
     async def register(request: Request) -> Response:
         reg = parse_body(Registration, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         certified = None if swarm is None else _admit_member(request, reg, limits)
-        if swarm is not None and reg.hop_key is None:
-            raise InvalidRequest(
-                "a private swarm takes only nodes that sign their answers: register with a hop_key "
-                "(a Meshnet node sends one; upgrade this one)",
-                param="hop_key",
-            )
+        _check_signing(reg, certified, private=swarm is not None)
         layers = _registered_layers(reg)
         # Not refused: an honest node never reaches its ceilings, and a node that claims more only
         # gets routed as if it had claimed them (GET /v1/nodes shows both).
@@ -375,6 +392,8 @@ def create_tracker_app(
             max_positions=reg.max_positions,
             trained_context=reg.context_length,
             prefix_filter=_prefix_filter(reg.prefix_filter),
+            auditor=reg.auditor,
+            suspended=db.audits.suspended(reg.node_id),  # listed, heartbeats and all, but never routed
         )
         _check_same_model(node, tracker.live_nodes())
         live = {n.node_id: n for n in tracker.live_nodes()}
@@ -392,7 +411,8 @@ def create_tracker_app(
         tracker.nodes[reg.node_id] = node
         answer: dict[str, Any] = {"registered": reg.node_id, "ttl_s": NODE_TTL_S, "next_hops": tracker.next_hops(node),
                                   **tracker.publications.wanted(node.manifest)}  # fmt: skip
-        answer.update(placements.heartbeat(node, reg.placement, speeds.apply(tracker.live_nodes())))
+        if node.routable:  # an auditor or a suspended node holds no place in the placement
+            answer.update(placements.heartbeat(node, reg.placement, speeds.apply(tracker.live_nodes())))
         if swarm is not None:  # the node refuses these peers too (security.revocation)
             answer["revoked"] = sorted(swarm.revocations.serials())
         return JSONResponse(answer, status_code=201 if fresh else 200)
@@ -436,6 +456,14 @@ def create_tracker_app(
         assert swarm is not None
         return JSONResponse({"serials": sorted(swarm.revocations.serials())})
 
+    sessions = SessionsApi(
+        RoutableNodes(tracker, placements),  # a node draining for a move (or never routed) takes no new session
+        db,
+        signer=None if swarm is None else swarm.signer,
+        max_sessions_per_client=max_sessions_per_client,
+        speeds=speeds,
+        limits=limits,
+    )
     membership = [
         Route(JOIN_PATH, join, methods=["POST"]),
         Route(CA_PATH, swarm_ca, methods=["GET"]),
@@ -449,14 +477,8 @@ def create_tracker_app(
             *models_routes(tracker.live_nodes, tracker.publications),
             Route("/v1/health", health, methods=["GET"]),
             *placements.routes(lambda: speeds.apply(tracker.live_nodes()), members=swarm is not None),
-            *SessionsApi(
-                RoutableNodes(tracker, placements),  # a node draining for a move takes no new session
-                db,
-                signer=None if swarm is None else swarm.signer,
-                max_sessions_per_client=max_sessions_per_client,
-                speeds=speeds,
-                limits=limits,
-            ).routes(),
+            *sessions.routes(),
+            *AuditsApi(db, sessions, tracker.live_nodes, swarm).routes(),
             *(membership if swarm is not None else []),
         ],
         exception_handlers=EXCEPTION_HANDLERS,

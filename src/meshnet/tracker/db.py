@@ -1,10 +1,12 @@
 """The tracker's persistent state through SQLAlchemy: SQLite by default, PostgreSQL by URL.
 
-Two tables: ``sessions`` (each session's pinned route, its status and repairs) and
+Two tables here: ``sessions`` (each session's pinned route, its status and repairs) and
 ``billing_records`` (per session and node: the positions it computed and the billing units by
-``meshnet.tracker.billing``). Every write is one committed transaction, so whatever the tracker
-acknowledged survives a ``kill -9``; ``(session_id, node_id)`` is unique, so a record resent by a
-gateway that never saw the acknowledgement is recognised as a duplicate instead of billed twice.
+``meshnet.tracker.billing``; ``voided``: why a failed audit took its pay away, ``tracker.audits``);
+two more, ``audits`` and ``suspensions``, in ``tracker.audit_store`` (``TrackerDB.audits``).
+Every write is one committed transaction, so whatever the tracker acknowledged survives a
+``kill -9``; ``(session_id, node_id)`` is unique, so a record resent by a gateway that never saw
+the acknowledgement is recognised as a duplicate instead of billed twice.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from meshnet.tracker.audit_store import AUDIT_METADATA, AUDITS_TABLE, AuditStore, void_note
 from meshnet.tracker.billing import bill
 
 __all__ = ["BillingRow", "TrackerDB", "member"]
@@ -66,9 +69,16 @@ _billing = sa.Table(
     sa.Column("recorded_at", sa.Float, nullable=False),
     # The node's signed receipt for the work (tracker.receipts; JSON), checked when the record was taken.
     sa.Column("receipt", sa.Text, nullable=True),
+    # Why the record is not paid (a failed audit of the node, tracker.audits); None: it is.
+    sa.Column("voided", sa.Text, nullable=True),
     sa.UniqueConstraint("session_id", "node_id", name="billing_session_node"),
 )
 _BILLING_FIELDS = [c.name for c in _billing.columns if c.name != "id"]
+_SCHEMAS = (_metadata, AUDIT_METADATA)
+
+
+def _tables() -> list[sa.Table]:
+    return [table for schema in _SCHEMAS for table in schema.sorted_tables]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,19 +124,21 @@ class TrackerDB:
             Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
         try:
             self._engine = sa.create_engine(url, future=True, pool_pre_ping=True)
-            _metadata.create_all(self._engine)
+            for schema in _SCHEMAS:
+                schema.create_all(self._engine)
             self._add_missing_columns()
         except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
             raise ValueError(f"--db {url!r} is not a usable database URL: {exc}") from None
         except sa.exc.OperationalError as exc:
             raise ValueError(f"cannot open database {url!r}: {exc.orig}") from None
         self.url_for_display = self._engine.url.render_as_string(hide_password=True)
+        self.audits = AuditStore(self._engine)  # audit reports and suspensions (tracker.audits)
 
     def _add_missing_columns(self) -> None:
         """Bring a database written by an older tracker up to date (additive changes only)."""
         inspector = sa.inspect(self._engine)
         with self._engine.begin() as conn:
-            for table in _metadata.sorted_tables:
+            for table in _tables():
                 have = {c["name"] for c in inspector.get_columns(table.name)}
                 for column in table.columns:
                     if column.name not in have:
@@ -134,7 +146,7 @@ class TrackerDB:
                         default = column.server_default.arg if column.server_default is not None else None  # type: ignore[attr-defined]
                         tail = f" NOT NULL DEFAULT '{default}'" if default is not None else ""
                         conn.execute(sa.text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}{tail}'))
-            for table in _metadata.sorted_tables:  # an index on a column just added, or new in this version
+            for table in _tables():  # an index on a column just added, or new in this version
                 for index in table.indexes:
                     index.create(conn, checkfirst=True)
 
@@ -213,7 +225,8 @@ class TrackerDB:
 
     # -- billing -------------------------------------------------------------------------------
     def record_billing(self, session: dict[str, Any], outcome: str, rows: Sequence[BillingRow]) -> bool:
-        """Write a session's records in one transaction; False if they were already recorded."""
+        """Write a session's records in one transaction; False if they were already recorded. A record
+        of a node a failed audit voids (``_void_reason``) is written voided."""
         now = time.time()
         values = []
         for row in rows:
@@ -237,6 +250,8 @@ class TrackerDB:
             )
         try:
             with self._engine.begin() as conn:
+                for value in values:
+                    value["voided"] = _void_reason(conn, session, value["node_id"])
                 conn.execute(sa.insert(_billing), values)
         except sa.exc.IntegrityError:
             return False
@@ -252,24 +267,64 @@ class TrackerDB:
         if node_id is not None:
             where.append(_billing.c.node_id == node_id)
         query = sa.select(*[_billing.c[f] for f in _BILLING_FIELDS]).where(*where).order_by(_billing.c.id)
+        paid = _billing.c.voided.is_(None)
+
+        def total(column: Any, *, voided: bool = False) -> Any:
+            kept = sa.case((sa.not_(paid) if voided else paid, column), else_=0)
+            return sa.func.coalesce(sa.func.sum(kept), 0)
+
         totals_query = sa.select(
             sa.func.count(),
             sa.func.count(sa.distinct(_billing.c.session_id)),
-            sa.func.coalesce(sa.func.sum(_billing.c.prefill_layer_tokens), 0),
-            sa.func.coalesce(sa.func.sum(_billing.c.decode_layer_tokens), 0),
-            sa.func.coalesce(sa.func.sum(_billing.c.units), 0.0),
+            total(_billing.c.prefill_layer_tokens),
+            total(_billing.c.decode_layer_tokens),
+            total(_billing.c.units),
+            total(sa.literal(1), voided=True),
+            total(_billing.c.units, voided=True),
         ).where(*where)
         with self._engine.connect() as conn:
             rows = [dict(r) for r in conn.execute(query.limit(limit).offset(offset)).mappings()]
-            count, sessions, prefill, decode, units = conn.execute(totals_query).one()
+            count, sessions, prefill, decode, units, voided, voided_units = conn.execute(totals_query).one()
         totals = {
-            "records": int(count),
+            "records": int(count),  # every matching record, voided ones too (what limit/offset page over)
             "sessions": int(sessions),
+            # What is paid: voided records (a failed audit of their node) are left out, and counted apart.
             "prefill_layer_tokens": int(prefill),
             "decode_layer_tokens": int(decode),
             "units": round(float(units), 6),
+            "voided_records": int(voided),
+            "voided_units": round(float(voided_units), 6),
         }
         return rows, totals
 
+    def void_billing(self, node_id: str, note: str, *, session_id: str | None = None) -> int:
+        """Void the records of ``node_id`` not voided yet (of ``session_id`` only, when given); how many."""
+        where = [_billing.c.node_id == node_id, _billing.c.voided.is_(None)]
+        if session_id is not None:
+            where.append(_billing.c.session_id == session_id)
+        with self._engine.begin() as conn:
+            return int(conn.execute(sa.update(_billing).where(*where).values(voided=note)).rowcount)
+
     def close(self) -> None:
         self._engine.dispose()
+
+
+def _void_reason(conn: sa.Connection, session: dict[str, Any], node_id: str) -> str | None:
+    """Why ``node_id``'s work for ``session`` is not paid: a failed audit of it about this session, or a
+    failed re-execution of it recorded after the session started (its pay until the verdict is void)."""
+    a = AUDITS_TABLE.c
+    query = (
+        sa.select(a.audit_id, a.kind, a.reason)
+        .where(
+            a.node_id == node_id,
+            a.verdict == "fail",
+            sa.or_(
+                a.session_id == session["session_id"],
+                sa.and_(a.kind == "reexecuted", a.recorded_at >= float(session["created"])),
+            ),
+        )
+        .order_by(a.id)
+        .limit(1)
+    )
+    found = conn.execute(query).first()
+    return None if found is None else void_note(found.audit_id, found.kind, found.reason)

@@ -161,7 +161,11 @@ class PlacementBook:
         out = [
             Holder(n.node_id, n.layers, node_throughput(n))
             for n in live
-            if n.model == model and n.layers.total == total and n.node_id != but and n.node_id not in self.moves
+            if n.model == model
+            and n.layers.total == total
+            and n.node_id != but
+            and n.node_id not in self.moves
+            and n.routable  # an auditor or a suspended node covers nothing routes could use
         ]
         out += [
             Holder(node_id, r.layers, reserved_throughput(r.layers), live=False)
@@ -335,15 +339,17 @@ def _move_json(move: _Move) -> dict[str, Any]:
 
 
 class RoutableNodes:
-    """The registry the sessions API routes over: the live nodes but those draining for a move."""
+    """The registry the sessions API routes over: the live nodes but those draining for a move, auditors
+    and nodes a failed audit suspended (tracker.audits)."""
 
     def __init__(self, registry: NodeRegistry, book: PlacementBook) -> None:
         self.registry = registry
         self.book = book
 
     def live_nodes(self) -> list[NodeRecord]:
+        """Live nodes that may serve routes: not draining, no auditor, not suspended by an audit."""
         draining = self.book.draining()
-        return [n for n in self.registry.live_nodes() if n.node_id not in draining]
+        return [n for n in self.registry.live_nodes() if n.node_id not in draining and n.routable]
 
     def record_failure(self, node_id: str, reason: str) -> None:
         self.registry.record_failure(node_id, reason)

@@ -112,6 +112,8 @@ def equivalent_nodes(run: Sequence[PinnedHop], live: Sequence[NodeRecord]) -> li
     lossy = {h.layers.stop: h.wire_dtype for h in run if h.wire_dtype != EXACT_WIRE and not h.layers.is_tail}
     fits = []
     for node in live:
+        if not node.routable:
+            continue  # an auditor or a suspended node takes over no hop
         start, stop = node.layers.start, node.layers.stop
         covered = [h for h in run if h.layers.start < stop and start < h.layers.stop]
         if not covered or node.numerics is None or any(h.numerics != node.numerics for h in covered):

@@ -160,6 +160,15 @@ class NodeRecord:
     # Untrusted and not measured yet (tracker.plausibility, "Probation"): its claims buy nothing, and
     # it heads a route only when no other node can.
     probation: bool = False
+    # An auditor (tracker.audits): it re-executes audited hops for gateways and never serves a route.
+    auditor: bool = False
+    # Why a failed audit suspended it (tracker.audits; None: it is not): listed, never routed.
+    suspended: str | None = None
+
+    @property
+    def routable(self) -> bool:
+        """Whether routes, repairs, standbys and placement may count on it: no auditor, not suspended."""
+        return not self.auditor and self.suspended is None
 
     @property
     def prefill_tps_used(self) -> float:
@@ -217,9 +226,11 @@ def select_routes(
     """
     if k < 1:
         raise ValueError("k must be at least 1")
-    candidates = [n for n in nodes if n.model == model]
+    serving = [n for n in nodes if n.model == model]
+    candidates = [n for n in serving if n.routable]  # auditors and suspended nodes never serve a route
     if not candidates:
-        raise Overloaded(f"no node serves model {model!r} right now", retry_after_s=5)
+        held_back = f" ({len(serving)} auditor or suspended node(s) never serve routes)" if serving else ""
+        raise Overloaded(f"no node serves model {model!r} right now{held_back}", retry_after_s=5)
     if total_layers is not None:
         matching = [n for n in candidates if n.layers.total == total_layers]
         if not matching:

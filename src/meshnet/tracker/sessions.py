@@ -58,7 +58,7 @@ from meshnet.tracker.receipts import Receipt, check_receipts
 from meshnet.tracker.repair import PinnedHop, Repair, equivalent_nodes, plan_repair
 from meshnet.tracker.routing import NodeRecord, RouteChoice, RouteRequest, select_routes
 
-__all__ = ["NodeRegistry", "PrefixHints", "SessionsApi", "parse_body"]
+__all__ = ["NodeRegistry", "PrefixHints", "SessionsApi", "check_owner", "limited_caller", "parse_body", "total_layers"]
 
 NO_TRUSTED_ROUTE = "no_trusted_route"  # the 503's code when trusted nodes alone cannot make the route
 NO_TRUSTED_NODES = "no_trusted_nodes"  # the 409's code when an open swarm is asked for standbys
@@ -188,7 +188,7 @@ def _runs(node: NodeRecord) -> dict[str, Any]:
 
 
 def pinned_hops(session: dict[str, Any]) -> list[PinnedHop]:
-    total = _total_layers(session)
+    total = total_layers(session)
     return [
         PinnedHop(
             h["node_id"],
@@ -220,7 +220,7 @@ def _may_see(who: Member | None, session: dict[str, Any]) -> bool:
     return who is None or owner is None or who.role == "admin" or who.member_id == owner
 
 
-def _check_owner(request: Request, session: dict[str, Any], what: str) -> None:
+def check_owner(request: Request, session: dict[str, Any], what: str) -> None:
     """In a private swarm, only the member that opened a session (or an admin) may ``what`` it:
     another gateway that learns its id cannot repair it, report its nodes, bill it or close it."""
     member = scope_member(request.scope)
@@ -296,7 +296,7 @@ def _check_context(positions: int, req: SessionRequest, live: Sequence[NodeRecor
     )
 
 
-def _total_layers(session: dict[str, Any]) -> int:
+def total_layers(session: dict[str, Any]) -> int:
     """A pinned route ends at the model's last layer: its tail's stop is the layer count."""
     return int(session["hops"][-1]["layers"].partition(":")[2])
 
@@ -515,7 +515,7 @@ class SessionsApi:
     async def close_session(self, request: Request) -> Response:
         sid = request.path_params["session_id"]
         session = self.load(sid)
-        _check_owner(request, session, "close")
+        check_owner(request, session, "close")
         if not self.db.end_session(sid, "closed", "closed by the gateway"):
             raise NotFound(f"session {sid} is already {session['status']}")
         # The nodes cached its prompt blocks before they answered the gateway's own DELETE.
@@ -527,7 +527,7 @@ class SessionsApi:
         sid = request.path_params["session_id"]
         req = parse_body(RepairRequest, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         session = self.load(sid)
-        _check_owner(request, session, "repair")
+        check_owner(request, session, "repair")
         if session["status"] != "open":
             raise Conflict(f"session {sid} is {session['status']}; open a new one")
         pinned = pinned_hops(session)
@@ -590,7 +590,7 @@ class SessionsApi:
                 code=NO_TRUSTED_NODES,
             )
         session = self.load(sid)
-        _check_owner(request, session, "plan standbys for")
+        check_owner(request, session, "plan standbys for")
         if session["status"] != "open":
             raise Conflict(f"session {sid} is {session['status']}; only an open session's KV has standbys")
         pinned = pinned_hops(session)
@@ -636,14 +636,21 @@ class SessionsApi:
         node_id = request.path_params["node_id"]
         req = parse_body(FailureReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         session = self.load(req.session_id)
-        _check_owner(request, session, "report failures on")
+        check_owner(request, session, "report failures on")
         if session["status"] != "open":
             raise Conflict(f"session {req.session_id} is {session['status']}: report failures while it is open")
         if node_id not in {h["node_id"] for h in session["hops"]}:
             raise InvalidRequest(f"node {node_id} is not on session {req.session_id}'s route", param="session_id")
-        first, counts = self._count_failure(request, req.session_id, node_id, req.reason or "reported failed")
+        counted = self.count_failed_hop(request, req.session_id, node_id, req.reason or "reported failed")
+        return JSONResponse({"recorded": node_id, "duplicate": not counted})
+
+    def count_failed_hop(self, request: Request, session_id: str, node_id: str, reason: str) -> bool:
+        """A failure of ``node_id`` on ``session_id`` outside a repair (a failure report, a seam log an
+        audited node withheld: tracker.audits): whether it counted (once per session and node, outside
+        the reporter's window); then the node is suspended until its next heartbeat and floored."""
+        first, counts = self._count_failure(request, session_id, node_id, reason)
         if not first or not counts:  # this member reported this node within the window: nothing more
-            return JSONResponse({"recorded": node_id, "duplicate": True})
+            return False
         failed = next((n for n in self.registry.live_nodes() if n.node_id == node_id), None)
         self.registry.suspend(node_id)
         # A node that fails at prefill has seen the prompt: floored like an implausible report, it stops
@@ -651,7 +658,7 @@ class SessionsApi:
         # trusted one: the operator vouched for it, and a floor would hand its traffic to untrusted nodes.
         if failed is None or not failed.trusted:
             self.speeds.failed(node_id)
-        return JSONResponse({"recorded": node_id, "duplicate": False})
+        return True
 
     def _count_failure(self, request: Request, session_id: str, node_id: str, reason: str) -> tuple[bool, bool]:
         """Record a failure of ``node_id`` on ``session_id``'s route when it counts (``FailureLedger``):
@@ -664,7 +671,7 @@ class SessionsApi:
     async def record_billing(self, request: Request) -> Response:
         req = parse_body(BillingReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
         session = self.load(req.session_id)
-        _check_owner(request, session, "bill")
+        check_owner(request, session, "bill")
         if session["route_id"] != req.route_id:
             raise Conflict(f"session {req.session_id} is on route {session['route_id']}, not {req.route_id}")
         ended_s = time.time() - float(session["updated"])
@@ -673,7 +680,7 @@ class SessionsApi:
                 f"session {req.session_id} ended {ended_s:.0f}s ago; its work is billed within "
                 f"{BILLING_GRACE_S:.0f}s of its end"
             )
-        rows, total, members = [], _total_layers(session), set(session["members"])
+        rows, total, members = [], total_layers(session), set(session["members"])
         for work in req.records:
             try:
                 layers = LayerRange.parse(work.layers, total)

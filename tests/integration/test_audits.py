@@ -1,0 +1,134 @@
+"""Audit sampling on a real swarm (docs/security.md, "Audit sampling").
+
+A tracker, a head (0:15) and a tail (15:30), an auditor of each range (``meshnet node --auditor``,
+never routed) with another thread count than the node it audits, and a gateway auditing every
+session (``--audit-rate 1``), driven by the official ``openai`` client.
+
+- Honest nodes pass every audit, greedy and sampled, with and without a seed, with penalties and
+  streamed: re-execution on another thread count gives the same bits.
+- A node that lies in its computation — noise on what it sends on, lossy rounding, a skipped
+  layer, a tail that commits to a distribution its layers do not give — signs a consistent chain
+  and streams plausible text, and fails its audit on the first session: the gateway and the
+  tracker list the failure, the tracker suspends the node and voids its pay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import Proc, meshnet_process
+
+pytestmark = pytest.mark.real
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+LIAR = [sys.executable, "-m", "tests.liar_node"]
+
+
+def _audits(url: str, want: int, **params: str) -> list[dict[str, Any]]:
+    """``GET /v1/audits`` once it lists ``want`` audits (bounded wait)."""
+    deadline = time.monotonic() + 120
+    while True:
+        found = httpx.get(f"{url}/v1/audits", params={"limit": "1000", **params}, timeout=10).json()["audits"]
+        if len(found) >= want:
+            return found
+        assert time.monotonic() < deadline, f"{len(found)} audits of {want} after 120 s: {found}"
+        time.sleep(0.2)
+
+
+def _wait_nodes(tracker: str, names: set[str]) -> None:
+    deadline = time.monotonic() + 120
+    while not names <= {n["node_id"] for n in httpx.get(f"{tracker}/v1/nodes", timeout=10).json()["nodes"]}:
+        assert time.monotonic() < deadline, f"nodes {sorted(names)} never all registered"
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _swarm(tmp_path: Path, lie: str | None = None, liar: str = "head") -> Iterator[tuple[str, Proc]]:
+    """The audited swarm; with ``lie``, node ``liar`` (head or tail) lies that way (tests.liar_node)."""
+    db = f"sqlite:///{tmp_path}/tracker.db"
+    common = ["--ctx", "512", "--max-sessions", "2"]
+    with meshnet_process(["tracker", "--port", "0", "--db", db]) as tracker, contextlib.ExitStack() as stack:
+        url = tracker.url
+        for name, layers, threads in (("head", "0:15", "1"), ("tail", "15:30", "2")):
+            args = ["node", "--layers", layers, "--node-id", name, "--tracker", url, "--threads", threads, *common]
+            if lie is not None and name == liar:
+                stack.enter_context(meshnet_process([lie, "--", *args], command=LIAR))
+            else:
+                stack.enter_context(meshnet_process(args))
+        for name, layers, threads in (("audit-head", "0:15", "2"), ("audit-tail", "15:30", "1")):
+            args = ["node", "--layers", layers, "--node-id", name, "--tracker", url, "--threads", threads, "--auditor"]
+            stack.enter_context(meshnet_process([*args, *common]))
+        gateway = stack.enter_context(
+            meshnet_process(["gateway", "--tracker", url, "--port", "0", "--ctx", "512", "--audit-rate", "1"])
+        )
+        _wait_nodes(url, {"head", "tail", "audit-head", "audit-tail"})
+        yield url, gateway
+        assert gateway.popen.poll() is None
+
+
+REQUESTS: list[dict[str, Any]] = [
+    {"temperature": 0},
+    {"temperature": 0.9, "seed": 11},
+    {"temperature": 0.8},  # the gateway seeds it
+    {"temperature": 0.7, "seed": 5, "presence_penalty": 0.5, "frequency_penalty": 0.3},
+    {"temperature": 0, "stream": True},
+]
+
+
+def test_honest_nodes_pass_every_audit_across_thread_counts(tmp_path) -> None:
+    with _swarm(tmp_path) as (tracker, gateway):
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none")
+        for extra in REQUESTS:
+            stream = extra.pop("stream", False)
+            asked = {"model": MODEL, "prompt": "Name three rivers of Europe:", "max_tokens": 24, **extra}
+            if stream:
+                text = "".join(c.choices[0].text for c in client.completions.create(**asked, stream=True))
+            else:
+                text = client.completions.create(**asked).choices[0].text
+            assert text
+        audits = _audits(gateway.url, 2 * len(REQUESTS))
+        assert {(a["node_id"], a["verdict"]) for a in audits} == {("head", "pass"), ("tail", "pass")}, audits
+        assert all(a["reported"] for a in audits), audits
+        assert {a["auditors"][0] for a in audits} == {"audit-head", "audit-tail"}
+        kept = _audits(tracker, 2 * len(REQUESTS))
+        assert {a["verdict"] for a in kept} == {"pass"} and not httpx.get(f"{tracker}/v1/audits").json()["suspended"]
+        metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+        assert f'meshnet_gateway_audits{{verdict="pass"}} {2 * len(REQUESTS)}.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("lie", "liar"),
+    [("noise:1e-3", "head"), ("noise:1e-6", "head"), ("lossy", "head"), ("skip", "head"), ("noise:1e-4", "tail")],
+    ids=["noise-1e-3", "noise-1e-6", "lossy-bf16", "skipped-layer", "tail-forged-distribution"],
+)
+def test_a_node_that_computes_otherwise_fails_its_audit_and_is_suspended_unpaid(tmp_path, lie: str, liar: str) -> None:
+    with _swarm(tmp_path, lie, liar) as (tracker, gateway):
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none")
+        asked = {"model": MODEL, "prompt": "Name three rivers of Europe:", "max_tokens": 16}
+        assert client.completions.create(**asked, temperature=0.8, seed=3).choices[0].text  # plausible text streams
+        audits = _audits(gateway.url, 2)
+        verdicts = {a["node_id"]: a for a in audits}
+        honest = "tail" if liar == "head" else "head"
+        assert verdicts[liar]["verdict"] == "fail", audits
+        assert verdicts[honest]["verdict"] == "pass", audits
+        assert len(verdicts[liar]["auditors"]) >= 1
+        kept = _audits(tracker, 1, node_id=liar, verdict="fail")
+        assert kept[0]["verdict"] == "fail"
+        answer = httpx.get(f"{tracker}/v1/audits", timeout=10).json()
+        assert [s["node_id"] for s in answer["suspended"]] == [liar]
+        billing = httpx.get(f"{tracker}/v1/billing", timeout=10).json()
+        voided = [r for r in billing.get("records", []) if r.get("node_id") == liar]
+        assert voided and all(r.get("voided") for r in voided), billing
+        # Suspended: no route has it any more (no other node holds its layers; auditors are never routed).
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(**asked, temperature=0)
+        assert refused.value.status_code == 503
