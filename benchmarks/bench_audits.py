@@ -3,8 +3,9 @@
 Swarm: tracker, head 0:15 (1 llama.cpp thread), tail 15:30 (2 threads), an auditor of each range
 with the other thread count (``meshnet node --auditor``), and a gateway auditing every session
 (``--audit-rate 1``). ``SESSIONS`` short completions of varied prompts and sampling (greedy,
-seeded and unseeded temperatures, penalties) run one after another; every hop of every session is
-re-executed and judged bit for bit.
+seeded and unseeded temperatures, penalties) run from two clients at once, so the serving nodes
+batch decode steps of two sessions while an auditor computes each alone; every hop of every session
+is re-executed and judged bit for bit.
 
 Compute is CPU seconds (user + system) of the processes, read from /proc: the two auditors' against
 the two serving nodes' over the same run. At ``--audit-rate R`` audits cost R times the measured
@@ -15,6 +16,7 @@ liar that lies on every session escapes N sessions with probability (1 - R)^N.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import tempfile
 import time
@@ -27,6 +29,7 @@ from benchmarks.common import Section, wait_registered
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 SESSIONS = 500
+CLIENTS = 2  # concurrent sessions: the nodes batch their decode steps (other batch shapes than an auditor's)
 RATE = 0.05
 SUBJECTS = ["rivers", "mountains", "planets", "colors", "metals", "birds", "trees", "languages", "oceans", "stars"]
 SAMPLING = [
@@ -35,6 +38,24 @@ SAMPLING = [
     {"temperature": 0.7},
     {"temperature": 0.8, "seed": 2, "presence_penalty": 0.4, "frequency_penalty": 0.2},
 ]
+
+
+def _serve(url: str, lane: int) -> None:
+    """Every ``CLIENTS``-th session, from one client: the lanes' decode steps meet in batches on the nodes."""
+    with httpx.Client(timeout=120) as client:
+        for i in range(lane, SESSIONS, CLIENTS):
+            prompt = f"List {2 + i % 5} {SUBJECTS[i % len(SUBJECTS)]}, number {i}:"
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 6 + i % 7, **SAMPLING[i % len(SAMPLING)]}
+            response = client.post(f"{url}/v1/completions", json=body)
+            if response.status_code != 200:
+                raise RuntimeError(f"session {i}: {response.status_code} {response.text}")
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name}_total ") or line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def _cpu(proc: Proc) -> float:
@@ -57,8 +78,8 @@ def _audits(gateway: str, want: int) -> dict[str, object]:
 def run() -> Section:
     section = Section(
         "Audit sampling: audit compute and false positives (honest swarm)",
-        f"python benchmarks/run.py --only audits  ({SESSIONS} sessions at --audit-rate 1; head 1 thread, tail 2, "
-        "each auditor the other count)",
+        f"python benchmarks/run.py --only audits  ({SESSIONS} sessions at --audit-rate 1 from {CLIENTS} clients; "
+        "head 1 thread, tail 2, each auditor the other count)",
     )
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         tracker = stack.enter_context(meshnet_process(["tracker", "--port", "0", "--db", f"sqlite:///{tmp}/t.db"]))
@@ -76,22 +97,21 @@ def run() -> Section:
         )
         serve_before, audit_before = sum(map(_cpu, serving)), sum(map(_cpu, auditing))
         began = time.perf_counter()
-        with httpx.Client(timeout=120) as client:
-            for i in range(SESSIONS):
-                prompt = f"List {2 + i % 5} {SUBJECTS[i % len(SUBJECTS)]}, number {i}:"
-                body = {"model": MODEL, "prompt": prompt, "max_tokens": 6 + i % 7, **SAMPLING[i % len(SAMPLING)]}
-                response = client.post(f"{gateway.url}/v1/completions", json=body)
-                if response.status_code != 200:
-                    raise RuntimeError(f"session {i}: {response.status_code} {response.text}")
+        with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
+            list(pool.map(lambda lane: _serve(gateway.url, lane), range(CLIENTS)))
         served_s = time.perf_counter() - began
         answer = _audits(gateway.url, 2 * SESSIONS)
         serve_cpu = sum(map(_cpu, serving)) - serve_before
         audit_cpu = sum(map(_cpu, auditing)) - audit_before
+        steps = sum(_metric(p.url, "meshnet_node_decode_batch_steps") for p in serving)
+        batches = sum(_metric(p.url, "meshnet_node_decode_batches") for p in serving)
         kept = httpx.get(f"{tracker.url}/v1/audits", params={"limit": "1000", "verdict": "fail"}, timeout=10).json()
     counts = answer["counts"]
     assert isinstance(counts, dict)
     ratio = audit_cpu / serve_cpu
     section.add("sessions served (and audited)", f"{SESSIONS} in {served_s:.0f} s")
+    section.add("serving nodes' decode steps per batched call (the auditors compute each alone)",
+                f"{steps / batches:.2f}" if batches else "no batched calls")  # fmt: skip
     section.add("hops audited: pass / fail / skipped",
                 f"{counts.get('pass', 0)} / {counts.get('fail', 0)} / {counts.get('skipped', 0)}")  # fmt: skip
     section.add("false positives (honest hops failed)", str(counts.get("fail", 0)), "0", counts.get("fail", 0) == 0)

@@ -6,7 +6,10 @@
   sends the next hop, or the tail's logits (it then samples and commits to that distribution
   consistently, so the gateway's draw check passes);
 - ``lossy``: rounds what it hands on to bfloat16, as a cheaper number format would;
-- ``skip``: computes one layer fewer than it advertises (its range's last layer is skipped).
+- ``skip``: computes one layer fewer than it advertises (its range's last layer is skipped);
+- ``quant:PATH``: serves another quantization of the model (its ``--gguf``) and advertises the one
+  at ``PATH`` (its identity, hence the routes and auditors of that one);
+- ``withhold``: computes honestly but does not hand over its seam log for an audit.
 
 Its KV, ledger, signatures and seam log are all consistent with what it sent: only a re-execution
 of its layers (audit sampling) can tell.
@@ -69,11 +72,38 @@ def _install_skip() -> None:
     llama_shard.LlamaShard.from_model = classmethod(skipping)  # type: ignore[method-assign,assignment]
 
 
+def _install_quant(advertised: str) -> None:
+    from pathlib import Path
+
+    from meshnet.cli import node_run
+
+    facts = node_run._model_facts
+
+    def claimed(gguf: Any, layers: Any) -> Any:
+        return facts(Path(advertised), layers)  # the other quantization's identity and shape
+
+    node_run._model_facts = claimed
+
+
+def _install_withhold() -> None:
+    from meshnet.errors import Conflict
+    from meshnet.node.service import NodeService
+
+    def withheld(self: Any, sid: Any, caller: Any = None) -> Any:
+        raise Conflict(f"session {sid} has no complete seam log on this node", code="no_seam_log")
+
+    NodeService.seam_log = withheld  # type: ignore[method-assign]
+
+
 def main() -> int:
     lie, separator, *args = sys.argv[1:]
     assert separator == "--", "usage: python -m tests.liar_node LIE -- meshnet ARGS"
     if lie == "skip":
         _install_skip()
+    elif lie == "withhold":
+        _install_withhold()
+    elif lie.startswith("quant:"):
+        _install_quant(lie.split(":", 1)[1])
     else:
         _install_output_lie(lie)
     from meshnet.cli.main import main as meshnet_main

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.browser.chromium import chromium, console_errors
-from tests.procs import Proc, local_swarm
+from tests.procs import Proc, admin_client, local_swarm, tracker_url
 
 if TYPE_CHECKING:
     from selenium.webdriver.chrome.webdriver import WebDriver
@@ -429,3 +429,31 @@ def test_text_from_nodes_and_telemetry_is_shown_as_text(page: WebDriver) -> None
     assert js(page, "return document.querySelectorAll('img').length") == 0
     assert js(page, "return window.__pwned === undefined")
     assert console_errors(page) == []
+
+
+def test_meshnet_up_with_audit_rate_audits_every_session_and_the_page_shows_the_verdicts(
+    browser: WebDriver, tmp_path: Path
+) -> None:
+    """``meshnet up --audit-rate 1``: one auditor per range (trusted members of its private swarm,
+    never routed: not on the layer bar, badged in the nodes table); every hop of a chat passes its
+    audit, on the gateway, on the tracker, and in the page's Audits panel."""
+    with local_swarm(tmp_path / "audited", "--audit-rate", "1") as swarm:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8}
+        assert httpx.post(f"{swarm.url}/v1/chat/completions", json=body, timeout=120).status_code == 200
+        browser.get(f"{swarm.url}/")
+        rows = "return [...document.querySelectorAll('#audits tr[data-verdict]')].map(r => r.dataset.verdict)"
+
+        def listed() -> list[str] | None:
+            found: list[str] = js(browser, rows)
+            return found if len(found) >= 3 else None
+
+        verdicts = wait_until(listed, 60, "the Audits panel lists the chat's 3 hops")
+        assert verdicts == ["pass"] * 3, verdicts
+        assert "100.0% of sessions" in js(browser, "return document.getElementById('audits-caption').textContent")
+        assert js(browser, "return document.querySelectorAll('#layer-map .segment').length") == 3
+        badges = js(browser, "return [...document.querySelectorAll('#nodes-body .badge')].map(b => b.textContent)")
+        assert badges.count("auditor") == 3, badges
+        with admin_client(swarm) as admin:
+            kept = admin.get(f"{tracker_url(swarm)}/v1/audits").json()
+        assert sorted(a["verdict"] for a in kept["audits"]) == ["pass"] * 3 and not kept["suspended"]
+        assert console_errors(browser) == []

@@ -44,6 +44,17 @@ def _audits(url: str, want: int, **params: str) -> list[dict[str, Any]]:
         time.sleep(0.2)
 
 
+def _billed(tracker: str, node: str) -> list[dict[str, Any]]:
+    """``node``'s billing records once the gateway's outbox delivered them (bounded wait)."""
+    deadline = time.monotonic() + 60
+    while True:
+        records = httpx.get(f"{tracker}/v1/billing", params={"node_id": node}, timeout=10).json()["records"]
+        if records:
+            return list(records)
+        assert time.monotonic() < deadline, f"no billing record of {node} after 60 s"
+        time.sleep(0.2)
+
+
 def _wait_nodes(tracker: str, names: set[str]) -> None:
     deadline = time.monotonic() + 120
     while not names <= {n["node_id"] for n in httpx.get(f"{tracker}/v1/nodes", timeout=10).json()["nodes"]}:
@@ -51,8 +62,28 @@ def _wait_nodes(tracker: str, names: set[str]) -> None:
         time.sleep(0.2)
 
 
+@pytest.fixture(scope="module")
+def other_quantization(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled model requantized to Q4_0 (llama.cpp's own quantizer), under the bundled file's
+    name: a cheaper model a liar can serve while it advertises the bundled one."""
+    import ctypes
+
+    import llama_cpp
+
+    from meshnet.artifacts.bundled import bundled_gguf
+
+    honest = bundled_gguf()
+    other = tmp_path_factory.mktemp("q4_0") / honest.name
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, True
+    assert llama_cpp.llama_model_quantize(str(honest).encode(), str(other).encode(), ctypes.byref(params)) == 0
+    return other
+
+
 @contextlib.contextmanager
-def _swarm(tmp_path: Path, lie: str | None = None, liar: str = "head") -> Iterator[tuple[str, Proc]]:
+def _swarm(
+    tmp_path: Path, lie: str | None = None, liar: str = "head", liar_args: tuple[str, ...] = ()
+) -> Iterator[tuple[str, Proc]]:
     """The audited swarm; with ``lie``, node ``liar`` (head or tail) lies that way (tests.liar_node)."""
     db = f"sqlite:///{tmp_path}/tracker.db"
     common = ["--ctx", "512", "--max-sessions", "2"]
@@ -61,7 +92,7 @@ def _swarm(tmp_path: Path, lie: str | None = None, liar: str = "head") -> Iterat
         for name, layers, threads in (("head", "0:15", "1"), ("tail", "15:30", "2")):
             args = ["node", "--layers", layers, "--node-id", name, "--tracker", url, "--threads", threads, *common]
             if lie is not None and name == liar:
-                stack.enter_context(meshnet_process([lie, "--", *args], command=LIAR))
+                stack.enter_context(meshnet_process([lie, "--", *args, *liar_args], command=LIAR))
             else:
                 stack.enter_context(meshnet_process(args))
         for name, layers, threads in (("audit-head", "0:15", "2"), ("audit-tail", "15:30", "1")):
@@ -125,10 +156,40 @@ def test_a_node_that_computes_otherwise_fails_its_audit_and_is_suspended_unpaid(
         assert kept[0]["verdict"] == "fail"
         answer = httpx.get(f"{tracker}/v1/audits", timeout=10).json()
         assert [s["node_id"] for s in answer["suspended"]] == [liar]
-        billing = httpx.get(f"{tracker}/v1/billing", timeout=10).json()
-        voided = [r for r in billing.get("records", []) if r.get("node_id") == liar]
-        assert voided and all(r.get("voided") for r in voided), billing
+        voided = _billed(tracker, liar)
+        assert all(r["voided"] for r in voided), voided
         # Suspended: no route has it any more (no other node holds its layers; auditors are never routed).
         with pytest.raises(openai.APIStatusError) as refused:
             client.completions.create(**asked, temperature=0)
         assert refused.value.status_code == 503
+
+
+def test_a_node_serving_a_cheaper_quantization_as_the_advertised_one_fails_its_audit(
+    tmp_path, other_quantization: Path
+) -> None:
+    from meshnet.artifacts.bundled import bundled_gguf
+
+    lie = f"quant:{bundled_gguf()}"
+    with _swarm(tmp_path, lie, "head", ("--gguf", str(other_quantization))) as (tracker, gateway):
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none")
+        asked = {"model": MODEL, "prompt": "Name three rivers of Europe:", "max_tokens": 16, "temperature": 0}
+        assert client.completions.create(**asked).choices[0].text
+        verdicts = {a["node_id"]: a["verdict"] for a in _audits(gateway.url, 2)}
+        assert verdicts == {"head": "fail", "tail": "pass"}
+        assert [s["node_id"] for s in httpx.get(f"{tracker}/v1/audits", timeout=10).json()["suspended"]] == ["head"]
+
+
+def test_a_node_that_withholds_its_seam_log_fails_as_withheld_and_loses_that_sessions_pay(tmp_path) -> None:
+    with _swarm(tmp_path, "withhold", "head") as (tracker, gateway):
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none")
+        asked = {"model": MODEL, "prompt": "Name three rivers of Europe:", "max_tokens": 8, "temperature": 0}
+        assert client.completions.create(**asked).choices[0].text
+        (audit,) = _audits(gateway.url, 1)
+        assert (audit["node_id"], audit["verdict"], audit["kind"]) == ("head", "fail", "withheld"), audit
+        counts = httpx.get(f"{gateway.url}/v1/audits", timeout=10).json()["counts"]
+        assert counts.get("skipped", 0) == 0  # the tail, whose inputs were the head's log, is not judged
+        kept = _audits(tracker, 1, node_id="head")
+        assert (kept[0]["verdict"], kept[0]["kind"]) == ("fail", "withheld")
+        head = _billed(tracker, "head")
+        assert all(r["voided"] for r in head), head
+        assert not httpx.get(f"{tracker}/v1/audits", timeout=10).json()["suspended"]  # the gateway's word only

@@ -177,6 +177,9 @@ def test_an_auditor_refuses_inputs_of_another_shape_or_range_and_a_plain_node_re
         reexecute(shard, key, "a", dataclasses.replace(good, dtype="int32"))
     with pytest.raises(InvalidRequest, match="layers"):
         reexecute(MixShard("0:4"), key, "a", good)
+    middle = MixShard("4:8")  # a middle hop holds no vocabulary: the session's ids pass it unchecked
+    middle.info = dataclasses.replace(middle.info, n_vocab=0)
+    assert reexecute(middle, key, "a", dataclasses.replace(good, ids=np.array([5, 7], "<i4").tobytes())).held == 2
     swarm = Swarm()
     node = swarm.node("http://plain", "4:8")
     with pytest.raises(Forbidden, match="--auditor"):

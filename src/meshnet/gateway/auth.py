@@ -68,7 +68,7 @@ __all__ = [
 COOKIE = "meshnet_api_key"
 KEY_PATH = "/dashboard/key"  # where the page signs in (POST), out (DELETE) and asks (GET)
 # The endpoints the dashboard calls: the only ones the cookie opens (prefixes).
-COOKIE_PATHS = ("/v1/models", "/v1/swarm", "/v1/health", "/v1/generations", "/v1/chat/completions")
+COOKIE_PATHS = ("/v1/models", "/v1/swarm", "/v1/health", "/v1/generations", "/v1/chat/completions", "/v1/audits")
 _CROSS = frozenset({"cross-site", "same-site"})  # Sec-Fetch-Site values of a request from another origin
 DEFAULT_MAX_CONCURRENCY = 4
 MIN_KEY_CHARS = 16  # a guessable key is no key

@@ -3,6 +3,7 @@
 // Data comes only from the gateway's public API (docs/dashboard.md):
 //   GET /v1/models                     the model id and its layer count (once)
 //   GET /v1/swarm, /v1/health          nodes, their health and the active sessions (every 2 s)
+//   GET /v1/audits                     the latest audit verdicts (every 2 s, with the swarm)
 //   GET /v1/generations                snapshots of the running generations (every second)
 //   GET /v1/generations/{id}/events    each running generation's live events (EventSource)
 //   POST /v1/chat/completions          the chat box, streamed (SSE read from fetch's body)
@@ -288,6 +289,7 @@ async function pollSwarm(mine) {
     if (!state.model) await loadModel();
     const swarm = await getJson("/v1/swarm");
     const health = await getJson("/v1/health").catch(() => null);
+    state.audits = await getJson("/v1/audits?limit=10").catch(() => null);
     state.swarm = swarm;
     state.health = health;
     mergeNodes(swarm);
@@ -408,6 +410,7 @@ function renderSwarm() {
   renderLayerMap();
   renderNodes();
   renderSessions();
+  renderAudits();
   scheduleRender(); // the cards' link RTTs come from the nodes
   $("updated").textContent = state.lastUpdate ? state.lastUpdate.toLocaleTimeString() : "never";
 }
@@ -453,7 +456,7 @@ function renderLayerMap() {
   const ranged = [];
   for (const [id, entry] of state.nodes) {
     const range = parseLayers(entry.data.layers);
-    if (!range) continue;
+    if (!range || entry.data.auditor === true) continue; // an auditor serves no route: not on the bar
     ranged.push({ id, entry, range });
     if (nodeState(entry) !== "up") continue;
     for (let i = range.start; i < Math.min(range.stop, n); i += 1) holders[i].push(id);
@@ -586,7 +589,14 @@ function renderNodes() {
         : el("span", { class: "muted", text: "—" }),
     );
     const cells = [
-      el("td", {}, el("div", { class: "mono strong", text: id }), el("div", { class: "muted small mono", text: str(node.url, "") })),
+      el(
+        "td",
+        {},
+        el("div", { class: "mono strong", text: id }),
+        el("div", { class: "muted small mono", text: str(node.url, "") }),
+        node.auditor === true ? el("span", { class: "badge warn", text: "auditor", title: "re-executes audited sessions; never routed" }) : null,
+        typeof node.suspended === "string" ? el("span", { class: "badge hop-bad", text: "suspended", title: node.suspended }) : null,
+      ),
       el("td", { class: "mono", text: str(node.layers) }),
       el("td", {}, el("div", { text: str(node.backend ?? health.backend) }), el("div", { class: "muted small", text: str(node.quantization, "") })),
       el("td", {}, el("span", { class: `badge state-${st.replace(/[^a-z]/g, "")}`, text: st, title: stateHelp(st, health) })),
@@ -633,6 +643,40 @@ function linkRtt(from, to) {
   const table = entry && entry.data.latency_ms;
   const ms = table && to.url !== undefined ? table[to.url] : undefined;
   return typeof ms === "number" ? ms : null;
+}
+
+function renderAudits() {
+  // Audit sampling (docs/security.md): the gateway's latest verdicts; a failed hop stands out.
+  const audits = state.audits;
+  const box = $("audits");
+  if (!audits || !(audits.audit_rate > 0)) {
+    $("audits-caption").textContent = "off (meshnet gateway --audit-rate R)";
+    box.replaceChildren(el("p", { class: "empty", text: "No sessions are audited." }));
+    return;
+  }
+  const counts = audits.counts || {};
+  $("audits-caption").textContent =
+    `${num(100 * audits.audit_rate, 1)}% of sessions · ${counts.pass || 0} passed · ` +
+    `${counts.fail || 0} failed · ${counts.skipped || 0} skipped`;
+  const list = Array.isArray(audits.audits) ? audits.audits : [];
+  if (!list.length) {
+    box.replaceChildren(el("p", { class: "empty", text: "No audit yet." }));
+    return;
+  }
+  const rows = list.map((a) =>
+    el(
+      "tr",
+      { "data-verdict": str(a.verdict, "") },
+      el("td", {}, el("span", { class: `badge ${a.verdict === "fail" ? "hop-bad" : "hop-ok"}`, text: str(a.verdict) })),
+      el("td", { class: "mono", text: str(a.node_id) }),
+      el("td", { class: "mono small", text: str(a.layers) }),
+      el("td", { class: "mono small", text: str(a.session_id) }),
+      el("td", { class: "small", text: str(a.reason) }),
+      el("td", { class: "mono small", text: Array.isArray(a.auditors) ? a.auditors.join(", ") : "—" }),
+    ),
+  );
+  const head = el("tr", {}, ["Verdict", "Node", "Layers", "Session", "Reason", "Auditors"].map((c) => el("th", { text: c })));
+  box.replaceChildren(el("table", {}, el("thead", {}, head), el("tbody", {}, rows)));
 }
 
 function renderSessions() {
