@@ -82,9 +82,11 @@ def other_quantization(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextlib.contextmanager
 def _swarm(
-    tmp_path: Path, lie: str | None = None, liar: str = "head", liar_args: tuple[str, ...] = ()
-) -> Iterator[tuple[str, Proc]]:
-    """The audited swarm; with ``lie``, node ``liar`` (head or tail) lies that way (tests.liar_node)."""
+    tmp_path: Path, lie: str | None = None, liar: str = "head", liar_args: tuple[str, ...] = (),
+    auditor_args: tuple[str, ...] = (),
+) -> Iterator[tuple[str, Proc]]:  # fmt: skip
+    """The audited swarm; with ``lie``, node ``liar`` (head or tail) lies that way (tests.liar_node);
+    ``auditor_args``: more flags for the auditors (another backend: another numerics class)."""
     db = f"sqlite:///{tmp_path}/tracker.db"
     common = ["--ctx", "512", "--max-sessions", "2"]
     with meshnet_process(["tracker", "--port", "0", "--db", db]) as tracker, contextlib.ExitStack() as stack:
@@ -97,7 +99,7 @@ def _swarm(
                 stack.enter_context(meshnet_process(args))
         for name, layers, threads in (("audit-head", "0:15", "2"), ("audit-tail", "15:30", "1")):
             args = ["node", "--layers", layers, "--node-id", name, "--tracker", url, "--threads", threads, "--auditor"]
-            stack.enter_context(meshnet_process([*args, *common]))
+            stack.enter_context(meshnet_process([*args, *common, *auditor_args]))
         gateway = stack.enter_context(
             meshnet_process(["gateway", "--tracker", url, "--port", "0", "--ctx", "512", "--audit-rate", "1"])
         )
@@ -193,3 +195,24 @@ def test_a_node_that_withholds_its_seam_log_fails_as_withheld_and_loses_that_ses
         head = _billed(tracker, "head")
         assert all(r["voided"] for r in head), head
         assert not httpx.get(f"{tracker}/v1/audits", timeout=10).json()["suspended"]  # the gateway's word only
+
+
+@pytest.mark.parametrize(
+    ("lie", "verdict"),
+    [(None, "pass"), ("skip", "fail"), ("noise:1e-1", "fail"), ("noise:1e-3", "pass")],
+    ids=["honest", "skipped-layer", "noise-1e-1", "noise-1e-3-below-tolerance"],
+)
+def test_across_numerics_classes_a_pytorch_auditor_compares_within_the_calibrated_tolerance(
+    tmp_path, lie: str | None, verdict: str
+) -> None:
+    """Auditors on the PyTorch reference backend (another numerics class than llama.cpp's): an honest
+    head passes within the tolerance calibrated for the pair, gross lies fail, and noise far below
+    the two backends' own difference is not told apart (docs/security.md says so)."""
+    with _swarm(tmp_path, lie, "head", auditor_args=("--backend", "torch")) as (_, gateway):
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none")
+        asked = {"model": MODEL, "prompt": "Name three rivers of Europe:", "max_tokens": 12}
+        assert client.completions.create(**asked, temperature=0.8, seed=4).choices[0].text
+        verdicts = {a["node_id"]: a for a in _audits(gateway.url, 2)}
+        assert verdicts["head"]["verdict"] == verdict, verdicts
+        assert verdicts["tail"]["verdict"] == "pass", verdicts
+        assert "numerics class" in verdicts["head"]["reason"]

@@ -16,10 +16,13 @@ from meshnet.gateway.audits import Audits, numerics_class
 from meshnet.node.audit import reexecute
 from meshnet.node.service import NodeConfig, NodeService
 from meshnet.protocol.audits import (
+    PROBABILITY_TOLERANCE,
+    RESIDUAL_TOLERANCE,
     AuditRequest,
     AuditStatement,
     AuditStep,
     Finding,
+    draw_deviation,
     judge,
     sign_statement,
     statement_signed_by,
@@ -213,3 +216,40 @@ def test_audits_are_chosen_at_the_rate_and_numerics_classes_ignore_threads() -> 
     assert numerics_class(one) == numerics_class(one.replace("threads 1", "threads 16"))
     assert numerics_class(one) != numerics_class(one.replace("kv f16", "kv q8_0"))
     assert numerics_class(None) is None
+
+
+def test_across_numerics_classes_an_auditor_measures_the_deviation_of_what_the_hop_sent() -> None:
+    swarm = Swarm()
+    route = chain(swarm)
+    services = [swarm.transport.services[u] for u in route]
+    ids, chunks, answers = _serve(swarm, route, 4)
+    receipts = {e.node: e for e in answers[-1].hops}
+    key = HopKey.generate()
+    frame, _ = services[1].seam_log(SID)
+    request = dataclasses.replace(_request(services, 1, ids, chunks, {}), cross=True, outputs=frame.body)
+    assert AuditRequest.decode(request.encode()) == request
+    same = reexecute(MixShard("4:8"), key, "a", request)
+    assert (same.tolerance, same.deviation) == (RESIDUAL_TOLERANCE, 0.0)
+    assert AuditStatement.from_json(same.to_json()) == same
+    assert judge(same, receipts["http://middle"]).verdict == "pass"
+    other = MixShard("4:8")
+    other.salt += 1  # other layers: every position's update differs
+    found = judge(reexecute(other, key, "a", request), receipts["http://middle"])
+    assert found.verdict == "fail" and "tolerance" in found.reason
+    with pytest.raises(ValueError, match="other activations"):  # it compared something the hop did not sign
+        judge(dataclasses.replace(same, compared_digest="00" * 16), receipts["http://middle"])
+
+
+def test_across_numerics_classes_the_tails_draws_are_compared_within_the_tolerance() -> None:
+    entry = HopEntry("t", "8:12", 1.0, 5, "aa" * 16)
+    draw = Draw((4, 9), (0.6, 0.3), 1.0, 50)
+    near = Draw((4, 9), (0.58, 0.33), 1.0, 50)
+    far = Draw((9, 4), (0.5, 0.4), 1.0, 50)
+    statement = AuditStatement("s1", "t", "8:12", "a", 5, "aa" * 16, steps=(AuditStep(5, "aa" * 16, 4, near),),
+                               tolerance=PROBABILITY_TOLERANCE, deviation=0.0)  # fmt: skip
+    claim = {"token": 4, "logprob": -0.5, "draw": draw.to_json(), "position": 5}
+    assert judge(statement, entry, {5: (entry, claim)}).verdict == "pass"
+    lied = {**claim, "draw": far.to_json()}
+    assert judge(statement, entry, {5: (entry, lied)}).verdict == "fail"
+    assert draw_deviation(draw, near) == pytest.approx(0.03)
+    assert draw_deviation(draw, Draw((5,), (0.9,), 1.0, 50)) == pytest.approx(0.9)

@@ -247,17 +247,19 @@ class Audits:
             before = job.hops[i - 1].node if i else None
             if before is not None and before not in job.logs:
                 continue  # its inputs are the hop before's seam log, which was withheld
-            auditors = _auditors_for(nodes, hop, job.model)
-            if not auditors:
+            same, other = _auditors_for(nodes, hop, job.model)
+            if not same and not other:
                 self._count("skipped")
                 _log.info("audit of session %s: no auditor holds layers %s; node %s not audited",
                           job.session, hop.layers, hop.node)  # fmt: skip
                 continue
-            self._reexecute(client, job, i, auditors)
+            self._reexecute(client, job, i, same or other, cross=not same)
 
-    def _reexecute(self, client: httpx.Client, job: AuditJob, index: int, auditors: list[dict[str, Any]]) -> None:
+    def _reexecute(
+        self, client: httpx.Client, job: AuditJob, index: int, auditors: list[dict[str, Any]], *, cross: bool
+    ) -> None:
         hop = job.hops[index]
-        request = _request(job, index)
+        request = _request(job, index, cross=cross)
         receipt = job.receipts[hop.node]
         statements: list[AuditStatement] = []
         finding: Finding | None = None
@@ -354,17 +356,22 @@ class Audits:
             self.counts[what] += 1
 
 
-def _auditors_for(nodes: list[dict[str, Any]], hop: Hop, model: str) -> list[dict[str, Any]]:
-    """Auditors that compute ``hop``'s layers to its bits (same model, layers, identity and numerics), shuffled."""
+def _auditors_for(
+    nodes: list[dict[str, Any]], hop: Hop, model: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Auditors of ``hop``'s model, identity and layers, shuffled: those of its numerics class (they
+    compute its bits) and those of another (another backend or build: compared within a tolerance)."""
     audited = next((n for n in nodes if n.get("node_id") == hop.node), {})
     found = [
         n for n in nodes
         if n.get("auditor") is True and n.get("node_id") != hop.node and n.get("model") == model
         and n.get("layers") == str(hop.layers) and isinstance(n.get("hop_key"), str)
         and n.get("identity") == (hop.identity or audited.get("identity"))
-        and numerics_class(n.get("numerics")) == numerics_class(audited.get("numerics"))
     ]  # fmt: skip
-    return sorted(found, key=lambda _: secrets.randbits(32))
+    found.sort(key=lambda _: secrets.randbits(32))
+    mine = numerics_class(audited.get("numerics"))
+    same = [n for n in found if mine is not None and numerics_class(n.get("numerics")) == mine]
+    return same, [n for n in found if n not in same]
 
 
 def numerics_class(numerics: object) -> str | None:
@@ -373,8 +380,9 @@ def numerics_class(numerics: object) -> str | None:
     return _THREADS.sub("", numerics) if isinstance(numerics, str) else None
 
 
-def _request(job: AuditJob, index: int) -> AuditRequest:
-    """The audit of hop ``index``: the positions its receipt holds, from what the hop before it sent."""
+def _request(job: AuditJob, index: int, *, cross: bool = False) -> AuditRequest:
+    """The audit of hop ``index``: the positions its receipt holds, from what the hop before it sent
+    (``cross``: by an auditor of another numerics class, with what the hop sent on to compare)."""
     hop = job.hops[index]
     tail = index == len(job.hops) - 1
     held = job.receipts[hop.node].held
@@ -386,6 +394,7 @@ def _request(job: AuditJob, index: int) -> AuditRequest:
         before = job.hops[index - 1].node
         dtype, log = job.logs[before]
         inputs = log[: len(log) // job.receipts[before].held * held]  # its first ``held`` positions
-    wire = job.logs[hop.node][0] if not tail and hop.node in job.logs else "float32"
+    wire, outputs = job.logs[hop.node] if not tail and hop.node in job.logs else ("float32", b"")
     return AuditRequest(job.session, hop.node, str(hop.layers), chunks, dtype, inputs, wire, ids,
-                        job.sampling if tail else None, tuple(sorted(job.answers)) if tail else ())  # fmt: skip
+                        job.sampling if tail else None, tuple(sorted(job.answers)) if tail else (),
+                        cross, outputs if cross else b"")  # fmt: skip

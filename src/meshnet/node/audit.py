@@ -16,6 +16,7 @@ scratch session is closed whatever happens, so an audit leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from collections.abc import Callable
 
@@ -24,8 +25,15 @@ import numpy as np
 from meshnet.backends.shard import ShardBackend
 from meshnet.errors import InvalidRequest, Overloaded, SeamMismatch
 from meshnet.ids import SessionId
-from meshnet.protocol.audits import AuditRequest, AuditStatement, AuditStep, sign_statement
-from meshnet.protocol.ledger import ChunkLedger
+from meshnet.protocol.audits import (
+    PROBABILITY_TOLERANCE,
+    RESIDUAL_TOLERANCE,
+    AuditRequest,
+    AuditStatement,
+    AuditStep,
+    sign_statement,
+)
+from meshnet.protocol.ledger import EMPTY_DIGEST, ChunkLedger, extend_digest
 from meshnet.protocol.signing import HopKey
 from meshnet.protocol.wire import TensorFrame, checked_values, encode_tensor, frame_values
 from meshnet.sampling import Sampler, SamplingParams, TokenGrammar
@@ -66,6 +74,7 @@ def reexecute(
     answered = set(request.positions)
     ledger = ChunkLedger(sends=not tail)
     steps: list[AuditStep] = []
+    computed: list[np.ndarray] = []  # across numerics classes: what these layers give, to compare
     sid = SessionId(f"audit-{secrets.token_hex(12)}")
     shard.open_session(sid)
     try:
@@ -80,6 +89,8 @@ def reexecute(
                 assert out.hidden is not None
                 frame = encode_tensor(out.hidden.reshape(1, *out.hidden.shape), request.wire_dtype)
                 sent = frame_values(frame).reshape(size, -1).tobytes()
+                if request.cross:
+                    computed.append(out.hidden.reshape(size, -1))
             ledger.record(size, np.ascontiguousarray(data).tobytes(), sent)
             at += size
             if sampler is not None and at in answered:
@@ -92,7 +103,39 @@ def reexecute(
         request.session, request.node, request.layers, auditor, held, str(described["input_digest"]),
         None if tail else str(described["output_digest"]), tuple(steps),
     )  # fmt: skip
+    if request.cross:
+        statement = _across(statement, request, shard, hidden, computed)
     return sign_statement(key, statement)
+
+
+def _across(
+    statement: AuditStatement, request: AuditRequest, shard: ShardBackend, hidden: np.ndarray | None,
+    computed: list[np.ndarray],
+) -> AuditStatement:  # fmt: skip
+    """Another numerics class than the hop's: how far what the hop sent on (``request.outputs``) is from
+    what these layers give, as the largest share of a position's residual update (its output less its
+    input; at the head, its output) by which they differ. The tail's draws are compared by the judge."""
+    if shard.info.layers.is_tail:
+        return dataclasses.replace(statement, tolerance=PROBABILITY_TOLERANCE, deviation=0.0)
+    held = request.held
+    try:
+        frame = TensorFrame((1, held, *shard.info.seam.shape), request.wire_dtype, request.outputs)
+        claimed = checked_values(frame).reshape(held, -1).astype(np.float64)
+    except ValueError as exc:
+        raise SeamMismatch(
+            f"the hop's outputs are not {held} positions of shape {shard.info.seam.shape}: {exc}"
+        ) from None
+    digest, at = EMPTY_DIGEST, 0
+    for size in request.chunks:
+        digest = extend_digest(digest, at, size, claimed[at : at + size].astype(np.float32).tobytes())
+        at += size
+    own = np.concatenate(computed).astype(np.float64)
+    update = own - (hidden.reshape(held, -1) if hidden is not None else 0.0)
+    scale = np.maximum(np.linalg.norm(update, axis=-1), np.finfo(np.float32).tiny)
+    deviation = float(np.max(np.linalg.norm(claimed - own, axis=-1) / scale))
+    return dataclasses.replace(
+        statement, tolerance=RESIDUAL_TOLERANCE, deviation=deviation, compared_digest=digest.hex()
+    )
 
 
 def _inputs(shard: ShardBackend, request: AuditRequest) -> tuple[np.ndarray | None, np.ndarray | None]:

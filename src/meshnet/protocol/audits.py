@@ -42,12 +42,15 @@ from meshnet.sampling import Draw
 
 __all__ = [
     "AUDIT_MAGIC",
+    "PROBABILITY_TOLERANCE",
+    "RESIDUAL_TOLERANCE",
     "AuditRequest",
     "AuditStatement",
     "AuditStep",
     "Finding",
     "Verdict",
     "answer_at",
+    "draw_deviation",
     "judge",
     "sign_statement",
     "statement_signed_by",
@@ -57,6 +60,11 @@ __all__ = [
 AUDIT_MAGIC = b"MNAU"  # an audit request's body (node.audit)
 _DOMAIN = b"meshnet-audit/1\n"
 MAX_STEPS = 1 << 20  # answered positions one statement may cover
+# Across numerics classes (another backend or build), calibrated on the bundled model, llama.cpp's CPU
+# build against the PyTorch reference (docs/security.md, "Audit sampling"): honest residual updates
+# deviated by at most 0.040 of their size, committed probabilities by at most 0.034; three times that.
+RESIDUAL_TOLERANCE = 0.12
+PROBABILITY_TOLERANCE = 0.1
 Verdict = Literal["pass", "fail"]
 
 
@@ -96,6 +104,12 @@ class AuditStatement:
     input_digest: str
     output_digest: str | None = None  # a hop that sends on: the running digest of what it would send
     steps: tuple[AuditStep, ...] = ()  # the tail: one per position answered with a committed draw
+    # Another numerics class (``AuditRequest.cross``): compared within ``tolerance`` (a hop that
+    # sends on: the largest deviation of its positions' residual updates from the auditor's, which
+    # compared what the hop sent, whose running digest is ``compared_digest``; the tail: its draws)
+    tolerance: float | None = None
+    deviation: float | None = None
+    compared_digest: str | None = None
     signature: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -104,6 +118,8 @@ class AuditStatement:
             "held": self.held, "input_digest": self.input_digest, "output_digest": self.output_digest,
             "steps": [s.to_json() for s in self.steps],
         }  # fmt: skip
+        if self.tolerance is not None:
+            raw.update(tolerance=self.tolerance, deviation=self.deviation, compared_digest=self.compared_digest)
         if self.signature is not None:
             raw["sig"] = self.signature
         return raw
@@ -123,9 +139,14 @@ class AuditStatement:
             raise ValueError('an audit statement\'s "output_digest" and "sig" are strings')
         if not isinstance(steps, list) or len(steps) > MAX_STEPS:
             raise ValueError(f'an audit statement\'s "steps" is a list of at most {MAX_STEPS}')
+        tolerance, deviation, compared = raw.get("tolerance"), raw.get("deviation"), raw.get("compared_digest")
+        if not all(v is None or (isinstance(v, float) and v >= 0) for v in (tolerance, deviation)):
+            raise ValueError('an audit statement\'s "tolerance" and "deviation" are numbers >= 0')
+        if not (compared is None or isinstance(compared, str)):
+            raise ValueError('an audit statement\'s "compared_digest" is a string')
         session, node, layers, auditor, digest = (str(t) for t in texts)
         return cls(session, node, layers, auditor, int(held), digest, out,  # type: ignore[arg-type]
-                   tuple(AuditStep.from_json(s) for s in steps), sig)  # fmt: skip
+                   tuple(AuditStep.from_json(s) for s in steps), tolerance, deviation, compared, sig)  # fmt: skip
 
 
 _HEADER = struct.Struct("<4sI")
@@ -152,6 +173,10 @@ class AuditRequest:
     ids: bytes = b""  # int32 LE, one per position (empty: not sent)
     sampling: dict[str, Any] | None = None  # the tail: the session's sampling parameters, seed included
     positions: tuple[int, ...] = ()  # the tail: the positions whose token it answered with a committed draw
+    # Another numerics class than the hop's: the auditor compares within a tolerance, and needs what
+    # the hop sent on (its seam log, in ``wire_dtype``; the tail: nothing) to compare against.
+    cross: bool = False
+    outputs: bytes = b""
 
     @property
     def held(self) -> int:
@@ -162,9 +187,10 @@ class AuditRequest:
             "session": self.session, "node": self.node, "layers": self.layers, "chunks": format_chunks(self.chunks),
             "dtype": self.dtype, "wire_dtype": self.wire_dtype, "inputs_bytes": len(self.inputs),
             "ids_bytes": len(self.ids), "sampling": self.sampling, "positions": list(self.positions),
+            "cross": self.cross, "outputs_bytes": len(self.outputs),
         }  # fmt: skip
         raw = json.dumps(header, separators=(",", ":")).encode()
-        return _HEADER.pack(AUDIT_MAGIC, len(raw)) + raw + self.inputs + self.ids
+        return _HEADER.pack(AUDIT_MAGIC, len(raw)) + raw + self.inputs + self.ids + self.outputs
 
     @classmethod
     def decode(cls, body: bytes) -> AuditRequest:
@@ -183,8 +209,9 @@ class AuditRequest:
     @classmethod
     def _of(cls, header: dict[str, Any], rest: bytes) -> AuditRequest:
         n_inputs, n_ids = int(header["inputs_bytes"]), int(header["ids_bytes"])
-        if n_inputs < 0 or n_ids < 0 or n_inputs + n_ids != len(rest):
-            raise ValueError(f"its inputs and ids add up to {n_inputs + n_ids} bytes; {len(rest)} follow the header")
+        n_outputs = int(header.get("outputs_bytes", 0))
+        if min(n_inputs, n_ids, n_outputs) < 0 or n_inputs + n_ids + n_outputs != len(rest):
+            raise ValueError(f"its parts add up to {n_inputs + n_ids + n_outputs} bytes; {len(rest)} follow the header")
         chunks = parse_chunks(str(header["chunks"]), _chunk_total(str(header["chunks"])))  # SeamMismatch: a 400
         dtype, wire = str(header["dtype"]), str(header.get("wire_dtype", "float32"))
         if dtype not in ("int32", *_WIRE_DTYPES) or wire not in _WIRE_DTYPES:
@@ -198,8 +225,12 @@ class AuditRequest:
         sampling = header.get("sampling")
         if not (sampling is None or isinstance(sampling, dict)):
             raise ValueError("sampling is an object of sampling parameters")
+        cross = header.get("cross", False)
+        if not isinstance(cross, bool):
+            raise ValueError("cross is true or false")
+        ids = rest[n_inputs : n_inputs + n_ids]
         return cls(str(header["session"]), str(header["node"]), str(header["layers"]), chunks, dtype,
-                   rest[:n_inputs], wire, rest[n_inputs:], sampling, positions)  # fmt: skip
+                   rest[:n_inputs], wire, ids, sampling, positions, cross, rest[n_inputs + n_ids :])  # fmt: skip
 
 
 def _chunk_total(text: str) -> int:
@@ -261,6 +292,8 @@ def judge(
             f"the auditor computed {statement.held} positions from other inputs than node {receipt.node} "
             f"signed for ({receipt.held} positions)"
         )
+    if statement.tolerance is not None:
+        return _judge_across(statement, receipt, answers or {}, complete=complete)
     if receipt.output_digest is not None:
         if statement.output_digest != receipt.output_digest:
             return Finding("fail", f"layers {receipt.layers} of its {receipt.held} positions give other "
@@ -289,6 +322,48 @@ def _judge_tail(
             return Finding("fail", f"at position {position} it committed to a distribution its layers do not give",
                            position)  # fmt: skip
     return Finding("pass", f"{receipt.held} positions re-executed, {len(answers)} draws re-derived bit for bit")
+
+
+def _judge_across(
+    statement: AuditStatement, receipt: HopEntry, answers: Mapping[int, tuple[HopEntry, Mapping[str, Any]]],
+    *, complete: bool,
+) -> Finding:  # fmt: skip
+    """Another numerics class: the deviation the auditor measured (a hop that sends on) or the
+    committed draws' (the tail) within the tolerance calibrated for such pairs."""
+    tolerance = statement.tolerance
+    assert tolerance is not None
+    if receipt.output_digest is not None:
+        if statement.compared_digest != receipt.output_digest or statement.deviation is None:
+            raise ValueError("the auditor compared other activations than the hop signed for sending on")
+        if statement.deviation > tolerance:
+            return Finding("fail", f"its residual updates deviate by {statement.deviation:.3g} of their size from "
+                                   f"another numerics class's (tolerance {tolerance:g})")  # fmt: skip
+        return Finding("pass", f"{receipt.held} positions within {statement.deviation:.3g} of another numerics class")
+    steps = {s.position: s for s in statement.steps}
+    if (set(steps) != set(answers)) if complete else not set(answers) <= set(steps):
+        raise ValueError(f"the auditor derived positions {sorted(steps)[:8]}, the tail answered {sorted(answers)[:8]}")
+    worst = 0.0
+    for position in sorted(answers):
+        entry, claim = answers[position]
+        if entry.input_digest != steps[position].input_digest:
+            raise ValueError(f"at position {position} the auditor computed from other inputs than the tail")
+        try:
+            committed = Draw.from_json(claim.get("draw"))
+        except ValueError:
+            return Finding("fail", f"at position {position} it committed no distribution", position)
+        deviation = draw_deviation(committed, steps[position].draw)
+        if deviation > tolerance:
+            return Finding("fail", f"at position {position} its committed probabilities deviate by {deviation:.3g} "
+                                   f"from another numerics class's (tolerance {tolerance:g})", position)  # fmt: skip
+        worst = max(worst, deviation)
+    return Finding("pass", f"{len(answers)} draws within {worst:.3g} of another numerics class")
+
+
+def draw_deviation(a: Draw, b: Draw) -> float:
+    """The largest difference of a candidate's probability between two draws' committed candidates (a
+    candidate one of them did not commit counts the probability the other gives it)."""
+    pa, pb = dict(zip(a.ids, a.probs, strict=True)), dict(zip(b.ids, b.probs, strict=True))
+    return max(abs(pa.get(t, 0.0) - pb.get(t, 0.0)) for t in {*pa, *pb})
 
 
 def answer_at(position: int, entry: HopEntry, claim: Mapping[str, Any]) -> dict[str, Any]:
