@@ -84,11 +84,13 @@ class AuditRecord:
     auditors: tuple[str, ...]
     at: float
     reported: bool
+    deviation: float | None = None  # audited across numerics classes: the auditor's measure (else None)
 
     def to_json(self) -> dict[str, Any]:
         return {"audit_id": self.audit_id, "session_id": self.session_id, "node_id": self.node_id,
                 "layers": self.layers, "verdict": self.verdict, "reason": self.reason, "kind": self.kind,
-                "auditors": list(self.auditors), "at": self.at, "reported": self.reported}  # fmt: skip
+                "auditors": list(self.auditors), "at": self.at, "reported": self.reported,
+                "deviation": self.deviation}  # fmt: skip
 
 
 def collect(
@@ -324,7 +326,7 @@ class Audits:
         reported = self._report(client, body)
         auditors = tuple(s.auditor for s in statements)
         record = AuditRecord(f"aud-{secrets.token_hex(8)}", job.session, hop.node, str(hop.layers), finding.verdict,
-                             finding.reason, kind, auditors, time.time(), reported)  # fmt: skip
+                             finding.reason, kind, auditors, time.time(), reported, finding.deviation)  # fmt: skip
         with self._lock:
             self._records.append(record)
         self._count(finding.verdict)

@@ -271,6 +271,7 @@ class Finding:
     verdict: Verdict
     reason: str
     position: int | None = None  # the tail: the first position whose answer its layers do not give
+    deviation: float | None = None  # across numerics classes: the largest deviation measured
 
 
 def judge(
@@ -335,10 +336,12 @@ def _judge_across(
     if receipt.output_digest is not None:
         if statement.compared_digest != receipt.output_digest or statement.deviation is None:
             raise ValueError("the auditor compared other activations than the hop signed for sending on")
-        if statement.deviation > tolerance:
-            return Finding("fail", f"its residual updates deviate by {statement.deviation:.3g} of their size from "
-                                   f"another numerics class's (tolerance {tolerance:g})")  # fmt: skip
-        return Finding("pass", f"{receipt.held} positions within {statement.deviation:.3g} of another numerics class")
+        deviation = statement.deviation
+        if deviation > tolerance:
+            return Finding("fail", f"its residual updates deviate by {deviation:.3g} of their size from another "
+                                   f"numerics class's (tolerance {tolerance:g})", deviation=deviation)  # fmt: skip
+        why = f"{receipt.held} positions within {deviation:.3g} of another numerics class"
+        return Finding("pass", why, deviation=deviation)
     steps = {s.position: s for s in statement.steps}
     if (set(steps) != set(answers)) if complete else not set(answers) <= set(steps):
         raise ValueError(f"the auditor derived positions {sorted(steps)[:8]}, the tail answered {sorted(answers)[:8]}")
@@ -354,9 +357,10 @@ def _judge_across(
         deviation = draw_deviation(committed, steps[position].draw)
         if deviation > tolerance:
             return Finding("fail", f"at position {position} its committed probabilities deviate by {deviation:.3g} "
-                                   f"from another numerics class's (tolerance {tolerance:g})", position)  # fmt: skip
+                                   f"from another numerics class's (tolerance {tolerance:g})", position,
+                           deviation)  # fmt: skip
         worst = max(worst, deviation)
-    return Finding("pass", f"{len(answers)} draws within {worst:.3g} of another numerics class")
+    return Finding("pass", f"{len(answers)} draws within {worst:.3g} of another numerics class", deviation=worst)
 
 
 def draw_deviation(a: Draw, b: Draw) -> float:
