@@ -61,10 +61,11 @@ AUDIT_MAGIC = b"MNAU"  # an audit request's body (node.audit)
 _DOMAIN = b"meshnet-audit/1\n"
 MAX_STEPS = 1 << 20  # answered positions one statement may cover
 # Across numerics classes (another backend or build), calibrated on the bundled model, llama.cpp's CPU
-# build against the PyTorch reference (docs/security.md, "Audit sampling"): honest residual updates
-# deviated by at most 0.040 of their size, committed probabilities by at most 0.034; three times that.
+# build against the PyTorch reference (docs/security.md, "Audit sampling"; benchmarks/bench_audits):
+# over 60 honest sessions, residual updates deviated by at most 0.048 of their size and committed
+# probabilities by at most 0.078; about 2.5 times that.
 RESIDUAL_TOLERANCE = 0.12
-PROBABILITY_TOLERANCE = 0.1
+PROBABILITY_TOLERANCE = 0.2
 Verdict = Literal["pass", "fail"]
 
 
