@@ -108,6 +108,18 @@ def wait_nodes(tracker: str, names: set[str]) -> dict[str, dict[str, Any]]:
         time.sleep(0.2)
 
 
+def _billed(tracker: str, session: str, want: set[str]) -> set[str]:
+    """The nodes billed for ``session`` once ``want`` are (the gateway's outbox delivers them; bounded wait)."""
+    deadline = time.monotonic() + 60
+    while True:
+        records = httpx.get(f"{tracker}/v1/billing", params={"session_id": session}, timeout=10).json()["records"]
+        billed = {r["node_id"] for r in records}
+        if want <= billed:
+            return billed
+        assert time.monotonic() < deadline, f"billed {billed} after 60 s, not yet {want}"
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def _swarm(tmp_path: Path, liar_layers: str) -> Iterator[tuple[str, Proc, Proc]]:
     """A tracker with a head (0:15) and a tail (15:30) registered, a gateway, and a node of
@@ -152,6 +164,10 @@ def _a_lying_tail_is_repaired(tmp_path: Path, rewrite: Rewrite, body: dict[str, 
             assert liar.lied, "the liar was never on the route"
             assert [r["failed_node"] for r in retries] == ["liar"], retries
             assert any(word in retries[0]["reason"] for word in reason), retries
+            # Caught in an answer it signed: the liar is not paid for the session; the honest hops are.
+            session = httpx.get(f"{gateway.url}/v1/generations/{gid}", timeout=10).json()["session_id"]
+            billed = _billed(tracker, session, {"head", "tail"})
+            assert "liar" not in billed, billed
             # The liar is off the live set now: the same request runs head -> honest, undisturbed.
             again = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
             assert again.status_code == 200, again.text

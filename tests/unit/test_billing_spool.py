@@ -92,3 +92,19 @@ def test_the_report_carries_the_decode_seconds_the_usage_counted(tmp_path: Path)
     assert sent["ses-decoded"]["decode_s"] == 0.75
     assert "decode_s" not in sent["ses-prefilled"]
     assert sent["ses-long"]["decode_s"] == MAX_DECODE_S
+
+
+def test_a_node_caught_lying_is_left_out_of_the_bill_and_a_forged_answer_bills_no_one(tmp_path: Path) -> None:
+    hops = [Hop(n, f"http://{n}", LayerRange.parse(r, 30)) for n, r in (("head", "0:15"), ("tail", "15:30"))]
+    usage = Usage()
+    usage.add(hops, prefill=12, decode=3)
+    usage.unpaid.add("tail")  # it signed a token its own draw does not give (route_engine._check_tokens)
+    assert [r["node_id"] for r in usage.records()] == ["head"]
+    usage.void()  # RouteInconsistent: which relaying hop forged the answer is unknown
+    assert usage.records() == []
+    outbox = BillingOutbox("http://127.0.0.1:9", spool_dir=tmp_path)
+    try:
+        outbox.submit(RoutePlan("ses-1", "r1", tuple(hops)), usage, "failed")  # type: ignore[arg-type]
+        assert not list(tmp_path.glob("*.json"))  # nothing to deliver
+    finally:
+        outbox.close()

@@ -69,6 +69,8 @@ class Usage:
     # Each node's latest signed entry of the session, from an answer the gateway verified (with the
     # answer it vouched for, at the tail): its receipt (tracker.receipts), written out at billing.
     receipts: dict[str, tuple[HopEntry, HopAnswer | None]] = field(default_factory=dict)
+    # Nodes caught lying in an answer they signed (a token their committed draw does not give): unpaid.
+    unpaid: set[str] = field(default_factory=set)
 
     def add(self, hops: Iterable[Hop], *, prefill: int = 0, decode: int = 0) -> None:
         for hop in hops:
@@ -94,11 +96,16 @@ class Usage:
         """One decode step took ``seconds`` (a clock that went backwards counts 0)."""
         self.decode_s += max(0.0, seconds)
 
+    def void(self) -> None:
+        """No node of the session is paid: an answer was forged by a hop that cannot be told apart
+        from the one whose entry it changed (``RouteInconsistent``)."""
+        self.unpaid.update(self.nodes)
+
     def records(self) -> list[dict[str, Any]]:
         return [
             {"node_id": node, "layers": u.layers, "prefill_tokens": u.prefill_tokens, "decode_tokens": u.decode_tokens}
             for node, u in sorted(self.nodes.items())
-            if u.prefill_tokens or u.decode_tokens
+            if (u.prefill_tokens or u.decode_tokens) and node not in self.unpaid
         ]
 
 

@@ -384,12 +384,20 @@ class RouteEngine:
         except GeneratorExit:
             outcome = "completed"  # the consumer stopped: a stop sequence, max_tokens or a disconnect
             raise
+        except RouteInconsistent:
+            run.usage.void()  # a forged answer: which relaying hop forged it is unknown, so none is paid
+            raise
         finally:
-            job = self._audit_job(run) if run.audited and outcome == "completed" else None
-            self._close(run.plan)
-            self.outbox.submit(run.plan, run.usage, outcome)
-            if self.audits is not None and run.audited:
-                self.audits.submit(job)
+            self._finish(run, outcome)
+
+    def _finish(self, run: _Run, outcome: str) -> None:
+        """A generation ended: take what its audit needs (if it is audited) while its route still
+        holds the session, close the route, bill it, then audit it."""
+        job = self._audit_job(run) if run.audited and outcome == "completed" else None
+        self._close(run.plan)
+        self.outbox.submit(run.plan, run.usage, outcome)
+        if self.audits is not None and run.audited:
+            self.audits.submit(job)
 
     def _audit_job(self, run: _Run) -> AuditJob | None:
         """What auditing this generation needs, taken from its route before it closes (gateway.audits)."""
@@ -751,6 +759,8 @@ class RouteEngine:
         for token, logprob, top in _tokens_of(answer):
             for t, lp in ((token, logprob), *top):
                 if not 0 <= t < n_vocab or not math.isfinite(lp) or lp > _LOGPROB_SLACK:
+                    if tail.key is not None:
+                        run.usage.unpaid.add(tail.node)  # it signed the answer (checked above)
                     raise HopFailed(
                         f"the tail {tail.node} answered token {t} with logprob {lp}: not a token of this model's "
                         f"vocabulary [0, {n_vocab}) with a logprob <= 0",
@@ -760,6 +770,7 @@ class RouteEngine:
             assert answer.token is not None and answer.position is not None
             why = check_draw(run.params, answer.draw, answer.token, answer.position)
             if why is not None:
+                run.usage.unpaid.add(tail.node)  # it signed a token its own commitment does not give
                 raise HopFailed(f"the tail {tail.node} answered token {answer.token} at {answer.position}: {why}",
                                 failed_hop=tail.url)  # fmt: skip
 
