@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import Proc, meshnet_process
+from tests.procs import Proc, meshnet_process, start_together
 
 pytestmark = pytest.mark.real
 
@@ -91,18 +91,19 @@ def _swarm(
     common = ["--ctx", "512", "--max-sessions", "2"]
     with meshnet_process(["tracker", "--port", "0", "--db", db]) as tracker, contextlib.ExitStack() as stack:
         url = tracker.url
+        starting: dict[str, Any] = {}  # started together: the nodes load at once
         for name, layers, threads in (("head", "0:15", "1"), ("tail", "15:30", "2")):
             args = ["node", "--layers", layers, "--node-id", name, "--tracker", url, "--threads", threads, *common]
-            if lie is not None and name == liar:
-                stack.enter_context(meshnet_process([lie, "--", *args, *liar_args], command=LIAR))
-            else:
-                stack.enter_context(meshnet_process(args))
+            lying = lie is not None and name == liar
+            starting[name] = (
+                meshnet_process([lie, "--", *args, *liar_args], command=LIAR) if lying else meshnet_process(args)
+            )
         for name, layers, threads in (("audit-head", "0:15", "2"), ("audit-tail", "15:30", "1")):
             args = ["node", "--layers", layers, "--node-id", name, "--tracker", url, "--threads", threads, "--auditor"]
-            stack.enter_context(meshnet_process([*args, *common, *auditor_args]))
-        gateway = stack.enter_context(
-            meshnet_process(["gateway", "--tracker", url, "--port", "0", "--ctx", "512", "--audit-rate", "1"])
-        )
+            starting[name] = meshnet_process([*args, *common, *auditor_args])
+        gateway_args = ["gateway", "--tracker", url, "--port", "0", "--ctx", "512", "--audit-rate", "1"]
+        starting["gateway"] = meshnet_process(gateway_args)
+        gateway = start_together(stack, starting)["gateway"]
         _wait_nodes(url, {"head", "tail", "audit-head", "audit-tail"})
         yield url, gateway
         assert gateway.popen.poll() is None

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
-from meshnet.protocol.signing import HopKey, claim_of
+from meshnet.protocol.signing import COUNTERSIGNATURE, HopKey, claim_of, countersign
 from meshnet.tracker.db import TrackerDB
 from tests.unit.test_tracker_standby import Swarm
 
@@ -128,3 +128,30 @@ def test_a_node_a_repair_replaced_is_billed_on_the_key_it_was_pinned_with(swarm:
     body = {"session_id": sid, "route_id": session["route_id"], "records": records, "receipts": receipts}
     billed = gateway.post("/v1/billing", json=body)
     assert billed.status_code == 201, billed.text
+
+
+def test_a_session_opened_with_a_gateway_key_is_billed_only_countersigned_by_it(swarm: Swarm) -> None:
+    """The gateway pins its key with the route (``gateway_key``) and countersigns the report
+    (protocol.signing.countersign): the tracker keeps the countersignature with every record, and
+    refuses a report without it, signed by another key, or changed after it was signed."""
+    gateway = HopKey.generate()
+    client = swarm.member("gw", "gateway")
+    opened = client.post("/v1/sessions", json={"model": "m", "total_layers": 30, "gateway_key": gateway.public})
+    assert opened.status_code == 201, opened.text
+    session = opened.json()
+    records = [{"node_id": node, "layers": layers, "prefill_tokens": 30, "decode_tokens": 10}
+               for node, layers in (("head", "0:15"), ("tail", "15:30"))]  # fmt: skip
+    body = {"session_id": session["session_id"], "route_id": session["route_id"], "records": records,
+            "outcome": "completed", "receipts": _receipts(session["session_id"])}  # fmt: skip
+    signed = countersign(gateway, body)
+    inflated = {**signed, "records": [{**records[0], "decode_tokens": 11}, records[1]]}
+    for report in (body, countersign(HopKey.generate(), body), inflated):
+        answer = client.post("/v1/billing", json=report)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == COUNTERSIGNATURE, answer.text
+    answer = client.post("/v1/billing", json=signed)
+    assert answer.status_code == 201, answer.text
+    rows = client.get("/v1/billing", params={"session_id": session["session_id"]}).json()["records"]
+    assert {r["countersignature"] for r in rows} == {signed[COUNTERSIGNATURE]}
+    bad = client.post("/v1/sessions", json={"model": "m", "total_layers": 30, "gateway_key": "!" * 43})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "gateway_key", bad.text

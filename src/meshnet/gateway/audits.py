@@ -23,6 +23,7 @@ fed by a bounded queue (a full queue skips the audit and counts it); the book is
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import re
@@ -67,6 +68,8 @@ class AuditJob:
     ids: bytes
     sampling: dict[str, Any]
     receipts: dict[str, HopEntry]  # node -> its latest signed entry
+    # node -> that receipt as the tracker takes it ({"entry", "answer"}: the tail's claim it signed with)
+    signed: dict[str, dict[str, Any]]
     answers: dict[int, tuple[HopEntry, dict[str, Any]]]  # the tail's: position -> its signed entry, claim
     logs: dict[str, tuple[str, bytes]]  # non-tail node -> (dtype, what it sent on)
     withheld: dict[str, str] = field(default_factory=dict)  # node -> why its seam log is missing
@@ -103,6 +106,7 @@ def collect(
     tokens: Sequence[int],
     sampling: dict[str, Any],
     receipts: Mapping[str, HopEntry],
+    signed: Mapping[str, dict[str, Any]],
     answers: Mapping[int, tuple[HopEntry, dict[str, Any]]],
     rejected: Sequence[int] = (),
     timeout_s: float = 30.0,
@@ -128,7 +132,17 @@ def collect(
     tail = hops[-1].node
     own = {p: a for p, a in answers.items() if a[0].node == tail}
     return AuditJob(
-        session, model, tuple(hops), tuple(chunks), ids, dict(sampling), dict(receipts), own, logs, withheld
+        session,
+        model,
+        tuple(hops),
+        tuple(chunks),
+        ids,
+        dict(sampling),
+        dict(receipts),
+        dict(signed),
+        own,
+        logs,
+        withheld,
     )
 
 
@@ -178,10 +192,7 @@ class Audits:
         self._lock = threading.Lock()
         self.counts: collections.Counter[str] = collections.Counter()  # pass, fail, skipped
         self._queue: queue.Queue[AuditJob | None] = queue.Queue(MAX_QUEUED)
-        self._idle = threading.Event()
-        self._idle.set()
         self._thread: threading.Thread | None = None
-        self.compute_s = 0.0  # auditors' wall time, all audits (benchmarks: audit ÷ serving compute)
 
     def chosen(self) -> bool:
         """Whether the generation starting now is audited (a secret draw; nodes never learn it early)."""
@@ -191,24 +202,15 @@ class Audits:
         if job is None:
             self._count("skipped")
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="meshnet-audits", daemon=True)
-            self._thread.start()
+        with self._lock:  # generations end on several worker threads: one audit thread
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="meshnet-audits", daemon=True)
+                self._thread.start()
         try:
-            self._idle.clear()
             self._queue.put_nowait(job)
         except queue.Full:
             self._count("skipped")
             _log.warning("audit of session %s skipped: %d audits are waiting", job.session, MAX_QUEUED)
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Every submitted audit done (tests, benchmarks, shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._queue.unfinished_tasks == 0:
-                return True
-            time.sleep(0.05)
-        return False
 
     def records(
         self, *, node: str | None = None, session: str | None = None, verdict: str | None = None, limit: int = 100
@@ -222,8 +224,10 @@ class Audits:
         return [r.to_json() for r in chosen[:limit]]
 
     def close(self) -> None:
+        """Stop the audit thread after the audit it is on (audits still waiting are dropped)."""
         if self._thread is not None:
-            self._queue.put(None)
+            with contextlib.suppress(queue.Full):
+                self._queue.put(None, timeout=5.0)
             self._thread.join(timeout=5.0)
 
     # -- the audit thread --------------------------------------------------------------------
@@ -248,7 +252,7 @@ class Audits:
                 continue
             before = job.hops[i - 1].node if i else None
             if before is not None and before not in job.logs:
-                continue  # its inputs are the hop before's seam log, which was withheld
+                continue  # its inputs are the hop before's seam log, which was withheld: no verdict either way
             same, other = _auditors_for(nodes, hop, job.model)
             if not same and not other:
                 self._count("skipped")
@@ -290,7 +294,6 @@ class Audits:
         self._keep(client, job, hop, finding, kind="reexecuted", statements=statements)
 
     def _statement(self, client: httpx.Client, auditor: dict[str, Any], request: AuditRequest) -> AuditStatement | None:
-        began = time.monotonic()
         try:
             response = client.post(f"{auditor['url']}/v1/audit", content=request.encode())
             if response.status_code != 200:
@@ -300,8 +303,6 @@ class Audits:
         except (httpx.HTTPError, ValueError) as exc:
             _log.warning("auditor %s did not answer an audit: %s", auditor["node_id"], exc)
             return None
-        finally:
-            self.compute_s += time.monotonic() - began
         if statement.auditor != auditor["node_id"] or not statement_signed_by(str(auditor["hop_key"]), statement):
             _log.warning("auditor %s answered a statement it did not sign", auditor["node_id"])
             return None
@@ -314,10 +315,10 @@ class Audits:
         self, client: httpx.Client, job: AuditJob, hop: Hop, finding: Finding, *, kind: str,
         statements: list[AuditStatement],
     ) -> None:  # fmt: skip
-        receipt = job.receipts[hop.node]
+        receipt = job.signed.get(hop.node) or {"entry": job.receipts[hop.node].to_json()}
         body: dict[str, Any] = {
             "session_id": job.session, "node_id": hop.node, "layers": str(hop.layers), "kind": kind,
-            "verdict": finding.verdict, "reason": finding.reason, "receipt": {"entry": receipt.to_json()},
+            "verdict": finding.verdict, "reason": finding.reason, "receipt": receipt,
             "statements": [s.to_json() for s in statements], "answer": None,
         }  # fmt: skip
         if finding.position is not None:

@@ -37,7 +37,7 @@ import httpx
 from meshnet.fsutil import PRIVATE_MODE, write_atomic
 from meshnet.httputil import error_message
 from meshnet.protocol.messages import HopAnswer, HopEntry
-from meshnet.protocol.signing import claim_of
+from meshnet.protocol.signing import HopKey, claim_of, countersign
 from meshnet.routes import Hop, RoutePlan
 from meshnet.tracker.billing import MAX_DECODE_S
 
@@ -127,9 +127,12 @@ class BillingOutbox:
         timeout_s: float = 10.0,
         spool_dir: Path | None = None,
         tls: ssl.SSLContext | None = None,
+        key: HopKey | None = None,
     ) -> None:
         self.tracker_url = tracker_url.rstrip("/")
         self.tls = tls  # the member TLS of a private swarm's gateway
+        # The gateway's key: it countersigns every report (the key pinned with the session's route)
+        self.key = key if key is not None else HopKey.generate()
         self.give_up_s = give_up_s
         self._timeout = timeout_s
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -155,7 +158,7 @@ class BillingOutbox:
             body["receipts"] = receipts
         if usage.decode_s > 0 and any(r["decode_tokens"] for r in records):
             body["decode_s"] = round(min(usage.decode_s, MAX_DECODE_S), 6)  # the tracker refuses more
-        self._enqueue({**body, "_created": time.time()}, spooled=False)
+        self._enqueue({**countersign(self.key, body), "_created": time.time()}, spooled=False)
 
     def _enqueue(self, item: dict[str, Any], *, spooled: bool) -> None:
         if not spooled:

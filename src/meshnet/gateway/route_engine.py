@@ -285,6 +285,7 @@ class RouteEngine:
         (the API key's: protocol.prefix), which the generation on the route hashes its blocks in too."""
         trusted_only = trusted_only or self.trusted_only
         body: dict[str, Any] = {"model": self.info.model_id, "total_layers": self.info.n_layers}
+        body["gateway_key"] = self.outbox.key.public  # pinned: the session's billing is countersigned with it
         hashes = block_hashes(prompt, self.prefill_chunk, namespace=namespace) if self.prefix_cache else []
         if hashes:
             body["prefix"] = {"block": self.prefill_chunk, "hashes": [h.hex() for h in hashes]}
@@ -407,12 +408,11 @@ class RouteEngine:
         plan = run.plan
         answers = run.answers if run.answers_of == plan.session_id else {}
         receipts = {node: entry for node, (entry, _) in run.usage.receipts.items()}
-        with contextlib.suppress(MeshnetError):
-            return collect(self._client(), session=plan.session_id, model=self.info.model_id, hops=plan.hops,
-                           chunks=run.ledger.sizes(), tokens=run.ids[:held], sampling=dataclasses.asdict(run.params),
-                           receipts=receipts, answers=answers, rejected=run.ids[held:] if run.surplus else (),
-                           timeout_s=CLOSE_WAIT_S * 5)  # fmt: skip
-        return None
+        signed = {node: r for node in receipts if (r := run.usage.receipt(node)) is not None}
+        return collect(self._client(), session=plan.session_id, model=self.info.model_id, hops=plan.hops,
+                       chunks=run.ledger.sizes(), tokens=run.ids[:held], sampling=dataclasses.asdict(run.params),
+                       receipts=receipts, signed=signed, answers=answers,
+                       rejected=run.ids[held:] if run.surplus else (), timeout_s=CLOSE_WAIT_S * 5)  # fmt: skip
 
     def _prefill_with_retries(
         self, run: _Run, tokens: list[int], cancel: threading.Event

@@ -35,12 +35,16 @@ from meshnet.routes import Hop
 
 __all__ = [
     "CLAIMED_KINDS",
+    "COUNTERSIGNATURE",
     "HOP_KEY_CHARS",
     "HopKey",
     "b64",
+    "billing_bytes",
     "check_public_key",
     "check_signatures",
     "claim_of",
+    "countersign",
+    "countersigned_by",
     "public_key",
     "signed_by",
     "signed_bytes",
@@ -48,6 +52,8 @@ __all__ = [
 ]
 
 _DOMAIN = b"meshnet-hop-entry/1\n"
+_BILLING_DOMAIN = b"meshnet-billing/1\n"
+COUNTERSIGNATURE = "countersignature"  # the billing report's field that carries the gateway's
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
 HOP_KEY_CHARS = 43  # an Ed25519 public key (32 bytes), base64url without padding
 CLAIMED_KINDS = frozenset({AnswerKind.TOKEN, AnswerKind.TOKENS})  # answers whose content the tail signs
@@ -135,6 +141,29 @@ def signed_by(key: str, session: str, entry: HopEntry, claim: dict[str, Any] | N
         return False
     try:
         public_key(key).verify(unb64(entry.signature), signed_bytes(session, entry, claim))
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+    return True
+
+
+def billing_bytes(report: dict[str, Any]) -> bytes:
+    """What a gateway countersigns of a billing report: the report as sent, less the countersignature,
+    as compact JSON with sorted keys (the tracker reads it back from the same JSON: the same bytes)."""
+    body = {k: v for k, v in report.items() if k != COUNTERSIGNATURE}
+    return _BILLING_DOMAIN + json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def countersign(key: HopKey, report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with ``key``'s countersignature: the gateway vouches for its count and the receipts."""
+    return {**report, COUNTERSIGNATURE: b64(key.sign_bytes(billing_bytes(report)))}
+
+
+def countersigned_by(key: str, report: dict[str, Any]) -> bool:
+    signature = report.get(COUNTERSIGNATURE)
+    if not isinstance(signature, str):
+        return False
+    try:
+        public_key(key).verify(unb64(signature), billing_bytes(report))
     except (InvalidSignature, ValueError, TypeError):
         return False
     return True

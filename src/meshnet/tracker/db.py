@@ -47,6 +47,8 @@ _sessions = sa.Table(
     sa.Column("trusted_only", sa.Integer, nullable=False, server_default="0"),
     # The member (a private swarm's gateway) that opened it: only it repairs, reports, bills, closes.
     sa.Column("owner", sa.String(128), nullable=True),
+    # The gateway's key (protocol.signing) pinned when it opened the session: its billing is countersigned.
+    sa.Column("gateway_key", sa.String(64), nullable=True),
     # Every session open expires idle open sessions; closed ones stay (billing, audit), so the
     # expiry must not scan them all.
     sa.Index("sessions_status_updated", "status", "updated"),
@@ -69,6 +71,8 @@ _billing = sa.Table(
     sa.Column("recorded_at", sa.Float, nullable=False),
     # The node's signed receipt for the work (tracker.receipts; JSON), checked when the record was taken.
     sa.Column("receipt", sa.Text, nullable=True),
+    # The gateway's countersignature of the whole report (protocol.signing.countersign), checked.
+    sa.Column("countersignature", sa.String(128), nullable=True),
     # Why the record is not paid (a failed audit of the node, tracker.audits); None: it is.
     sa.Column("voided", sa.Text, nullable=True),
     sa.UniqueConstraint("session_id", "node_id", name="billing_session_node"),
@@ -91,6 +95,7 @@ class BillingRow:
     prefill_tokens: int
     decode_tokens: int
     receipt: str | None = None  # its signed receipt, as JSON
+    countersignature: str | None = None  # the gateway's, over the report it came in
 
 
 def _members(hops: Sequence[dict[str, Any]], before: Sequence[str]) -> list[str]:
@@ -246,6 +251,7 @@ class TrackerDB:
                     "outcome": outcome,
                     "recorded_at": now,
                     "receipt": row.receipt,
+                    "countersignature": row.countersignature,
                 }
             )
         try:

@@ -29,6 +29,7 @@ those blocks (``PrefixHints``) until their own heartbeats advertise them.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -46,6 +47,7 @@ from meshnet.httputil import read_body
 from meshnet.ids import RouteId, SessionId, new_route_id, new_session_id
 from meshnet.layers import LayerRange
 from meshnet.protocol.prefix import HASH_BYTES, MAX_PREFIX_BLOCKS
+from meshnet.protocol.signing import COUNTERSIGNATURE, HOP_KEY_CHARS, check_public_key, countersigned_by
 from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, repair_ticket, route_ticket
 from meshnet.security.identity import Member
 from meshnet.security.membership import scope_member
@@ -97,6 +99,8 @@ class SessionRequest(BaseModel):
     trusted_only: bool = Field(False, strict=True)
     # The prompt's blocks: the route that holds the most of them prefills the least.
     prefix: PromptPrefix | None = None
+    # The gateway's key (protocol.signing): pinned with the session, its billing must be countersigned by it.
+    gateway_key: str | None = Field(None, min_length=HOP_KEY_CHARS, max_length=HOP_KEY_CHARS)
 
 
 class RepairRequest(BaseModel):
@@ -433,7 +437,7 @@ class SessionsApi:
             "created": time.time(),
             "trusted_only": req.trusted_only,
         }
-        self.db.save_session({**session, "owner": _caller(request)})
+        self.db.save_session({**session, "owner": _caller(request), "gateway_key": _gateway_key(req)})
         self.hints.opened(session["session_id"], expected.prefix)
         self.speeds.route_chosen(session["session_id"], choices[0].nodes)
         # Not persisted: the alternatives are a snapshot for the caller to fall back on right away.
@@ -669,9 +673,11 @@ class SessionsApi:
         return first, counts
 
     async def record_billing(self, request: Request) -> Response:
-        req = parse_body(BillingReport, await read_body(request, MAX_BODY_BYTES, "the tracker"))
+        raw = await read_body(request, MAX_BODY_BYTES, "the tracker")
+        req = parse_body(BillingReport, raw)
         session = self.load(req.session_id)
         check_owner(request, session, "bill")
+        countersignature = _countersigned(session, raw)
         if session["route_id"] != req.route_id:
             raise Conflict(f"session {req.session_id} is on route {session['route_id']}, not {req.route_id}")
         ended_s = time.time() - float(session["updated"])
@@ -692,6 +698,7 @@ class SessionsApi:
                     param="records.node_id",
                 )
             rows.append(BillingRow(work.node_id, str(layers), len(layers), work.prefill_tokens, work.decode_tokens))
+        rows = [replace(row, countersignature=countersignature) for row in rows]
         if req.receipts is not None:
             proofs = check_receipts(session, rows, req.receipts)
             rows = [replace(row, receipt=proofs.get(row.node_id)) for row in rows]
@@ -736,3 +743,28 @@ class SessionsApi:
             Route("/v1/billing", self.record_billing, methods=["POST"]),
             Route("/v1/billing", self.read_billing, methods=["GET"]),
         ]
+
+
+def _gateway_key(req: SessionRequest) -> str | None:
+    if req.gateway_key is None:
+        return None
+    try:
+        return check_public_key(req.gateway_key)
+    except ValueError as exc:
+        raise InvalidRequest(f"gateway_key: {exc}", param="gateway_key") from None
+
+
+def _countersigned(session: dict[str, Any], raw: bytes) -> str | None:
+    """The gateway's countersignature of a billing report, checked against the key pinned with the
+    session (protocol.signing.countersign); ``None`` for a session pinned without one (an older gateway)."""
+    key = session.get("gateway_key")
+    if key is None:
+        return None
+    report = json.loads(raw)  # parse_body took it: a JSON object
+    if not countersigned_by(key, report):
+        raise InvalidRequest(
+            f"the billing report of session {session['session_id']} does not carry the countersignature of the "
+            "gateway key it was opened with: the gateway that opened the session bills it, signing what it sends",
+            param=COUNTERSIGNATURE,
+        )
+    return str(report[COUNTERSIGNATURE])
