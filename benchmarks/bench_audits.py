@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import sys
 import tempfile
 import time
 
 import httpx
 import psutil
-from tests.procs import Proc, meshnet_process
+from tests.procs import Proc, meshnet_process, start_together
 
 from benchmarks.common import Section, wait_registered
 from meshnet.protocol.audits import PROBABILITY_TOLERANCE, RESIDUAL_TOLERANCE
@@ -32,6 +33,8 @@ from meshnet.protocol.audits import PROBABILITY_TOLERANCE, RESIDUAL_TOLERANCE
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 SESSIONS = 500
 ACROSS_SESSIONS = 60
+DETECT_RATE = 0.1
+TRIALS = 8
 CLIENTS = 2  # concurrent sessions
 RATE = 0.05
 SUBJECTS = ["rivers", "mountains", "planets", "colors", "metals", "birds", "trees", "languages", "oceans", "stars"]
@@ -102,6 +105,56 @@ def _across(section: Section) -> None:
                 f"{worst['tail']:.3f}")  # fmt: skip
 
 
+def _detection(section: Section) -> None:
+    """A head that adds noise (1e-3 of a row's RMS) to everything it sends, at ``--audit-rate
+    DETECT_RATE``: sessions served until its first failed audit, over ``TRIALS`` trials (its
+    suspension lifted after each). Sessions are audited independently, so the count is geometric
+    with mean 1 / rate."""
+    found: list[int] = []
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        tracker = stack.enter_context(meshnet_process(["tracker", "--port", "0", "--db", f"sqlite:///{tmp}/t.db"]))
+        common = ["--tracker", tracker.url, "--ctx", "512", "--max-sessions", "2"]
+        liar = [sys.executable, "-m", "tests.liar_node"]
+        head = ["node", "--layers", "0:15", "--node-id", "head", *common]
+        tail = ["node", "--layers", "15:30", "--node-id", "tail", *common]
+        auditors = [["node", "--layers", r, "--node-id", f"audit-{n}", "--auditor", *common]
+                    for n, r in (("head", "0:15"), ("tail", "15:30"))]  # fmt: skip
+        gateway_args = ["gateway", "--tracker", tracker.url, "--port", "0", "--audit-rate", str(DETECT_RATE)]
+        starting = {
+            "head": meshnet_process(["noise:1e-3", "--", *head], command=liar),
+            "tail": meshnet_process(tail),
+            **{f"audit-{i}": meshnet_process(args) for i, args in enumerate(auditors)},
+            "gateway": meshnet_process(gateway_args),
+        }  # fmt: skip
+        gateway = start_together(stack, starting)["gateway"]
+        wait_registered(tracker.url, 4)
+        with httpx.Client(timeout=120) as client:
+            for _ in range(TRIALS):
+                found.append(_sessions_until_caught(client, gateway.url, tracker.url))
+    mean = sum(found) / len(found)
+    section.add(f"a liar (noise 1e-3) at --audit-rate {DETECT_RATE}: sessions until its first failed audit, "
+                f"mean of {TRIALS} trials", f"{mean:.1f} (each: {', '.join(map(str, found))})",
+                f"about 1 / rate = {1 / DETECT_RATE:.0f}")  # fmt: skip
+
+
+def _sessions_until_caught(client: httpx.Client, gateway: str, tracker: str) -> int:
+    """Sessions until the head is suspended (a session then finds no route), counted up to the failed
+    audit's own session; the suspension is lifted afterwards."""
+    sessions: list[str] = []
+    for i in range(2000):
+        body = {"model": MODEL, "prompt": f"Say {i}:", "max_tokens": 4, "temperature": 0}
+        response = client.post(f"{gateway}/v1/completions", json=body)
+        if response.status_code == 503:
+            break
+        response.raise_for_status()
+        gid = response.headers["x-meshnet-generation-id"]
+        sessions.append(client.get(f"{gateway}/v1/generations/{gid}").json()["session_id"])
+    failed = client.get(f"{tracker}/v1/audits", params={"node_id": "head", "verdict": "fail", "limit": "1"}).json()
+    caught = failed["audits"][0]["session_id"]
+    client.delete(f"{tracker}/v1/suspensions/head").raise_for_status()
+    return sessions.index(caught) + 1
+
+
 def run() -> Section:
     section = Section(
         "Audit sampling: audit compute and false positives (honest swarm)",
@@ -142,6 +195,7 @@ def run() -> Section:
     section.add("auditors' CPU ÷ serving nodes' CPU, every session audited", f"{ratio:.2f}")
     section.add(f"audit compute ÷ serving compute at --audit-rate {RATE}", f"{RATE * ratio:.3f}", "report")
     _across(section)
+    _detection(section)
     section.notes += [
         "Every session was audited here (rate 1) to count false positives over many honest audits; the cost at "
         f"rate {RATE} is that ratio times {RATE}: sessions are picked independently.",

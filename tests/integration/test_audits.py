@@ -217,3 +217,36 @@ def test_across_numerics_classes_a_pytorch_auditor_compares_within_the_calibrate
         assert verdicts["head"]["verdict"] == verdict, verdicts
         assert verdicts["tail"]["verdict"] == "pass", verdicts
         assert "numerics class" in verdicts["head"]["reason"]
+
+
+def _flip_a_verify_token(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
+    """A tail that answers another last token of a verify chunk (which commits no draw, so only an
+    audit can tell): the next step then carries it, so the route stays consistent."""
+    tokens = data.get("tokens")
+    if not path.endswith("/verify") or not isinstance(tokens, list) or len(tokens) < 2:
+        return None
+    tokens[-1] = tokens[-1] + 1 if tokens[-1] < 40 else tokens[-1] - 1
+    return data
+
+
+def test_a_tail_that_changes_a_speculative_verify_chunks_token_fails_its_audit(tmp_path) -> None:
+    from meshnet.protocol.signing import HopKey
+    from tests.asgi import serve_in_thread
+    from tests.integration.test_lying_hop import Liar, _register_liar
+
+    with (
+        _swarm(tmp_path) as (tracker, gateway),
+        meshnet_process(["node", "--layers", "15:30", "--node-id", "liar", "--ctx", "512"]) as backend,
+    ):
+        liar = Liar(backend.url, _flip_a_verify_token, key=HopKey.generate())
+        with serve_in_thread(liar.app) as liar_url:
+            _register_liar(tracker, "tail", liar, backend, liar_url)
+            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none")
+            prompt = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
+            assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0).choices
+            assert liar.lied, "no verify chunk reached the liar (no drafts?)"
+            verdicts = {a["node_id"]: a for a in _audits(gateway.url, 2)}
+            assert verdicts["liar"]["verdict"] == "fail" and "answered token" in verdicts["liar"]["reason"], verdicts
+            assert verdicts["head"]["verdict"] == "pass", verdicts
+            kept = _audits(tracker, 1, node_id="liar", verdict="fail")
+            assert kept[0]["kind"] == "reexecuted"

@@ -241,3 +241,31 @@ def test_a_tail_that_signs_another_token_than_its_draw_gives_is_repaired_with_th
     body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 16, "temperature": temperature,
             "seed": 1234}  # fmt: skip
     _a_lying_tail_is_repaired(tmp_path, changed_token_at(3), body, ("draw", "greedy"))
+
+
+def _inflate_held(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
+    """A tail that signs a receipt for more positions than the route computed (its own entry's ``held``)."""
+    hops = data.get("hops") or []
+    if "token" not in data or not hops:
+        return None
+    hops[-1]["held"] = hops[-1]["held"] + 5
+    return data
+
+
+def test_a_tail_that_inflates_its_signed_receipt_is_caught_on_that_answer_and_nothing_is_billed(tmp_path) -> None:
+    with _swarm(tmp_path, "15:30") as (tracker, gateway, backend):
+        liar = Liar(backend.url, _inflate_held, key=HopKey.generate())
+        with serve_in_thread(liar.app) as liar_url:
+            _register_liar(tracker, "tail", liar, backend, liar_url)
+            body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 8, "temperature": 0}
+            answer = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
+            assert liar.lied, "the liar was never on the route"
+            assert answer.status_code == 502 and answer.json()["error"]["code"] == "route_inconsistent", answer.text
+            assert "positions" in answer.json()["error"]["message"], answer.text
+            gid = answer.headers["x-meshnet-generation-id"]
+            session = httpx.get(f"{gateway.url}/v1/generations/{gid}", timeout=10).json()["session_id"]
+            # The gateway bills nothing for a forged answer; a record would have been spooled and sent
+            # at the generation's end, before its answer above.
+            time.sleep(2.0)
+            records = httpx.get(f"{tracker}/v1/billing", params={"session_id": session}, timeout=10).json()
+            assert records["records"] == [], records

@@ -26,6 +26,7 @@ from meshnet.protocol.audits import (
     judge,
     sign_statement,
     statement_signed_by,
+    token_at,
 )
 from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
 from meshnet.protocol.signing import HopKey, claim_of
@@ -244,7 +245,7 @@ def test_across_numerics_classes_the_tails_draws_are_compared_within_the_toleran
     entry = HopEntry("t", "8:12", 1.0, 5, "aa" * 16)
     draw = Draw((4, 9), (0.6, 0.3), 1.0, 50)
     near = Draw((4, 9), (0.58, 0.33), 1.0, 50)
-    far = Draw((9, 4), (0.5, 0.4), 1.0, 50)
+    far = Draw((9, 4), (0.8, 0.1), 1.0, 50)
     statement = AuditStatement("s1", "t", "8:12", "a", 5, "aa" * 16, steps=(AuditStep(5, "aa" * 16, 4, near),),
                                tolerance=PROBABILITY_TOLERANCE, deviation=0.0)  # fmt: skip
     claim = {"token": 4, "logprob": -0.5, "draw": draw.to_json(), "position": 5}
@@ -253,3 +254,20 @@ def test_across_numerics_classes_the_tails_draws_are_compared_within_the_toleran
     assert judge(statement, entry, {5: (entry, lied)}).verdict == "fail"
     assert draw_deviation(draw, near) == pytest.approx(0.03)
     assert draw_deviation(draw, Draw((5,), (0.9,), 1.0, 50)) == pytest.approx(0.9)
+
+
+def test_a_greedy_verify_chunks_tokens_are_judged_one_position_each() -> None:
+    """A verify chunk's answer carries no draw: at each position it fills, its token must be the one
+    the auditor's logits give (greedy: the most likely); its entry describes the whole chunk."""
+    entry = HopEntry("t", "8:12", 1.0, 12, "ee" * 16)
+    claim = {"tokens": [3, 5, 9], "logprobs": [-0.1, -0.2, -0.3], "position": 12, "drafted": 2, "accepted": 2}
+    assert [token_at(claim, p) for p in (9, 10, 11, 12, 13)] == [None, 3, 5, 9, None]
+    assert token_at({"token": 4, "position": 7}, 7) == 4 and token_at({"token": 4, "position": 7}, 8) is None
+    draws = {10: Draw((3,), (0.9,), 1.0, 50), 11: Draw((5,), (0.8,), 1.0, 50), 12: Draw((9,), (0.7,), 1.0, 50)}
+    steps = tuple(AuditStep(p, f"{p:02d}" * 16, d.ids[0], d) for p, d in draws.items())
+    statement = AuditStatement("s1", "t", "8:12", "a", 12, "ee" * 16, steps=steps)
+    answers = {p: (entry, claim) for p in draws}
+    assert judge(statement, entry, answers).verdict == "pass"
+    flipped = {**claim, "tokens": [3, 6, 9]}
+    found = judge(statement, entry, {p: (entry, flipped) for p in draws})
+    assert (found.verdict, found.position) == ("fail", 11)

@@ -452,7 +452,8 @@ def test_a_session_is_sticky_across_a_tracker_restart(db_path: str):
             assert got.status_code == 200
             members = [f"{h['node_id']} {h['layers']}" for h in session["hops"]]
             assert got.json() == {**session, "status": "open", "updated": session["created"], "repairs": 0,
-                                  "ended_reason": None, "members": members, "hop_keys": {}}  # fmt: skip
+                                  "ended_reason": None, "members": members, "hop_keys": {},
+                                  "gateway_key": None}  # fmt: skip
             deleted = second.delete(f"/v1/sessions/{session['session_id']}")
             assert deleted.json() == {"deleted": session["session_id"]}
     finally:

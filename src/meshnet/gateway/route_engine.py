@@ -975,12 +975,25 @@ def _verified(run: _Run, answer: HopAnswer, expected: ChunkLedger | None = None)
     if answer.kind not in CLAIMED_KINDS:
         check_signatures(plan.session_id, plan.hops, answer)
     run.usage.signed(answer)
-    if run.audited and answer.kind is AnswerKind.TOKEN and answer.draw is not None and answer.position is not None:
-        if run.answers_of != plan.session_id:
-            run.answers, run.answers_of = {}, plan.session_id
-        claim = claim_of(answer)
-        assert claim is not None
-        run.answers[answer.position] = (answer.hops[-1], claim)
+    if run.audited and answer.position is not None:
+        _keep_answer(run, answer, answer.position)
+
+
+def _keep_answer(run: _Run, answer: HopAnswer, position: int) -> None:
+    """An audited generation keeps the tail's signed answers, by the position of each token: those
+    that committed a draw, and (greedy: each token is its row's most likely) a verify chunk's."""
+    if answer.kind is AnswerKind.TOKEN and answer.draw is not None:
+        positions = [position]
+    elif answer.kind is AnswerKind.TOKENS and run.params.greedy:
+        positions = list(range(position - len(answer.tokens) + 1, position + 1))
+    else:
+        return
+    if run.answers_of != run.plan.session_id:
+        run.answers, run.answers_of = {}, run.plan.session_id
+    claim = claim_of(answer)
+    assert claim is not None
+    for at in positions:
+        run.answers[at] = (answer.hops[-1], claim)
 
 
 def _text_or_none(value: Any) -> str | None:

@@ -55,6 +55,7 @@ __all__ = [
     "sign_statement",
     "statement_signed_by",
     "statements_of",
+    "token_at",
 ]
 
 AUDIT_MAGIC = b"MNAU"  # an audit request's body (node.audit)
@@ -314,16 +315,31 @@ def _judge_tail(
     for position in sorted(answers):
         entry, claim = answers[position]
         step = steps[position]
-        if entry.input_digest != step.input_digest:
+        # A one-token answer's entry describes the inputs up to it; a verify chunk's, the whole chunk
+        # (its inputs are bound by the receipt: the statement's inputs are the tail's, checked above).
+        if "token" in claim and entry.input_digest != step.input_digest:
             raise ValueError(f"at position {position} the auditor computed from other inputs than the tail")
-        token, draw = claim.get("token"), claim.get("draw")
+        token, draw = token_at(claim, position), claim.get("draw")
         if token != step.token:
             return Finding("fail", f"at position {position} it answered token {token}; its layers and the "
                                    f"session's seed give token {step.token}", position)  # fmt: skip
-        if draw != step.draw.to_json():
+        if draw is not None and draw != step.draw.to_json():
             return Finding("fail", f"at position {position} it committed to a distribution its layers do not give",
                            position)  # fmt: skip
-    return Finding("pass", f"{receipt.held} positions re-executed, {len(answers)} draws re-derived bit for bit")
+    why = f"{receipt.held} positions re-executed, {len(answers)} answered tokens re-derived bit for bit"
+    return Finding("pass", why)
+
+
+def token_at(claim: Mapping[str, Any], position: int) -> object:
+    """The token a tail's signed answer gives for ``position``: a one-token answer's, or the one of a
+    verify chunk's tokens that lands there (they fill the positions up to the answer's ``position``)."""
+    if "token" in claim:
+        return claim.get("token") if claim.get("position") == position else None
+    tokens, after = claim.get("tokens"), claim.get("position")
+    if not isinstance(tokens, list) or not isinstance(after, int):
+        return None
+    index = position - (after - len(tokens) + 1)
+    return tokens[index] if 0 <= index < len(tokens) else None
 
 
 def _judge_across(
@@ -349,12 +365,14 @@ def _judge_across(
     worst = 0.0
     for position in sorted(answers):
         entry, claim = answers[position]
+        if "draw" not in claim:
+            continue  # a verify chunk's token: across classes a greedy choice may differ honestly
         if entry.input_digest != steps[position].input_digest:
             raise ValueError(f"at position {position} the auditor computed from other inputs than the tail")
         try:
             committed = Draw.from_json(claim.get("draw"))
         except ValueError:
-            return Finding("fail", f"at position {position} it committed no distribution", position)
+            return Finding("fail", f"at position {position} it committed a malformed distribution", position)
         deviation = draw_deviation(committed, steps[position].draw)
         if deviation > tolerance:
             return Finding("fail", f"at position {position} its committed probabilities deviate by {deviation:.3g} "
