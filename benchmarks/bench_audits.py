@@ -145,14 +145,17 @@ def _sessions_until_caught(client: httpx.Client, gateway: str, tracker: str) -> 
         body = {"model": MODEL, "prompt": f"Say {i}:", "max_tokens": 4, "temperature": 0}
         response = client.post(f"{gateway}/v1/completions", json=body)
         if response.status_code == 503:
-            break
+            query = {"node_id": "head", "verdict": "fail", "limit": "1"}
+            failed = client.get(f"{tracker}/v1/audits", params=query).json()["audits"]
+            if failed and failed[0]["session_id"] in sessions:
+                client.delete(f"{tracker}/v1/suspensions/head").raise_for_status()
+                return sessions.index(failed[0]["session_id"]) + 1
+            time.sleep(0.5)  # the last trial's suspension, lifted a moment ago: not yet off the routes
+            continue
         response.raise_for_status()
         gid = response.headers["x-meshnet-generation-id"]
         sessions.append(client.get(f"{gateway}/v1/generations/{gid}").json()["session_id"])
-    failed = client.get(f"{tracker}/v1/audits", params={"node_id": "head", "verdict": "fail", "limit": "1"}).json()
-    caught = failed["audits"][0]["session_id"]
-    client.delete(f"{tracker}/v1/suspensions/head").raise_for_status()
-    return sessions.index(caught) + 1
+    raise RuntimeError(f"the lying head was not caught in {len(sessions)} sessions")
 
 
 def run() -> Section:
