@@ -118,9 +118,9 @@ CLOSE_WAIT_S = 2.0
 # A hop without room for a session (HopFull) before its first token: wait for room this long in all,
 # in waits doubling from the first, each at most the step.
 ROOM_WAIT_S = 60.0
-AUDIT_MAX_POSITIONS = 16384  # a longer session is not audited: every hop's seam log would cross the network
 ROOM_WAIT_FIRST_S = 0.25
 ROOM_WAIT_MAX_STEP_S = 4.0
+AUDIT_MAX_POSITIONS = 16384  # a longer session is not audited: every hop's seam log would cross the network
 _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
 
 
@@ -164,8 +164,9 @@ class _Run:
     # KV snapshots (node.snapshots): hop node id -> (its standby's node id, the positions snapshotted)
     standbys: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     snapshot_at: int = 0  # the positions the hops' latest snapshots hold (0: none taken)
-    # Audit sampling (gateway.audits): the generation was picked; the tail's signed answers that
-    # committed a draw, by position, on the session they came from (a fresh route starts over)
+    # Audit sampling (gateway.audits): the generation was picked; the tail's signed answers by the
+    # position of each token they re-derive (_keep_answer), on the session they came from (a fresh
+    # route starts over)
     audited: bool = False
     answers: dict[int, tuple[HopEntry, dict[str, Any]]] = dataclasses.field(default_factory=dict)
     answers_of: str = ""
