@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -54,7 +54,6 @@ __all__ = [
     "judge",
     "sign_statement",
     "statement_signed_by",
-    "statements_of",
     "token_at",
 ]
 
@@ -309,9 +308,7 @@ def _judge_tail(
     statement: AuditStatement, receipt: HopEntry, answers: Mapping[int, tuple[HopEntry, Mapping[str, Any]]],
     *, complete: bool,
 ) -> Finding:  # fmt: skip
-    steps = {s.position: s for s in statement.steps}
-    if (set(steps) != set(answers)) if complete else not set(answers) <= set(steps):
-        raise ValueError(f"the auditor derived positions {sorted(steps)[:8]}, the tail answered {sorted(answers)[:8]}")
+    steps = _steps(statement, answers, complete=complete)
     for position in sorted(answers):
         entry, claim = answers[position]
         step = steps[position]
@@ -328,6 +325,14 @@ def _judge_tail(
                            position)  # fmt: skip
     why = f"{receipt.held} positions re-executed, {len(answers)} answered tokens re-derived bit for bit"
     return Finding("pass", why)
+
+
+def _steps(statement: AuditStatement, answers: Mapping[int, Any], *, complete: bool) -> dict[int, AuditStep]:
+    """The statement's steps by position: one for every answer (``complete``: for exactly those)."""
+    steps = {s.position: s for s in statement.steps}
+    if (set(steps) != set(answers)) if complete else not set(answers) <= set(steps):
+        raise ValueError(f"the auditor derived positions {sorted(steps)[:8]}, the tail answered {sorted(answers)[:8]}")
+    return steps
 
 
 def token_at(claim: Mapping[str, Any], position: int) -> object:
@@ -359,9 +364,7 @@ def _judge_across(
                                    f"numerics class's (tolerance {tolerance:g})", deviation=deviation)  # fmt: skip
         why = f"{receipt.held} positions within {deviation:.3g} of another numerics class"
         return Finding("pass", why, deviation=deviation)
-    steps = {s.position: s for s in statement.steps}
-    if (set(steps) != set(answers)) if complete else not set(answers) <= set(steps):
-        raise ValueError(f"the auditor derived positions {sorted(steps)[:8]}, the tail answered {sorted(answers)[:8]}")
+    steps = _steps(statement, answers, complete=complete)
     worst = 0.0
     for position in sorted(answers):
         entry, claim = answers[position]
@@ -396,7 +399,3 @@ def answer_at(position: int, entry: HopEntry, claim: Mapping[str, Any]) -> dict[
 
 def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def statements_of(raw: Sequence[object]) -> list[AuditStatement]:
-    return [AuditStatement.from_json(s) for s in raw]
