@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from tests.backends.test_certification import CUTS, CUTS_FOR, TINY
-from tests.certify.convert import gguf_for
+from tests.certify.convert import gguf_for, prepare
 from tests.certify.parity import prompt_for
+from tests.certify.tiny import CUTS, CUTS_FOR, TINY
 
 from benchmarks.common import Section, median, timed_decode
 from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
@@ -88,6 +88,7 @@ def run() -> Section:
         "Model families: route ÷ whole decode, seam bytes ÷ formula (tiny models)",
         "python benchmarks/run.py --only families",
     )
+    prepare([TINY[arch] for arch, family in FAMILIES.items() if family.llama_route and arch in TINY])
     with tempfile.TemporaryDirectory() as tmp:
         for arch, family in FAMILIES.items():
             if not family.llama_route or arch not in TINY:

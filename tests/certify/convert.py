@@ -1,4 +1,4 @@
-"""llama.cpp's own HF → GGUF converter, as llama-cpp-python 0.3.36 ships it, and tiny random models for it.
+"""llama.cpp's own HF → GGUF converter, as the installed llama-cpp-python ships it, and tiny random models for it.
 
 The converter comes out of the llama-cpp-python sdist (``vendor/llama.cpp/convert_hf_to_gguf.py``,
 ``conversion/``, ``gguf-py/``) — the same llama.cpp commit as the compiled library, so a converted
@@ -6,8 +6,9 @@ tiny model exercises exactly the graph a real model of that family runs. It is f
 pip (pip's cache serves repeats) and kept under ``~/.cache/meshnet/certify``; a missing converter
 is an error, never a skip. Converted models are cached there too, keyed by their spec.
 
-Each conversion runs in its own process: the converter puts its own ``gguf-py`` first on
-``sys.path``, which must not replace the ``gguf`` package Meshnet imports.
+Conversions run in a process of their own (several models to one process: its imports take
+seconds): the converter puts its own ``gguf-py`` first on ``sys.path``, which must not replace the
+``gguf`` package Meshnet imports.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-LLAMA_CPP_PYTHON = "0.3.36"
+from meshnet.models.families import LLAMA_CERTIFIED_ON, installed_llama_cpp
+
+# The converter of the llama.cpp the shards run: that of the installed llama-cpp-python release.
+LLAMA_CPP_PYTHON = installed_llama_cpp() or LLAMA_CERTIFIED_ON
 _VENDOR = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
 _TAKE = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-HARNESS_VERSION = 2  # bump to rebuild every cached model
+HARNESS_VERSION = 3  # bump to rebuild every cached model
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Lighthouse keepers watch the sea at night. "
     "Rivers carve canyons over many years. Bread needs flour, water, salt and time. "
@@ -75,33 +79,78 @@ def converter_dir() -> Path:
     return target
 
 
+# Converts a list of (HF folder, output, extra flags) jobs in one process (the converter's imports take
+# seconds; a certification run converts dozens of models), printing "meshnet-converted N" after each.
 _BOOT = r"""
-import runpy, sys
-conv = sys.argv[1]
+import json, runpy, sys, traceback
+conv, jobs = sys.argv[1], json.loads(sys.argv[2])
 sys.path.insert(0, conv)
 sys.path.insert(1, conv + "/gguf-py")
 import conversion.base as base
 # A tiny tokenizer trained here has a BPE pre-tokenizer hash llama.cpp does not list: call it "default".
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "f32", *sys.argv[4:]]
-runpy.run_path(conv + "/convert_hf_to_gguf.py", run_name="__main__")
+# Some converters read a checkpoint's own config.json keys (rotary_pct, n_ctx, ...) that transformers
+# folds into others and leaves out of the config it loads: give them the file's keys too.
+import json, pathlib
+_load = base.ModelBase.load_hparams
+def _hparams(dir_model, is_mistral_format):
+    loaded = _load(dir_model, is_mistral_format)
+    raw = pathlib.Path(dir_model) / "config.json"
+    saved = json.loads(raw.read_text()) if raw.is_file() and not is_mistral_format else {}
+    return {**saved, **loaded}
+base.ModelBase.load_hparams = staticmethod(_hparams)
+for index, (hf_dir, out, args) in enumerate(jobs):
+    # flags a job's arguments set on a model class (--no-mtp) must not carry over to the next job
+    for classes in base.ModelBase._model_classes.values():
+        for cls in classes.values():
+            for flag in ("no_mtp", "mtp_only"):
+                if flag in vars(cls):
+                    delattr(cls, flag)
+    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out, "--outtype", "f32", *args]
+    try:
+        runpy.run_path(conv + "/convert_hf_to_gguf.py", run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            print(f"meshnet-failed {index}", flush=True)
+            continue
+    except Exception:
+        traceback.print_exc()
+        print(f"meshnet-failed {index}", flush=True)
+        continue
+    print(f"meshnet-converted {index}", flush=True)
 """
 
 
-def convert(hf_dir: Path, out: Path, args: tuple[str, ...] = ()) -> Path:
-    """Convert a saved HF model to a float32 GGUF with llama.cpp's converter; written atomically."""
-    partial = out.with_suffix(".partial.gguf")
+def convert_many(jobs: list[tuple[Path, Path, tuple[str, ...]]]) -> tuple[set[int], str]:
+    """Convert saved HF models to float32 GGUFs with llama.cpp's converter, all in one process; each
+    output is written atomically. Returns the indices converted and the converter's log (a job that
+    fails, or crashes the process, is left out)."""
+    if not jobs:
+        return set(), ""
+    partials = [out.with_suffix(".partial.gguf") for _, out, _ in jobs]
+    spec = [(str(hf), str(partial), list(args)) for (hf, _, args), partial in zip(jobs, partials, strict=True)]
     done = subprocess.run(
-        [sys.executable, "-c", _BOOT, str(converter_dir()), str(hf_dir), str(partial), *args],
+        [sys.executable, "-c", _BOOT, str(converter_dir()), json.dumps(spec)],
         check=False,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=120 + 60 * len(jobs),
     )
-    if done.returncode != 0 or not partial.is_file():
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"llama.cpp's converter failed on {hf_dir.name}:\n{done.stderr[-3000:]}")
-    partial.rename(out)
+    converted = {int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("meshnet-converted ")}
+    for index, ((_, out, _), partial) in enumerate(zip(jobs, partials, strict=True)):
+        if index in converted and partial.is_file():
+            partial.rename(out)
+        else:
+            converted.discard(index)
+            partial.unlink(missing_ok=True)
+    return converted, done.stderr
+
+
+def convert(hf_dir: Path, out: Path, args: tuple[str, ...] = ()) -> Path:
+    """Convert one saved HF model to a float32 GGUF with llama.cpp's converter; written atomically."""
+    converted, log = convert_many([(hf_dir, out, args)])
+    if not converted:
+        raise RuntimeError(f"llama.cpp's converter failed on {hf_dir.name}:\n{log[-3000:]}")
     return out
 
 
@@ -133,10 +182,7 @@ REFERENCE = "reference"  # the transformers checkpoint beside a native-layout on
 def gguf_for(model: TinyModel) -> tuple[Path, Path]:
     """``(GGUF, HF folder)`` of ``model``: built and converted on first use, then cached. The HF
     folder is the one transformers loads (a native-layout checkpoint keeps it in ``reference/``)."""
-    base = cache_root() / "models" / model.key()
-    gguf, hf_dir = base.with_suffix(".gguf"), base
-    if model.layout != "hf":
-        hf_dir = base / REFERENCE
+    base, gguf, hf_dir = _paths(model)
     if gguf.is_file() and hf_dir.is_dir():
         return gguf, hf_dir
     base.parent.mkdir(parents=True, exist_ok=True)
@@ -147,6 +193,43 @@ def gguf_for(model: TinyModel) -> tuple[Path, Path]:
         shutil.rmtree(base, ignore_errors=True)
         staging.rename(base)
     return gguf, hf_dir
+
+
+def prepare(models: list[TinyModel]) -> None:
+    """Build and convert every model of ``models`` not cached yet, in one converter process. A model
+    whose conversion fails is left for ``gguf_for``, which converts it alone and raises its error."""
+    missing = {model.key(): model for model in models if not gguf_for_cached(model)}
+    if not missing:
+        return
+    root = cache_root() / "models"
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        jobs, staged = [], []
+        for key, model in missing.items():
+            staging = Path(tmp) / key
+            try:
+                save_tiny_model(model, staging)
+            except Exception:
+                continue
+            jobs.append((staging, (root / key).with_suffix(".gguf"), model.convert_args))
+            staged.append((staging, root / key))
+        converted, _ = convert_many(jobs)
+        for index in converted:
+            staging, base = staged[index]
+            shutil.rmtree(base, ignore_errors=True)
+            staging.rename(base)
+
+
+def _paths(model: TinyModel) -> tuple[Path, Path, Path]:
+    """``(cache folder, GGUF, HF folder transformers loads)`` of ``model``."""
+    base = cache_root() / "models" / model.key()
+    return base, base.with_suffix(".gguf"), base / REFERENCE if model.layout != "hf" else base
+
+
+def gguf_for_cached(model: TinyModel) -> bool:
+    """Whether ``model``'s GGUF and HF folder are cached already."""
+    _, gguf, hf_dir = _paths(model)
+    return gguf.is_file() and hf_dir.is_dir()
 
 
 def save_tiny_model(model: TinyModel, out: Path) -> None:

@@ -1,12 +1,14 @@
 """Run the certification of every family and write docs/models.md's support table from what it found.
 
-``python -m tests.certify.table`` (``make certify``): for each tiny model of
-``tests/backends/test_certification.py`` — whole GGUF against the split route (bit-identical logits
+``python -m tests.certify.table`` (``make certify``): for each tiny model of ``tests/certify/tiny.py``
+(converted together first) — whole GGUF against the split route (bit-identical logits
 and tokens at every cut and chunk size), a one-step rewind replayed bit-identically, the gap to
 transformers — plus what the shards report: the seam's shape, what crosses it besides the hidden
 state, KV bytes per token per layer by layer type and the recurrent state per session. Families the
 table lists with no tiny model are written as refused, with the reason from ``models.families``.
-The table goes between the markers in docs/models.md; the rest of the file is left as it is.
+The table goes between the markers in docs/models.md, under the llama-cpp-python release it ran
+on; the rest of the file is left as it is. When every certified family passed, that release is
+written into ``models.families.LLAMA_CERTIFIED_ON``: nodes on any other refuse to serve a split.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import meshnet.models.families
 from meshnet.backends.llama_shard import LlamaShard
-from meshnet.models.families import FAMILIES
-from tests.backends.test_certification import CHUNKS, CUTS, CUTS_FOR, GAP_MODEL, TINY
-from tests.certify.convert import gguf_for
+from meshnet.models.families import FAMILIES, installed_llama_cpp
+from tests.certify.convert import gguf_for, prepare
 from tests.certify.parity import CONFIG, compare, rewind_replays_exactly, transformers_gap
+from tests.certify.tiny import CHUNKS, CUTS, CUTS_FOR, GAP_MODEL, TINY
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+FAMILIES_SOURCE = Path(meshnet.models.families.__file__)
 BEGIN, END = "<!-- table: python -m tests.certify.table -->", "<!-- end of table -->"
 HEADER = (
     "| architecture | llama.cpp route | PyTorch route | cuts tried | seam per position | beside the hidden state "
@@ -71,18 +75,32 @@ def row(arch: str, cache: Path) -> str:
 
 
 def main() -> int:
+    version = installed_llama_cpp()
+    if version is None:
+        print("llama-cpp-python is not installed: nothing to certify on", file=sys.stderr)
+        return 1
+    prepare([*TINY.values(), *(GAP_MODEL[arch](TINY[arch]) for arch in GAP_MODEL)])
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         for arch in FAMILIES:
             rows.append(row(arch, Path(tmp)))
             print(rows[-1], flush=True)
-    table = "\n".join([BEGIN, HEADER, *rows, END])
+    failed = [r for r in rows if "**FAILED**" in r]
+    certified = sum(1 for arch in FAMILIES if FAMILIES[arch].llama_route)
+    summary = (
+        f"Certified on llama-cpp-python {version} (the llama.cpp commit it vendors) by `make certify`: "
+        f"{certified} architectures certified on the llama.cpp route, {len(rows) - certified} refused."
+    )
+    table = "\n".join([BEGIN, summary, "", HEADER, *rows, END])
     text = DOC.read_text()
     if BEGIN not in text or END not in text:
         print(f"{DOC} has no table markers ({BEGIN} ... {END})", file=sys.stderr)
         return 1
     DOC.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: table, text, flags=re.S))
-    failed = [r for r in rows if "**FAILED**" in r]
+    if not failed:  # the runtime refuses the certified families on any other llama.cpp
+        source = FAMILIES_SOURCE.read_text()
+        FAMILIES_SOURCE.write_text(re.sub(r'^LLAMA_CERTIFIED_ON = ".*"$', f'LLAMA_CERTIFIED_ON = "{version}"', source,
+                                          count=1, flags=re.M))  # fmt: skip
     print(f"wrote {DOC}: {len(rows)} families, {len(failed)} failed")
     return 1 if failed else 0
 

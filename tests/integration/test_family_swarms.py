@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.backends.test_certification import TINY
 from tests.certify.convert import gguf_for
+from tests.certify.tiny import TINY
 from tests.procs import meshnet_process
 
 pytestmark = pytest.mark.real

@@ -61,3 +61,18 @@ def test_glm_range_starts_without_stored_indexer_types_follow_llama_cpp() -> Non
     stored = {"glm-dsa.attention.indexer.types": _Field([1, 0, 1, 0])}
     assert _start_flags(stored, "glm-dsa", glm, 4) == [True, False, True, False]
     assert _start_flags(stored, "llama", FAMILIES["llama"], 4) is None
+
+
+def test_a_certified_family_is_refused_on_another_llama_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The certification holds for the llama.cpp it ran on: another release must be certified again."""
+    import meshnet.models.families as families
+
+    assert families.installed_llama_cpp() == families.LLAMA_CERTIFIED_ON  # what this repo installs
+    monkeypatch.setattr(families, "installed_llama_cpp", lambda: "9.9.9")
+    with pytest.raises(
+        UncertifiedArchitecture, match=r"certified on llama-cpp-python 0\.3\.36, and this is 9\.9\.9.*make certify"
+    ):
+        require_certified("llama")
+    warning = require_certified("llama", allow_uncertified=True)
+    assert warning is not None and "9.9.9" in warning
+    assert require_certified("llama", backend="torch") is None  # the PyTorch route does not run llama.cpp

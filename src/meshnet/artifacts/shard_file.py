@@ -47,13 +47,13 @@ __all__ = [
     "SHARD_START_KEY",
     "ShardFiles",
     "embeddings_path",
+    "hybrid_layers",
     "layer_flags",
     "layer_values",
     "merge_shards",
     "range_starts",
     "read_architecture",
     "read_shard_range",
-    "recurrent_layers",
     "trunk_layers",
     "write_shard",
 ]
@@ -98,15 +98,42 @@ def trunk_layers(fields: Any, arch: str) -> int:
     return total - int(get(f"{arch}.nextn_predict_layers") or 0)
 
 
-def _recurrent_flags(fields: Any, arch: str, n_layer: int) -> list[bool]:
-    """Which layers keep a recurrent state instead of KV: ``{arch}.attention.recurrent_layers``, else
-    every layer but each ``full_attention_interval``-th (4 unless stated), as llama.cpp derives it."""
+def _layer_array(fields: Any, key: str, n_layer: int, default: int) -> list[int]:
+    """A per-layer integer metadata value, stored as an array or as one number for every layer."""
+    if key not in fields:
+        return [default] * n_layer
+    value = _field_value(fields[key])
+    return [int(v) for v in value][:n_layer] if isinstance(value, list) else [int(value)] * n_layer
+
+
+def _hybrid_flags(fields: Any, arch: str, n_layer: int) -> tuple[list[bool], list[bool]]:
+    """``(recurrent, attention)`` per layer, by the family's ``recurrent_by`` rule, as llama.cpp
+    derives them: which layers keep a recurrent state, which keep KV (a layer may do both, or
+    neither: an MLP-only layer)."""
+    rule = family(arch).recurrent_by
+    if rule in ("all", "parallel"):
+        return [True] * n_layer, [rule == "parallel"] * n_layer
+    if rule in ("kv_heads", "kv_heads_and_ff"):
+        heads = _layer_array(fields, f"{arch}.attention.head_count_kv", n_layer, 0)
+        ffn = _layer_array(fields, f"{arch}.feed_forward_length", n_layer, 0)
+        attention = [h > 0 for h in heads]
+        if rule == "kv_heads":
+            return [not a for a in attention], attention
+        return [h == 0 and f == 0 for h, f in zip(heads, ffn, strict=True)], attention
     key = f"{arch}.attention.recurrent_layers"
     if key in fields:
-        return [bool(v) for v in _field_value(fields[key])][:n_layer]
-    interval_key = f"{arch}.full_attention_interval"
-    interval = int(_field_value(fields[interval_key])) if interval_key in fields else 4
-    return [(i + 1) % interval != 0 for i in range(n_layer)]
+        recurrent = [bool(v) for v in _field_value(fields[key])][:n_layer]
+    else:  # every layer but each full_attention_interval-th (4 unless stated)
+        interval_key = f"{arch}.full_attention_interval"
+        interval = int(_field_value(fields[interval_key])) if interval_key in fields else 4
+        recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
+    return recurrent, [not r for r in recurrent]
+
+
+def _split_kinds(recurrent: list[bool], attention: list[bool]) -> bool:
+    """Whether the model's layers are of two kinds that llama.cpp keeps in two memories (recurrent
+    states and KV): then every range must hold both, or llama.cpp aborts on the empty one."""
+    return any(recurrent) and any(attention) and recurrent != attention
 
 
 def range_starts(path: Path) -> list[int]:
@@ -127,10 +154,13 @@ def range_starts_of(fields: Any) -> list[int]:
     if flags is not None:
         starts = [s for s in starts if flags[s]]
     if seams.recurrent:
-        recurrent = _recurrent_flags(fields, arch, total)
-        starts = [s for s in starts if s == 0 or not recurrent[s - 1]]
+        recurrent, attention = _hybrid_flags(fields, arch, total)
+        if _split_kinds(recurrent, attention):
+            starts = [s for s in starts if s == 0 or attention[s - 1]]
     token_layers = _token_layers(fields, arch, seams)
     starts = [s for s in starts if s == 0 or s >= token_layers]
+    if seams.rope_free_every:  # the last range, from s to the end, must hold a rope-free layer too
+        starts = [s for s in starts if s == 0 or _rope_free(seams, s, total)]
     kinds = _layer_kinds(fields, arch, seams, total)
     if kinds is not None:
         wanted = set(kinds[1])
@@ -150,6 +180,12 @@ def _layer_kinds(fields: Any, arch: str, seams: Family, total: int) -> tuple[lis
     if key not in fields:
         raise InvalidRequest(f"this {arch} GGUF has no {key}; cannot tell where it may be cut")
     return [int(v) for v in _field_value(fields[key])][:total], wanted
+
+
+def _rope_free(seams: Family, start: int, stop: int) -> bool:
+    """Whether layers ``start:stop`` hold one of the family's rope-free layers."""
+    step = seams.rope_free_every
+    return any((i + 1) % step == 0 for i in range(start, stop))
 
 
 def _token_layers(fields: Any, arch: str, seams: Family) -> int:
@@ -183,18 +219,17 @@ def layer_flags(path: Path, key: str, n_layer: int, *, default: bool) -> list[bo
 
 
 def layer_values(path: Path, key: str, n_layer: int, *, default: int) -> list[int]:
-    """A per-layer integer array of a GGUF's metadata; ``default`` for every layer when absent."""
+    """A per-layer integer array of a GGUF's metadata (one number stands for every layer);
+    ``default`` for every layer when absent."""
 
-    fields = read_header(path).fields
-    if key not in fields:
-        return [default] * n_layer
-    return [int(v) for v in _field_value(fields[key])][:n_layer]
+    return _layer_array(read_header(path).fields, key, n_layer, default)
 
 
-def recurrent_layers(path: Path, arch: str, n_layer: int) -> list[bool]:
-    """The recurrent-layer flags of a GGUF (a full model or a shard file) of a hybrid family."""
+def hybrid_layers(path: Path, arch: str, n_layer: int) -> tuple[list[bool], list[bool]]:
+    """``(recurrent, attention)`` flags per layer of a GGUF (a full model or a shard file) of a
+    family with recurrent layers."""
 
-    return _recurrent_flags(read_header(path).fields, arch, n_layer)
+    return _hybrid_flags(read_header(path).fields, arch, n_layer)
 
 
 def embeddings_path(shard_path: Path) -> Path:
@@ -209,6 +244,70 @@ def _block_index(name: str) -> int | None:
     if not name.startswith("blk."):
         return None
     return int(name.split(".", 2)[1])
+
+
+def _refuse_a_bad_range(fields: Any, arch: str, seams: Family, layers: LayerRange, total: int) -> None:
+    """Raise ``InvalidRequest``, saying what to change, unless ``layers`` is a range the family's
+    rules allow (``range_starts`` lists where ranges may open)."""
+    if layers.start % seams.cut_multiple:
+        raise InvalidRequest(
+            f"{arch} picks a per-layer behaviour by the layer index modulo {seams.cut_multiple}, so a range "
+            f"must start at a multiple of {seams.cut_multiple} (not {layers.start})",
+            param="layers",
+        )
+    if seams.rope_free_every and not _rope_free(seams, layers.start, layers.stop):
+        raise InvalidRequest(
+            f"layers {layers} of this {arch} model hold none of its rope-free layers (every "
+            f"{seams.rope_free_every}th), and llama.cpp aborts on a graph without one. Ranges may start at layers "
+            f"{range_starts_of(fields)}",
+            param="layers",
+        )
+    flags = _start_flags(fields, arch, seams, total)
+    if flags is not None and layers.start > 0 and not flags[layers.start]:
+        raise InvalidRequest(
+            f"layer {layers.start} of this {arch} model cannot open a range: it does not compute its own "
+            f"{seams.start_flags} selection but reuses the previous layer's, which would have to cross the seam. "
+            f"Ranges may start at layers {[i for i, f in enumerate(flags) if f]}",
+            param="layers",
+        )
+    token_layers = _token_layers(fields, arch, seams)
+    if 0 < layers.start < token_layers:
+        raise InvalidRequest(
+            f"layer {layers.start} of this {arch} model cannot open a range: its first {token_layers} layers read "
+            "token ids from vocabulary-wide tables (hash-routed experts), so they stay on the head. Ranges past "
+            f"the head start at layer {token_layers} or later",
+            param="layers",
+        )
+    by_kind = _layer_kinds(fields, arch, seams, total)
+    if by_kind is not None and seams.range_kinds is not None and len(layers) != total:
+        missing = sorted(set(by_kind[1]) - set(by_kind[0][layers.start : layers.stop]))
+        if missing:
+            raise InvalidRequest(
+                f"layers {layers} of this {arch} model hold no layer with {seams.range_kinds[0]} = {missing}; "
+                f"llama.cpp needs every range to hold each of {list(by_kind[1])} (it crashes on an empty cache). "
+                f"Ranges may start at layers {range_starts_of(fields)}",
+                param="layers",
+            )
+    if seams.recurrent and len(layers) != total:
+        recurrent, attention = _hybrid_flags(fields, arch, total)
+        if _split_kinds(recurrent, attention):
+            span = slice(layers.start, layers.stop)
+            absent = "an attention" if not any(attention[span]) else "a recurrent" if not any(recurrent[span]) else ""
+            if absent:
+                allowed = range_starts_of(fields)
+                raise InvalidRequest(
+                    f"layers {layers} of this {arch} model hold no {absent} layer; llama.cpp needs a range of a "
+                    "hybrid model to hold layers of both kinds (its memory for the missing kind would be empty). "
+                    f"Move the cut so the range includes both: ranges may start at layers {allowed}",
+                    param="layers",
+                )
+    unsplittable = seams.unsplittable_layer_counts.get(total)
+    if unsplittable and len(layers) != total:
+        raise InvalidRequest(
+            f"a {total}-layer {arch} model cannot be split: {unsplittable}, so a shard with fewer layers "
+            f"would compute another model. Serve it whole on one node (--layers 0:{total})",
+            param="layers",
+        )
 
 
 def write_shard(
@@ -238,55 +337,8 @@ def write_shard(
     if SHARD_START_KEY in reader.fields:
         raise InvalidRequest(f"{source} is already a shard; cut shards from the full model GGUF")
     seams = family(arch)
-    if layers.start % seams.cut_multiple:
-        raise InvalidRequest(
-            f"{arch} picks a per-layer behaviour by the layer index modulo {seams.cut_multiple}, so a range "
-            f"must start at a multiple of {seams.cut_multiple} (not {layers.start})",
-            param="layers",
-        )
-    flags = _start_flags(reader.fields, arch, seams, total)
-    if flags is not None and layers.start > 0 and not flags[layers.start]:
-        raise InvalidRequest(
-            f"layer {layers.start} of this {arch} model cannot open a range: it does not compute its own "
-            f"{seams.start_flags} selection but reuses the previous layer's, which would have to cross the seam. "
-            f"Ranges may start at layers {[i for i, f in enumerate(flags) if f]}",
-            param="layers",
-        )
+    _refuse_a_bad_range(reader.fields, arch, seams, layers, total)
     token_layers = _token_layers(reader.fields, arch, seams)
-    if 0 < layers.start < token_layers:
-        raise InvalidRequest(
-            f"layer {layers.start} of this {arch} model cannot open a range: its first {token_layers} layers read "
-            "token ids from vocabulary-wide tables (hash-routed experts), so they stay on the head. Ranges past "
-            f"the head start at layer {token_layers} or later",
-            param="layers",
-        )
-    by_kind = _layer_kinds(reader.fields, arch, seams, total)
-    if by_kind is not None and seams.range_kinds is not None and len(layers) != total:
-        missing = sorted(set(by_kind[1]) - set(by_kind[0][layers.start : layers.stop]))
-        if missing:
-            raise InvalidRequest(
-                f"layers {layers} of this {arch} model hold no layer with {seams.range_kinds[0]} = {missing}; "
-                f"llama.cpp needs every range to hold each of {list(by_kind[1])} (it crashes on an empty cache). "
-                f"Ranges may start at layers {range_starts_of(reader.fields)}",
-                param="layers",
-            )
-    if seams.recurrent and len(layers) != total:
-        kinds = set(_recurrent_flags(reader.fields, arch, total)[layers.start : layers.stop])
-        if len(kinds) != 2:
-            have = "recurrent (linear-attention)" if True in kinds else "full-attention"
-            raise InvalidRequest(
-                f"layers {layers} of this {arch} model are all {have} layers; llama.cpp needs a range of a hybrid "
-                "model to hold layers of both kinds (its memory for the missing kind would be empty). Move the cut "
-                "so the range includes both",
-                param="layers",
-            )
-    unsplittable = seams.unsplittable_layer_counts.get(total)
-    if unsplittable and len(layers) != total:
-        raise InvalidRequest(
-            f"a {total}-layer {arch} model cannot be split: {unsplittable}, so a shard with fewer layers "
-            f"would compute another model. Serve it whole on one node (--layers 0:{total})",
-            param="layers",
-        )
     # A head whose layers read token ids runs on them, with its vocabulary (Family.token_layers).
     keeps_vocab = layers.is_tail or (layers.is_head and token_layers > 0)
     cut = (not keeps_vocab) if cut_vocab is None else cut_vocab
@@ -326,7 +378,7 @@ def _shard_tensors(source: tuple[TensorBytes, ...], layers: LayerRange, cut: boo
                 rest = name.split(".", 2)[2]
                 yield f"blk.{block - layers.start}.{rest}", tensor
             continue
-        if cut and name in ("token_embd.weight", "output.weight"):
+        if cut and name in ("token_embd.weight", "output.weight", "output.bias"):
             # One row: the loader requires the tensor; llama.cpp's lm_head then costs nothing.
             yield name, tensor.first_rows(1)
             continue
@@ -371,7 +423,7 @@ def _copy_metadata(reader: Any, writer: Any, *, arch: str, layers: LayerRange, t
             value = 1
         elif name == "tokenizer.ggml.model" and cut:
             value = "no_vocab"
-        elif name.startswith(f"{arch}.") and isinstance(value, list) and len(value) in (total, blocks):
+        elif _per_layer_key(name, arch) and isinstance(value, list) and len(value) in (total, blocks):
             value = value[layers.start : layers.stop]  # a per-layer array (e.g. head counts per block)
         writer.add_key_value(name, value, val_type, sub_type=sub_type)
     if swa is not None:
@@ -386,6 +438,14 @@ def _copy_metadata(reader: Any, writer: Any, *, arch: str, layers: LayerRange, t
     writer.add_uint32(SHARD_STOP_KEY, layers.stop)
     writer.add_uint32(SHARD_TOTAL_KEY, layers.total)
     writer.add_bool(SHARD_VOCAB_CUT_KEY, cut)
+
+
+# Per-layer metadata outside the architecture's own keys (apertus's xIELU activation parameters).
+_PER_LAYER_PREFIXES = ("xielu.",)
+
+
+def _per_layer_key(name: str, arch: str) -> bool:
+    return name.startswith((f"{arch}.", *_PER_LAYER_PREFIXES))
 
 
 def _swa_pattern(fields: Any, key: str, seams: Family, total: int) -> list[bool] | None:
@@ -413,6 +473,13 @@ def _no_sliding_layer(fields: Any, arch: str, seams: Family, n: int) -> tuple[in
     differ from full ones by the mask alone (the same rope base)."""
     if seams.swa_empty == "disable":
         return 0, [False] * n
+    if seams.swa_empty == "refuse":
+        raise InvalidRequest(
+            f"this {arch} model's full-attention layers differ from its sliding-window layers by more than the "
+            "window (they skip rope), and llama.cpp cannot load a range without a sliding-window layer; choose a "
+            "range that includes one",
+            param="layers",
+        )
     base, swa_base = (fields.get(f"{arch}.rope.{k}") for k in ("freq_base", "freq_base_swa"))
     if swa_base is not None and (base is None or _field_value(swa_base) != _field_value(base)):
         raise InvalidRequest(
@@ -504,7 +571,7 @@ def merge_shards(parts: list[Path], out: Path) -> ShardFiles:
                 value = layers.start if name == SHARD_START_KEY else layers.stop
             elif name in relative:
                 value = _leading(name, readers, ranges)
-            elif name.startswith(f"{arch}.") and isinstance(value, list) and _per_layer(name, readers, ranges):
+            elif _per_layer_key(name, arch) and isinstance(value, list) and _per_layer(name, readers, ranges):
                 value = [v for reader in readers for v in _field_value(reader.fields[name])]
             writer.add_key_value(name, value, val_type, sub_type=sub_type)
 

@@ -37,10 +37,10 @@ from meshnet.artifacts.gguf_header import read_header
 from meshnet.artifacts.gguf_source import model_stem, open_gguf, split_parts
 from meshnet.artifacts.shard_file import (
     embeddings_path,
+    hybrid_layers,
     layer_flags,
     layer_values,
     read_shard_range,
-    recurrent_layers,
     write_shard,
 )
 from meshnet.backends.ggml_layout import NAME_OFFSET, NE_OFFSET, check_tensor_layout, tensor_get, tensor_set
@@ -745,20 +745,23 @@ class LlamaShard(ShardBase[int]):
         else:
             per_token = (n_head_kv * head_k + n_head_kv * head_v) * _KV_CACHE_BYTES
             kind, formula = "kv", "per layer: (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes (f16 K and V)"
-        recurrent = self._recurrent_layers(arch, n_layer)
-        per_layer = [0 if r else per_token + extra for r, extra in zip(recurrent, indexer, strict=True)]
+        recurrent, attention = self._hybrid_layers(arch, n_layer)
+        heads = self._head_count_kv(arch, n_layer, n_head_kv)
+        if not lora:  # GQA: a layer's KV by its own KV head count (0 on a recurrent-only layer)
+            per_layer = [
+                (h * head_k + h * head_v) * _KV_CACHE_BYTES if a else 0 for h, a in zip(heads, attention, strict=True)
+            ]
+        else:
+            per_layer = [per_token + extra if a else 0 for a, extra in zip(attention, indexer, strict=True)]
         fixed = 0
         if any(recurrent):
-            d_conv = self._int_meta(f"{arch}.ssm.conv_kernel")
-            d_inner = self._int_meta(f"{arch}.ssm.inner_size")
-            d_state = self._int_meta(f"{arch}.ssm.state_size")
-            groups = self._int_meta(f"{arch}.ssm.group_count")
-            state = ((d_conv - 1) * (d_inner + 2 * groups * d_state) + d_state * d_inner) * _STATE_BYTES
+            state = self._recurrent_state_bytes(arch)
             fixed = state * sum(recurrent)
-            kind = "hybrid"
+            kind = "hybrid" if any(attention) else "recurrent"
             formula += (
                 "; recurrent layers: ((conv_kernel - 1) * (inner + 2 * groups * state) + state * inner) * 4 bytes "
-                "per session (f32), kept twice (live, and the checkpoint a rewind restores)"
+                "(LFM2's short convolutions: n_embd * (l_cache - 1) * 4) per session (f32), kept twice (live, and "
+                "the checkpoint a rewind restores)"
             )
             fixed *= 2
         return KVFormat(
@@ -817,8 +820,28 @@ class LlamaShard(ShardBase[int]):
                 self._tokenizer = tokenizer
         return self._tokenizer.grammar(text)
 
-    def _recurrent_layers(self, arch: str, n_layer: int) -> list[bool]:
-        return recurrent_layers(self._path, arch, n_layer) if family(arch).recurrent else [False] * n_layer
+    def _hybrid_layers(self, arch: str, n_layer: int) -> tuple[list[bool], list[bool]]:
+        """``(recurrent, attention)`` per layer; a family without recurrent layers attends on every layer."""
+        if not family(arch).recurrent:
+            return [False] * n_layer, [True] * n_layer
+        return hybrid_layers(self._path, arch, n_layer)
+
+    def _head_count_kv(self, arch: str, n_layer: int, default: int) -> list[int]:
+        """KV heads per layer: llama.cpp's per-layer array where the file has one (hybrid families
+        write 0 on recurrent layers), else the one count for every layer."""
+        return layer_values(self._path, f"{arch}.attention.head_count_kv", n_layer, default=default)
+
+    def _recurrent_state_bytes(self, arch: str) -> int:
+        """One recurrent layer's state per session (f32), as llama.cpp sizes it (``n_embd_r`` +
+        ``n_embd_s``): a Mamba-style convolution and SSM state, or LFM2's short-convolution cache."""
+        l_cache = self._int_meta(f"{arch}.shortconv.l_cache")
+        if l_cache:
+            return self._n_embd * (l_cache - 1) * _STATE_BYTES
+        d_conv = self._int_meta(f"{arch}.ssm.conv_kernel")
+        d_inner = self._int_meta(f"{arch}.ssm.inner_size")
+        d_state = self._int_meta(f"{arch}.ssm.state_size")
+        groups = self._int_meta(f"{arch}.ssm.group_count")
+        return ((d_conv - 1) * (d_inner + 2 * groups * d_state) + d_state * d_inner) * _STATE_BYTES
 
     def close(self) -> None:
         super().close()

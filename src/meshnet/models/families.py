@@ -17,6 +17,7 @@ Where a family needs handling at a seam, it goes into its ``Family`` record here
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -25,11 +26,13 @@ from meshnet.errors import InvalidRequest
 __all__ = [
     "FAMILIES",
     "KNOWN_ARCHITECTURES",
+    "LLAMA_CERTIFIED_ON",
     "Family",
     "UncertifiedArchitecture",
     "certification",
     "family",
     "family_of_model_type",
+    "installed_llama_cpp",
     "require_certified",
 ]
 
@@ -53,13 +56,19 @@ class Family:
     - ``recurrent``: a hybrid family — some layers keep a fixed-size recurrent state per session
       instead of KV. Every range must hold layers of both kinds; a rewind restores the state
       saved before the last chunk (truncating positions cannot undo a recurrence).
+      ``recurrent_by``: how llama.cpp tells the kinds apart — ``"interval"`` (``recurrent_layers``, or
+      all but every ``full_attention_interval``-th), ``"kv_heads"`` (layers with no KV head are
+      recurrent), ``"kv_heads_and_ff"`` (and no feed-forward either: the rest with no KV head are
+      MLP-only), ``"all"`` (a pure state-space model: no KV, no rule on ranges) or ``"parallel"``
+      (every layer keeps both a state and KV).
     - ``head_scale``: the graph scales token embeddings but not embeddings fed in as vectors; the
       head (which looks embeddings up itself) multiplies them by this factor (``"sqrt_n_embd"``).
     - ``swa_period`` / ``swa_dense_first``: the sliding-window layer pattern llama.cpp derives from
       the layer index inside the file; the shard writer writes it out per layer, then slices it.
       ``swa_empty``: what a range without sliding-window layers gets — ``"disable"`` (window 0
-      turns sliding off) or ``"unbounded"`` (the graph insists on sliding layers: all slide, with a
-      window that masks nothing).
+      turns sliding off), ``"unbounded"`` (the graph insists on sliding layers: all slide, with a
+      window that masks nothing) or ``"refuse"`` (full-attention layers differ from sliding ones by more
+      than the mask, e.g. no rope: such a range is refused).
     - ``leading_layer_keys``: metadata counting the model's first N layers (dense before MoE);
       made relative to the range.
     - ``start_flags``: a per-layer metadata array (of the llama.cpp defaults, if absent) whose entry
@@ -68,6 +77,9 @@ class Family:
       to cross the seam).
     - ``cut_multiple``: llama.cpp picks a per-layer behaviour by the layer index modulo this (e.g.
       which layers skip rope); ranges must start at a multiple of it.
+    - ``rope_free_every``: every N-th layer (index % N == N - 1) skips rope and reads an input of its
+      own (Llama 4's attention temperature); llama.cpp leaves that input unallocated, and aborts, in a
+      graph without such a layer, so every range must hold one.
     - ``layer_output``: the graph's name for a layer's output; a non-tail shard sends its last
       layer's. ``rows_after_layers``: the graph picks its output rows after the last layer (not in
       it), so a non-tail shard asks llama.cpp for one output row and still captures every row.
@@ -96,12 +108,14 @@ class Family:
     token_seam: bool = False
     input_name: str = "embd"
     recurrent: bool = False
+    recurrent_by: str = "interval"
     head_scale: str | None = None
     swa_period: int | None = None
     swa_dense_first: bool = False
     swa_empty: str = "disable"
     leading_layer_keys: tuple[str, ...] = ()
     cut_multiple: int = 1
+    rope_free_every: int = 0
     start_flags: str | None = None
     layer_output: str = "l_out"
     rows_after_layers: bool = False
@@ -113,6 +127,34 @@ class Family:
     unsplittable_layer_counts: Mapping[int, str] = field(default_factory=dict)
 
 
+# The llama-cpp-python release (and so the llama.cpp commit it vendors) the llama.cpp route was
+# certified on: a node on another one refuses to serve a split unless allowed. `make certify` writes
+# it here from a run in which every certified family passed.
+LLAMA_CERTIFIED_ON = "0.3.36"
+# Architectures llama.cpp runs that a route refuses, and what stands in the way.
+_REFUSED = {
+    "minicpm3": "llama.cpp scales each residual by scale_depth / sqrt(n_layer), taking n_layer from the file: a "
+    "shard computes another model",
+    "minicpm": "llama.cpp scales each residual by scale_depth / sqrt(n_layer), taking n_layer from the file: a shard "
+    "computes another model",
+    "phimoe": "the whole GGUF already differs from transformers' forward (relative logit gap 0.12 on the tiny model): "
+    "there is no model to certify a split against",
+    "laguna": "the whole GGUF already differs from transformers' forward (relative logit gap 0.11 on the tiny model: "
+    "rope and windows by layer kind), and splits differ from it in the last bits at some cuts; not understood yet",
+    "nemotron_h": "llama.cpp 0.3.36's converter reads a transformers 5.24 Nemotron-H config (which always names "
+    "num_experts_per_tok) as the MoE variant: no dense tiny model converts (nemotron_h_moe is certified)",
+    "gemma3n": "per-layer embeddings are looked up from token ids inside every layer: each node would need the "
+    "vocabulary-wide table",
+    "gemma4": "llama.cpp 0.3.36's converter cannot read a transformers 5.24 Gemma 4 text config",
+    "bitnet": "llama.cpp 0.3.36's converter cannot map transformers 5.24 BitNet tensor names (ffn_sub_norm)",
+    "hunyuan-moe": "llama.cpp 0.3.36's converter needs Hunyuan's tiktoken tokenizer files",
+    "kimi-linear": "llama.cpp 0.3.36's converter cannot map transformers 5.24 Kimi-Linear tensor names",
+    "deepseek32": "llama.cpp 0.3.36's converter insists the tokenizer adds a BOS token (add_bos_token), which "
+    "transformers 5.24's tokenizers no longer say: no tiny DeepSeek-V3.2 converts",
+    "internlm2": "transformers has no InternLM2 class to build the tiny certification model from",
+    "baichuan": "transformers has no Baichuan class to build the tiny certification model from",
+    "bailingmoe": "transformers has no Bailing MoE class to build the tiny certification model from",
+}
 _CERTIFIED = "token- and bit-identical to the whole GGUF at every cut (tests/backends/test_certification.py)"
 _DENSE_LEAD = ("leading_dense_block_count",)
 
@@ -249,12 +291,209 @@ FAMILIES: dict[str, Family] = {
             "multiple of 4",
             cut_multiple=4,
         ),
+        # Families whose graph needs nothing at a seam.
+        *(
+            Family(arch, True, False, _CERTIFIED + note)
+            for arch, note in (
+                ("stablelm", ""),
+                ("starcoder2", ""),
+                ("olmo", ""),
+                ("olmoe", ""),
+                ("arcee", ""),
+                ("seed_oss", ""),
+                ("apertus", " (xIELU activation parameters per layer, sliced with the layers)"),
+                ("hunyuan-dense", ""),
+                ("hy_v3", " (Hunyuan 3 MoE)"),
+                ("falcon", " (new decoder architecture: parallel attention and MLP)"),
+                ("chatglm", " (GLM-4 9B, transformers' GlmForCausalLM)"),
+                ("jais2", ""),
+                ("ernie4_5", ""),
+                ("nemotron", ""),
+                ("command-r", " (Cohere Command-R: parallel attention and MLP, logit scale)"),
+                ("gptneox", " (parallel residual, partial rotary)"),
+                ("phi2", " (a head's cut lm_head bias keeps one row, as its weight)"),
+                ("minimax-m2", " (sigmoid expert routing)"),
+            )
+        ),
+        Family(
+            "mellum",
+            True,
+            False,
+            _CERTIFIED + "; sliding-window pattern stored per layer in the file, sliced with the layers; a range "
+            "without sliding layers turns sliding off",
+            swa_period=4,
+        ),
+        Family(
+            "granitemoe",
+            True,
+            False,
+            _CERTIFIED + "; every shard's input is multiplied by the embedding scale, undone past the head",
+            rescaled_input="embd",
+        ),
+        Family(
+            "granite_swa",
+            True,
+            False,
+            _CERTIFIED + "; input scale undone past the head as granite; sliding-window pattern per layer",
+            rescaled_input="embd",
+            swa_period=4,
+            swa_empty="unbounded",
+        ),
+        Family(
+            "gpt2",
+            True,
+            False,
+            _CERTIFIED + "; learned position embeddings are added to every shard's input: past the head the sum "
+            "is overwritten by the hidden state, so they are added once",
+            rescaled_input="inpL",
+        ),
+        Family(
+            "starcoder",
+            True,
+            False,
+            _CERTIFIED + " (GPT-BigCode); learned position embeddings added once, as gpt2",
+            rescaled_input="inpL",
+        ),
+        Family(
+            "bloom",
+            True,
+            False,
+            _CERTIFIED + "; the graph normalizes every shard's input (the embedding norm): past the head the "
+            "normalized input is overwritten by the hidden state",
+            rescaled_input="inp_norm-0",
+        ),
+        Family(
+            "gpt-oss",
+            True,
+            False,
+            _CERTIFIED + "; sliding windows on every other layer, written out per layer; a range with none "
+            "slides with a window that masks nothing",
+            swa_period=2,
+            swa_empty="unbounded",
+        ),
+        Family(
+            "cohere2",
+            True,
+            False,
+            _CERTIFIED + "; sliding windows on 3 layers of 4, written out per layer; a range of full-attention "
+            "layers only is refused (they skip rope: no window setting makes them sliding layers)",
+            swa_period=4,
+            swa_empty="refuse",
+        ),
+        Family(
+            "cohere2moe",
+            True,
+            False,
+            _CERTIFIED + "; sliding-window pattern and its rule as cohere2 (without a pattern in the file, "
+            "llama.cpp puts full attention first)",
+            swa_period=4,
+            swa_dense_first=True,
+            swa_empty="refuse",
+        ),
+        Family(
+            "exaone-moe",
+            True,
+            False,
+            _CERTIFIED + "; leading dense-layer count relative to each range; sliding windows on 3 layers of 4, "
+            "a range of full-attention layers only refused",
+            leading_layer_keys=_DENSE_LEAD,
+            swa_period=4,
+            swa_empty="refuse",
+        ),
+        Family(
+            "afmoe",
+            True,
+            False,
+            _CERTIFIED + " (Arcee AFM MoE); every shard's input is scaled by sqrt(n_embd) (muP), undone past the head; "
+            "every 4th layer skips rope, picked by the index inside the file: ranges start at a multiple of 4; "
+            "sliding windows on the others; leading dense-layer count relative",
+            rescaled_input="inp_embd_scaled",
+            cut_multiple=4,
+            swa_period=4,
+            leading_layer_keys=_DENSE_LEAD,
+        ),
+        Family(
+            "llama4",
+            True,
+            False,
+            _CERTIFIED + " (Llama 4 text); every 4th layer skips rope and is global, picked by the index inside "
+            "the file: ranges start at a multiple of 4 and each holds such a layer (llama.cpp aborts without one)",
+            cut_multiple=4,
+            rope_free_every=4,
+        ),
+        Family(
+            "exaone4",
+            True,
+            False,
+            _CERTIFIED + " (EXAONE 4.0 1.2B's graph); llama.cpp gives the 32B sliding windows by its layer count "
+            "(64), which a shard would lose: cutting a 64-layer model is refused",
+            unsplittable_layer_counts={64: "llama.cpp gives EXAONE 4 sliding windows by the layer count (64)"},
+        ),
+        *(
+            Family(
+                arch,
+                True,
+                False,
+                _CERTIFIED + "; the count of leading dense layers is made relative to each range",
+                leading_layer_keys=_DENSE_LEAD,
+            )
+            for arch in ("dots1", "ernie4_5-moe")
+        ),
+        Family(
+            "qwen35",
+            True,
+            False,
+            _CERTIFIED + " (Qwen3.5 dense); hybrid and token rows as qwen35moe",
+            token_seam=True,
+            input_name="model.input_embed",
+            recurrent=True,
+            hf_types=("qwen3_5_text", "qwen3_5"),
+        ),
+        *(
+            Family(
+                arch,
+                True,
+                False,
+                _CERTIFIED + f"; {what}: a rewind restores the state saved before the last chunk",
+                recurrent=True,
+                recurrent_by=rule,
+            )
+            for arch, rule, what in (
+                ("mamba", "all", "a state-space model (every layer recurrent, no KV)"),
+                ("mamba2", "all", "a state-space model (every layer recurrent, no KV)"),
+                ("falcon-h1", "parallel", "Mamba-2 heads beside attention in every layer"),
+                ("lfm2", "kv_heads", "hybrid short convolutions and attention; each range holds both"),
+                ("jamba", "kv_heads", "hybrid Mamba and attention; each range holds both"),
+                ("granitehybrid", "kv_heads", "hybrid Mamba-2 and attention (Granite 4, Bamba); each range holds both"),
+            )
+        ),
+        Family(
+            "lfm2moe",
+            True,
+            False,
+            _CERTIFIED + "; hybrid short convolutions and attention, each range holds both; a rewind restores the "
+            "state saved before the last chunk; leading dense-layer count relative",
+            recurrent=True,
+            recurrent_by="kv_heads",
+            leading_layer_keys=_DENSE_LEAD,
+        ),
+        Family(
+            "nemotron_h_moe",
+            True,
+            False,
+            _CERTIFIED + " (Nemotron-H MoE); Mamba-2, attention and MoE layers: each range holds a Mamba-2 and an "
+            "attention layer; a layer's output is the graph's block output",
+            recurrent=True,
+            recurrent_by="kv_heads_and_ff",
+            layer_output="nemotron_h_block_out",
+        ),
         Family(
             "exaone",
             False,
             False,
             "refused: transformers has no EXAONE 3 model class to build the tiny certification model from",
         ),
+        *(Family(arch, False, False, "refused: " + why) for arch, why in _REFUSED.items()),
     )
 }
 # The architectures a manifest may name: the table above, never a hand-kept list elsewhere.
@@ -263,6 +502,14 @@ KNOWN_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
 
 class UncertifiedArchitecture(InvalidRequest):
     code = "uncertified_architecture"
+
+
+def installed_llama_cpp() -> str | None:
+    """The installed llama-cpp-python release (None when it is not installed)."""
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def certification(arch: str, backend: str = "llama") -> tuple[bool, str]:
@@ -275,6 +522,14 @@ def require_certified(arch: str, *, backend: str = "llama", allow_uncertified: b
     """Raise ``UncertifiedArchitecture`` unless ``arch`` is certified on ``backend``'s route; with
     ``allow_uncertified`` return the warning to show instead (None when certified)."""
     certified, why = certification(arch, backend)
+    installed = installed_llama_cpp() if backend == "llama" else None
+    if certified and installed not in (None, LLAMA_CERTIFIED_ON):
+        # the graphs, and the struct layouts a shard reads, are those of one llama.cpp commit
+        certified = False
+        why = (
+            f"certified on llama-cpp-python {LLAMA_CERTIFIED_ON}, and this is {installed}: run `make certify` "
+            "on it, or install llama-cpp-python==" + LLAMA_CERTIFIED_ON
+        )
     if certified:
         return None
     message = (
