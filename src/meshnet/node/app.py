@@ -10,9 +10,7 @@ sweep and the self-benchmark.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -30,13 +28,13 @@ from meshnet.httputil import (
     CLIENT_KEEP_ALIVE_S,
     EXCEPTION_HANDLERS,
     check_declared_length,
-    error_message,
     read_body,
 )
 from meshnet.ids import SessionId
 from meshnet.node import channel
-from meshnet.node.advert import LatencyProber, SelfBenchmark, advert_fields, benchmark_in_background, host_hardware
+from meshnet.node.advert import SelfBenchmark, benchmark_in_background
 from meshnet.node.channel import Direct
+from meshnet.node.heartbeat import heartbeat
 from meshnet.node.placement import AutoPlacement
 from meshnet.node.service import ChannelSend, NodeConfig, NodeService
 from meshnet.node.transport import HttpTransport
@@ -83,7 +81,7 @@ def _node_app(
             # The first registration does not wait for the self-benchmark (it says "speed unknown");
             # the heartbeat re-registers as soon as the benchmark is done.
             benching.add(asyncio.create_task(benchmark_in_background(bench, node.traffic)))
-            tasks.append(asyncio.create_task(_heartbeat(node, client, config.tracker_url, revoked, placement)))
+            tasks.append(asyncio.create_task(heartbeat(node, client, config.tracker_url, revoked, placement)))
         try:
             yield
         finally:
@@ -301,99 +299,12 @@ def _lease_path(shard: ShardBackend) -> str | None:
     return str(lease.path) if isinstance(lease, CoreLease) else None
 
 
-async def _heartbeat(
-    node: NodeService,
-    client: httpx.AsyncClient,
-    tracker_url: str,
-    revoked: RevokedSerials | None = None,
-    placement: AutoPlacement | None = None,
-) -> None:
-    """Register, then re-register every ``heartbeat_s``: a restarted tracker relearns us by itself.
-
-    Each registration carries the advertisement (``node.advert``); the tracker answers with the
-    candidate next hops, which are probed in the background and reported on the next heartbeat.
-    """
-    info = node.info
-    log = logging.getLogger("meshnet.node")
-    extra = dict(node.config.advert)
-    threads = extra.pop("threads", None)
-    prober = LatencyProber()
-    probing: asyncio.Task[None] | None = None
-    reported = False
-    try:
-        while True:
-            node.traffic.news.clear()
-            body = {
-                "node_id": node.config.node_id,
-                "url": node.config.url,
-                "model": info.model_id,
-                "layers": str(info.layers),
-                "total_layers": info.layers.total,
-                "backend": info.backend,
-                "kv_bytes_free": node.shard.store.free_bytes(),
-                "heartbeat_s": node.config.heartbeat_s,
-                "wire_dtype": node.config.wire_dtype,
-                "hop_key": node.config.hop_key.public,  # what its entries are signed with (protocol.signing)
-                "auditor": node.config.auditor,  # never routed; re-executes audited sessions (node.audit)
-                "hardware": host_hardware(threads),
-                **advert_fields(node.shard, node.traffic, prober),
-                "prefix_filter": node.prefix_cache.filter().encode() if node.prefix_cache is not None else None,
-                **extra,
-                **({"placement": placement.advert()} if placement is not None else {}),
-            }
-            try:
-                response = await client.post(f"{tracker_url}/v1/nodes", json=body, timeout=5.0)
-                if response.status_code >= 400:
-                    log.warning("tracker refused registration: %s", error_message(response))
-                else:
-                    answer = response.json()
-                    if revoked is not None and isinstance(answer.get("revoked"), list):
-                        revoked.update(answer["revoked"])
-                    if answer.get("manifest_wanted") and node.config.publication is not None:
-                        await _hand_over(client, tracker_url, node.config.publication, log)
-                    if placement is not None:
-                        placement.on_answer(answer, node.shard.store, info.layers)
-                    if probing is None or probing.done():
-                        hops = answer.get("next_hops") or []
-                        probing = asyncio.create_task(prober.probe(client, [str(h) for h in hops]))
-                        probing.add_done_callback(_consume)
-                reported = False
-            except (httpx.HTTPError, ValueError, AttributeError) as exc:
-                if not reported:  # say it once per outage, not every heartbeat
-                    log.warning("tracker %s unreachable (%s); retrying", tracker_url, exc)
-                    reported = True
-            with contextlib.suppress(TimeoutError):  # the self-benchmark finishing wakes us early
-                await asyncio.wait_for(node.traffic.news.wait(), node.config.heartbeat_s)
-    finally:
-        if probing is not None:
-            probing.cancel()
-
-
-async def _hand_over(client: httpx.AsyncClient, tracker_url: str, publication: tuple[bytes, bytes], log: Any) -> None:
-    """Give the tracker the manifest and torrent this node serves from (it asked: it holds none).
-    Best effort: a failure is logged, and the next heartbeat's answer asks again."""
-    manifest, torrent = publication
-    body = {"manifest": manifest.decode(), "torrent": base64.b64encode(torrent).decode()}
-    try:
-        response = await client.post(f"{tracker_url}/v1/manifests", json=body, timeout=30.0)
-    except httpx.HTTPError as exc:
-        log.warning("could not hand the manifest to the tracker: %s", exc)
-        return
-    if response.status_code >= 400:
-        log.warning("the tracker refused the manifest: %s", error_message(response))
-
-
 async def _sweep(node: NodeService) -> None:
     """Expire idle sessions (frees their KV) and forget what the node kept beside them."""
     while True:
         await asyncio.sleep(node.config.sweep_interval_s)
         # off the event loop: freeing a session's KV waits for the compute lock
         await asyncio.get_running_loop().run_in_executor(None, node.sweep)
-
-
-def _consume(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # logged by the prober itself
 
 
 def _caller(scope: Any, config: NodeConfig) -> str | None:

@@ -1,0 +1,114 @@
+# mypy: disable-error-code="misc"
+# (the parts annotate ``self`` as the ``NodeService`` they are mixed into, which mypy calls a misc error)
+"""The tail's part of ``NodeService``: the answer to a final chunk.
+
+The tail samples the next token (``meshnet.sampling``) off the event loop, under a per-token
+deadline (``node.sampling_lane``: a costly grammar fails its generation, never the node's loop),
+and signs its answer with its draw (protocol.signing). After a verify chunk (speculative decoding)
+it keeps the drafts its sampler agrees with plus one token of its own, and every hop drops the
+rejected positions as the answer passes it back (``_drop_rejected``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from meshnet.errors import (
+    HopFailed,
+)
+from meshnet.node.sampling_lane import SamplingTooSlow
+from meshnet.node.session import NodeSession
+from meshnet.protocol.messages import (
+    AnswerKind,
+    HopAnswer,
+    HopEntry,
+    HopRequest,
+)
+from meshnet.sampling import Alternatives, Draw, Sampler
+
+if TYPE_CHECKING:
+    from meshnet.node.service import NodeService
+
+
+class TailParts:
+    """Methods of ``NodeService`` (``node.service``), on its state."""
+
+    async def _sampled(
+        self: NodeService, s: NodeSession, request: HopRequest, logits: np.ndarray, me: HopEntry, *, direct: bool
+    ) -> HopAnswer:
+        """The tail's answer: the token after the chunk; for a verify chunk, the drafts it keeps and one
+        token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first. Its
+        entry (``me``) says what it held before: after a ``direct`` verify chunk, the hops before
+        it drop the rejected drafts only when the next step tells them (``rewind``), so every
+        entry of the answer describes the whole chunk."""
+        assert s.sampler is not None
+        sampler, start, n, drafts = s.sampler, request.start, request.n, request.drafts
+        history = s.ids_seen[sampler.params.generated_from : start + n - len(drafts)] if s.carry_ids else None
+        try:  # off the event loop, under a deadline: a costly grammar fails this generation, not the node
+            chosen = await self.sampling.run(
+                lambda: _choose(sampler, logits, history, drafts, at=start + n if not drafts else start + 1),
+                tokens=1 + len(drafts), grammar=sampler.grammar is not None,
+                cancel=sampler.grammar.cancel if sampler.grammar is not None else None,
+            )  # fmt: skip
+        except SamplingTooSlow as exc:
+            s.break_with(exc)  # its sampler is still busy on a worker thread: nothing may use it again
+            raise
+        if not drafts:
+            (token,), (logprob,) = chosen.tokens, chosen.logprobs
+            top = chosen.tops[0] if chosen.tops is not None else None
+            answer = HopAnswer(AnswerKind.TOKEN, (me,), position=start + n, token=token, logprob=logprob, top=top,
+                               draw=chosen.draw)  # fmt: skip
+            return self.config.hop_key.sign_answer(s.session, answer)  # the tail vouches for its token and draw
+        tokens, logprobs, tops = list(chosen.tokens), list(chosen.logprobs), chosen.tops
+        kept = start + len(tokens)
+        await self.rewind(s, kept)
+        if not direct:
+            me = self._entry(s, me.compute_ms, positions=me.positions, sign=False)
+        answer = HopAnswer(
+            AnswerKind.TOKENS, (me,), position=kept, tokens=tuple(tokens), logprobs=tuple(logprobs), tops=tops,
+            drafted=len(drafts), accepted=len(tokens) - 1,
+        )  # fmt: skip
+        return self.config.hop_key.sign_answer(s.session, answer)
+
+    async def _drop_rejected(self: NodeService, s: NodeSession, answer: HopAnswer, *, start: int, n: int) -> None:
+        """Keep what the verify ``answer`` kept (up to its ``position``) of the chunk of ``n`` at ``start``."""
+        kept, hop = answer.position, s.next_hops[0]
+        if answer.kind is not AnswerKind.TOKENS or kept is None or not start < kept <= start + n:
+            error = HopFailed(
+                f"next hop {hop} answered a verify chunk at {start} with position {kept!r}", failed_hop=hop
+            )
+            s.break_with(error)
+            raise error
+        await self.rewind(s, kept)
+
+
+@dataclass(frozen=True, slots=True)
+class _Chosen:
+    """What the tail's sampler decided for one answer: its tokens, their logprobs and alternatives, and
+    (one sampled token) the distribution it was drawn from."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    tops: tuple[Alternatives, ...] | None
+    draw: Draw | None = None
+
+
+def _choose(
+    sampler: Sampler, logits: np.ndarray, history: Sequence[int] | None, drafts: Sequence[int], *, at: int
+) -> _Chosen:
+    """The sampler's work for one answer, on a worker thread: bring it up to ``history`` (the generated
+    tokens before this answer), then the token at ``at`` — or, after ``drafts``, the drafts it keeps and
+    one token of its own from ``at`` on."""
+    if history is not None:
+        sampler.set_history(history)
+    wants_top = bool(sampler.params.top_logprobs)
+    if not drafts:
+        token, logprob, draw = sampler.sample_committed(logits, position=at)
+        return _Chosen((token,), (logprob,), (sampler.alternatives(logits),) if wants_top else None, draw)
+    tokens, logprobs = sampler.verify(logits, drafts, position=at)
+    tops = tuple(sampler.alternatives(row) for row in logits[: len(tokens)]) if wants_top else None
+    return _Chosen(tuple(tokens), tuple(logprobs), tops)
