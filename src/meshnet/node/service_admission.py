@@ -1,5 +1,3 @@
-# mypy: disable-error-code="misc"
-# (the parts annotate ``self`` as the ``NodeService`` they are mixed into, which mypy calls a misc error)
 """Admission, ``NodeService``'s part: which requests open or drive a session here.
 
 A session opens from its first request's binding (route, next hops, the tail's sampling); in a
@@ -11,9 +9,6 @@ reads them or the session's tail counts them (penalties, grammars).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from meshnet.errors import (
@@ -22,12 +17,12 @@ from meshnet.errors import (
     RateLimited,
     SeamMismatch,
     SessionGone,
-    SessionNotFound,
     Unauthorized,
 )
 from meshnet.ids import SessionId
 from meshnet.node.authority import SessionAuthority
 from meshnet.node.checks import check_next_hops, sampling_params
+from meshnet.node.service_base import ServiceBase
 from meshnet.node.session import NodeSession
 from meshnet.protocol import headers as H
 from meshnet.protocol.ledger import ChunkLedger
@@ -38,15 +33,14 @@ from meshnet.protocol.messages import (
 from meshnet.protocol.tickets import CODE_MISMATCH, RouteTicket, TicketKind
 from meshnet.sampling import Sampler
 
-if TYPE_CHECKING:
-    from meshnet.node.service import NodeService
+__all__ = ["AdmissionParts"]
 
 
-class AdmissionParts:
-    """Methods of ``NodeService`` (``node.service``), on its state."""
+class AdmissionParts(ServiceBase):
+    """Which requests open or drive a session here."""
 
     def _ticketed_hops(
-        self: NodeService,
+        self,
         ticket: str | None,
         sid: SessionId,
         route_id: str | None,
@@ -72,7 +66,7 @@ class AdmissionParts:
             )
         return onward, signed
 
-    def _admit(self: NodeService, signed: RouteTicket, token: str, caller: str | None) -> SessionAuthority:
+    def _admit(self, signed: RouteTicket, token: str, caller: str | None) -> SessionAuthority:
         """Who drives a session this ticket opens here; refused when it was closed here at the
         ticket's epoch, or when ``caller`` is not one of its drivers."""
         self.closed.check(signed)
@@ -80,7 +74,7 @@ class AdmissionParts:
         auth.check(caller, signed.session_id, self.config.node_id, "open")
         return auth
 
-    def _check_driver(self: NodeService, s: NodeSession, caller: str | None, ticket: str | None, what: str) -> None:
+    def _check_driver(self, s: NodeSession, caller: str | None, ticket: str | None, what: str) -> None:
         """In a private swarm, ``caller`` may ``what`` the session here. A ticket the request carries
         is taken first: a newer epoch (a repair) names this hop's new upstream, an older one is refused."""
         auth, verifier = s.auth, self.config.tickets
@@ -92,31 +86,7 @@ class AdmissionParts:
             auth.learn(signed, ticket, node)
         auth.check(caller, s.session, self.config.node_id, what)
 
-    def _with_ticket(self: NodeService, s: NodeSession, request: HopRequest) -> HopRequest:
-        """``request`` as it goes to the next hop: with the session's newest ticket, once per epoch."""
-        if s.auth is None:
-            return request
-        token = s.auth.onward(request.ticket)
-        return request if token == request.ticket else dataclasses.replace(request, ticket=token)
-
-    def _bound(self: NodeService, sid: SessionId) -> NodeSession | None:
-        """This node's record of a session it serves on a route (None: it serves no such session)."""
-        try:
-            attached = self.shard.store.get(sid).attached
-        except (SessionNotFound, SessionGone):
-            return None
-        return attached if isinstance(attached, NodeSession) else None
-
-    def _existing(self: NodeService, sid: SessionId) -> NodeSession:
-        s = self._bound(sid)
-        if s is None:
-            self.shard.store.get(sid)  # 404/410 with the reason
-            raise SessionNotFound(f"no session {sid} on this node")
-        return s
-
-    async def _session(
-        self: NodeService, request: HopRequest, client: str | None = None, caller: str | None = None
-    ) -> NodeSession:
+    async def _session(self, request: HopRequest, client: str | None = None, caller: str | None = None) -> NodeSession:
         sid = request.session
         s = self._bound(sid)
         if s is None:
@@ -138,7 +108,7 @@ class AdmissionParts:
         return s
 
     async def _open(
-        self: NodeService, sid: SessionId, *, route_id: str | None, sampling: str | None, next_hops: tuple[str, ...],
+        self, sid: SessionId, *, route_id: str | None, sampling: str | None, next_hops: tuple[str, ...],
         ticket: str | None, client: str | None, prefix: PrefixClaim | None, caller: str | None = None,
     ) -> NodeSession:  # fmt: skip
         """Open a session here from its first request's binding (route, next hops, the tail's sampling).
@@ -160,7 +130,7 @@ class AdmissionParts:
         return await self._off_loop(bind)
 
     def _binding(
-        self: NodeService,
+        self,
         sid: SessionId,
         route_id: str,
         sampling: str | None,
@@ -178,7 +148,7 @@ class AdmissionParts:
             s.log = None
         return s
 
-    def _check_quota(self: NodeService, client: str | None) -> None:
+    def _check_quota(self, client: str | None) -> None:
         """A client may hold ``max_sessions_per_client`` sessions here: one more is a 429."""
         limit = self.config.max_sessions_per_client
         if client is None or limit is None:
@@ -192,7 +162,7 @@ class AdmissionParts:
                 retry_after_s=5,
             )
 
-    def _carried_ids(self: NodeService, s: NodeSession, tokens: np.ndarray | None, start: int) -> np.ndarray | None:
+    def _carried_ids(self, s: NodeSession, tokens: np.ndarray | None, start: int) -> np.ndarray | None:
         """Check that a session whose ids travel got them; the ids the shard itself computes from."""
         info = self.info
         if s.carry_ids and tokens is None and not info.layers.is_head:
@@ -205,7 +175,7 @@ class AdmissionParts:
             s.ids_seen.extend(int(t) for t in tokens)
         return tokens if info.layers.is_head or info.seam.carries_token_ids else None
 
-    def _ids_onward(self: NodeService, s: NodeSession, tokens: np.ndarray | None) -> bytes | None:
+    def _ids_onward(self, s: NodeSession, tokens: np.ndarray | None) -> bytes | None:
         """The chunk's token ids for the next hop, when this model's every hop reads them or the
         session's tail counts them (``carry_ids``)."""
         if not (self.info.seam.carries_token_ids or s.carry_ids):

@@ -1,5 +1,3 @@
-# mypy: disable-error-code="misc"
-# (the parts annotate ``self`` as the ``NodeService`` they are mixed into, which mypy calls a misc error)
 """Prefix caching, ``NodeService``'s part (``node.prefix_cache``).
 
 A session's first request names its prompt's blocks; when the session ends, the blocks this hop
@@ -14,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from meshnet.errors import (
     Conflict,
@@ -23,6 +20,7 @@ from meshnet.errors import (
 )
 from meshnet.node.checks import check_model
 from meshnet.node.prefix_cache import CachedPrefix
+from meshnet.node.service_admission import AdmissionParts
 from meshnet.node.session import NodeSession
 from meshnet.protocol.messages import (
     AnswerKind,
@@ -31,17 +29,16 @@ from meshnet.protocol.messages import (
     PrefixRequest,
 )
 
-if TYPE_CHECKING:
-    from meshnet.node.service import NodeService
+__all__ = ["PrefixParts"]
 
 _log = logging.getLogger("meshnet.node")
 
 
-class PrefixParts:
-    """Methods of ``NodeService`` (``node.service``), on its state."""
+class PrefixParts(AdmissionParts):
+    """Prefix caching: sessions that adopt cached prompt blocks, and blocks kept when one ends."""
 
     async def prefix(
-        self: NodeService, request: PrefixRequest, *, client: str | None = None, caller: str | None = None
+        self, request: PrefixRequest, *, client: str | None = None, caller: str | None = None
     ) -> HopAnswer:
         """Open a session that adopts the KV of its prompt's leading cached blocks (at most
         ``request.reuse``, and no more than every hop after this one holds): answers ``CACHED``
@@ -73,7 +70,7 @@ class PrefixParts:
         finally:
             s.busy = False
 
-    async def _adopt(self: NodeService, s: NodeSession, claim: PrefixClaim, limit: int) -> int:
+    async def _adopt(self, s: NodeSession, claim: PrefixClaim, limit: int) -> int:
         """Adopt the cached KV (and ledger, seam log) of the most leading blocks of ``claim`` this
         node holds, at most ``limit``; how many. A hit that cannot be adopted counts as none."""
         cache = self.prefix_cache
@@ -115,7 +112,7 @@ class PrefixParts:
         return blocks
 
     def _resume(
-        self: NodeService, s: NodeSession, ends: Sequence[int], inputs: Sequence[bytes], outputs: Sequence[bytes], *,
+        self, s: NodeSession, ends: Sequence[int], inputs: Sequence[bytes], outputs: Sequence[bytes], *,
         log: bytes | None, log_dtype: str, ids: bytes,
     ) -> None:  # fmt: skip
         """A session that took positions it did not compute (a prefix cache hit, a snapshot) takes their
@@ -127,7 +124,7 @@ class PrefixParts:
         else:
             self.logs.drop(s)
 
-    async def _keep_prefix(self: NodeService, s: NodeSession) -> None:
+    async def _keep_prefix(self, s: NodeSession) -> None:
         """Put the session's canonically computed prompt blocks into the prefix cache (it is ending)."""
         cache, claim = self.prefix_cache, s.prefix
         if cache is None or claim is None or s.broken:

@@ -1,5 +1,3 @@
-# mypy: disable-error-code="misc"
-# (the parts annotate ``self`` as the ``NodeService`` they are mixed into, which mypy calls a misc error)
 """Route repair, rewinds and the end of a session: ``NodeService``'s part (docs/protocol.md).
 
 Every non-tail node keeps a seam log per session (``node.session.SeamLogs``). ``reroute`` points a
@@ -14,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshnet.errors import (
     Conflict,
@@ -28,6 +26,7 @@ from meshnet.errors import (
 from meshnet.ids import SessionId
 from meshnet.node.audit import reexecute
 from meshnet.node.checks import check_model, check_next_hops
+from meshnet.node.service_snapshots import SnapshotParts
 from meshnet.node.session import NodeSession
 from meshnet.protocol.audits import AuditRequest, AuditStatement
 from meshnet.protocol.ledger import pack_chunks
@@ -42,25 +41,13 @@ from meshnet.protocol.messages import (
 from meshnet.protocol.tickets import REPAIR
 from meshnet.protocol.wire import TensorFrame
 
-if TYPE_CHECKING:
-    from meshnet.node.service import NodeService
+__all__ = ["RepairParts"]
 
 
-class RepairParts:
-    """Methods of ``NodeService`` (``node.service``), on its state."""
+class RepairParts(SnapshotParts):
+    """Route repair (reroute and replay), session ends, and what audits read."""
 
-    async def rewind(self: NodeService, s: NodeSession, position: int) -> None:
-        """Drop this node's positions from ``position`` on (KV, ledger, seam log)."""
-        before = self.shard.store.get(s.session).position
-        if before <= position:
-            return
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, lambda: self.shard.rewind(s.session, position))
-        s.ledger.rewind(position)
-        self.logs.trim(s, position, before)
-        del s.ids_seen[position:]
-
-    async def reroute(self: NodeService, request: RerouteRequest, *, caller: str | None = None) -> HopAnswer:
+    async def reroute(self, request: RerouteRequest, *, caller: str | None = None) -> HopAnswer:
         """Point the session at new next hops; with ``replay`` > 0, rebuild them from the seam log.
 
         Every position but the newest is replayed in exactly the chunks it was first computed in
@@ -92,7 +79,7 @@ class RepairParts:
         finally:
             s.busy = False
 
-    async def _reroute(self: NodeService, s: NodeSession, hops: tuple[str, ...], request: RerouteRequest) -> HopAnswer:
+    async def _reroute(self, s: NodeSession, hops: tuple[str, ...], request: RerouteRequest) -> HopAnswer:
         sid = s.session
         if s.forward is not None:
             with contextlib.suppress(Exception):
@@ -146,7 +133,7 @@ class RepairParts:
         answer = await self._forward(s, replayed(Verb.DECODE, position - 1, position))
         return answer.after(me)
 
-    async def delete(self: NodeService, sid: SessionId, ticket: str | None = None, caller: str | None = None) -> None:
+    async def delete(self, sid: SessionId, ticket: str | None = None, caller: str | None = None) -> None:
         """Free a session here, then on the next hop (the delete travels down the chain).
 
         In a private swarm only a holder of the session's ticket may: a genuine tracker ticket for
@@ -184,9 +171,7 @@ class RepairParts:
             ends.append(self.transport.drop_snapshot(s.standby[0], sid, s.standby[1]))
         await asyncio.gather(*ends)
 
-    def session_state(
-        self: NodeService, sid: SessionId, caller: str | None = None, *, admin: bool = False
-    ) -> dict[str, Any]:
+    def session_state(self, sid: SessionId, caller: str | None = None, *, admin: bool = False) -> dict[str, Any]:
         """``GET /v1/sessions/{id}``: what this node holds of a session (a gateway asks it to find
         where a decode-channel step stopped); in a private swarm only for its drivers and, read
         only, the swarm's admins (``admin``: the caller's certificate is of that role)."""
@@ -202,7 +187,7 @@ class RepairParts:
             **s.ledger.describe(),
         }
 
-    def seam_log(self: NodeService, sid: SessionId, caller: str | None = None) -> tuple[TensorFrame, tuple[int, ...]]:
+    def seam_log(self, sid: SessionId, caller: str | None = None) -> tuple[TensorFrame, tuple[int, ...]]:
         """``GET /v1/sessions/{id}/seam``: what this hop sent on of positions ``0..held - 1`` (its
         seam log) and the chunks it computed them in, for a gateway auditing the session
         (protocol.audits: they are the next hop's inputs, and its signed output digest covers them)."""
@@ -218,7 +203,7 @@ class RepairParts:
             raise Conflict(f"session {sid} has no complete seam log on this node (--seam-log-mb)", code="no_seam_log")
         return self.logs.replay_frame(s, 0, held, self.info.seam.shape, held), tuple(s.ledger.sizes())
 
-    async def audit(self: NodeService, body: bytes) -> AuditStatement:
+    async def audit(self, body: bytes) -> AuditStatement:
         """``POST /v1/audit`` on an auditor: re-execute another hop's work (node.audit)."""
         if not self.config.auditor:
             raise Forbidden(f"node {self.config.node_id} is not an auditor (start one with meshnet node --auditor)")

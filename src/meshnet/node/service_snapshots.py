@@ -1,5 +1,3 @@
-# mypy: disable-error-code="misc"
-# (the parts annotate ``self`` as the ``NodeService`` they are mixed into, which mypy calls a misc error)
 """KV snapshots, ``NodeService``'s part (``node.snapshots``).
 
 ``snapshot`` takes a session's KV, ledger and seam log here and pushes them to the standby a
@@ -15,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshnet.errors import (
     Conflict,
@@ -28,6 +26,7 @@ from meshnet.errors import (
 )
 from meshnet.ids import SessionId
 from meshnet.node.checks import check_model
+from meshnet.node.service_prefix import PrefixParts
 from meshnet.node.session import NodeSession
 from meshnet.node.snapshots import SessionSnapshot
 from meshnet.protocol import headers as H
@@ -38,18 +37,15 @@ from meshnet.protocol.messages import (
 )
 from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, TicketVerifier
 
-if TYPE_CHECKING:
-    from meshnet.node.service import NodeService
+__all__ = ["SnapshotParts"]
 
 _log = logging.getLogger("meshnet.node")
 
 
-class SnapshotParts:
-    """Methods of ``NodeService`` (``node.service``), on its state."""
+class SnapshotParts(PrefixParts):
+    """KV snapshots: taken and pushed to a standby, kept as one, restored by a repair."""
 
-    async def snapshot(
-        self: NodeService, sid: SessionId, ticket: str | None, caller: str | None = None
-    ) -> dict[str, Any]:
+    async def snapshot(self, sid: SessionId, ticket: str | None, caller: str | None = None) -> dict[str, Any]:
         """Take this hop's KV of a session and push it to the standby that ``ticket`` names: a
         tracker-signed repair ticket of the contingency "this hop fails and the standby replaces
         it" (``POST /v1/sessions/{id}/standbys``: the tracker names trusted, same-layer,
@@ -82,7 +78,7 @@ class SnapshotParts:
         task.add_done_callback(self._pushes.discard)
         return {"snapshot": taken.position, "to": standby.node_id}
 
-    async def _take_snapshot(self: NodeService, s: NodeSession) -> SessionSnapshot:
+    async def _take_snapshot(self, s: NodeSession) -> SessionSnapshot:
         sid = s.session
         loop = asyncio.get_running_loop()
         position = self.shard.store.get(sid).position
@@ -96,14 +92,14 @@ class SnapshotParts:
             bytes(s.ids_log), tuple(s.ids_seen),
         )  # fmt: skip
 
-    async def _push(self: NodeService, url: str, sid: SessionId, ticket: str, taken: SessionSnapshot) -> None:
+    async def _push(self, url: str, sid: SessionId, ticket: str, taken: SessionSnapshot) -> None:
         try:
             await self.transport.push_snapshot(url, sid, ticket, taken.encode(), timeout_s=self.config.hop_timeout_s)
         except MeshnetError as exc:
             _log.warning("KV snapshot of session %s at %d positions did not reach standby %s: %s", sid,
                          taken.position, url, exc.message)  # fmt: skip
 
-    async def receive_snapshot(self: NodeService, sid: SessionId, ticket: str | None, body: bytes) -> dict[str, Any]:
+    async def receive_snapshot(self, sid: SessionId, ticket: str | None, body: bytes) -> dict[str, Any]:
         """Keep a KV snapshot as the standby ``ticket`` names this node as (its replaced hop)."""
         verifier = self._snapshot_tickets()
         me = self.config.node_id
@@ -137,7 +133,7 @@ class SnapshotParts:
         return {"held": taken.position, "session": sid}
 
     async def restore(
-        self: NodeService, request: RestoreRequest, *, client: str | None = None, caller: str | None = None
+        self, request: RestoreRequest, *, client: str | None = None, caller: str | None = None
     ) -> HopAnswer:
         """Open a route repair's session here from the snapshot this node holds as the failed hop's
         standby; the positions it holds (``RESTORED``). The upstream then replays only the rest."""
@@ -177,14 +173,14 @@ class SnapshotParts:
         s.ids_seen = list(taken.ids_seen)
         return HopAnswer(AnswerKind.RESTORED, (self._entry(s),), count=taken.position)
 
-    async def drop_snapshot(self: NodeService, sid: SessionId, ticket: str | None) -> None:
+    async def drop_snapshot(self, sid: SessionId, ticket: str | None) -> None:
         """The session ended whole: forget the snapshot this node holds as its standby."""
         verifier = self._snapshot_tickets()
         verifier.verify(ticket, session_id=sid, node_id=self.config.node_id, kind=REPAIR, current=False)
         if self.prefix_cache is not None:
             self.prefix_cache.discard(sid)
 
-    def _snapshot_tickets(self: NodeService) -> TicketVerifier:
+    def _snapshot_tickets(self) -> TicketVerifier:
         if self.config.tickets is None:
             raise Conflict(
                 "KV snapshots go only to trusted nodes, and only a private swarm has them (meshnet swarm init; "

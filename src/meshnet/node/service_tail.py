@@ -1,5 +1,3 @@
-# mypy: disable-error-code="misc"
-# (the parts annotate ``self`` as the ``NodeService`` they are mixed into, which mypy calls a misc error)
 """The tail's part of ``NodeService``: the answer to a final chunk.
 
 The tail samples the next token (``meshnet.sampling``) off the event loop, under a per-token
@@ -13,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,6 +18,7 @@ from meshnet.errors import (
     HopFailed,
 )
 from meshnet.node.sampling_lane import SamplingTooSlow
+from meshnet.node.service_repair import RepairParts
 from meshnet.node.session import NodeSession
 from meshnet.protocol.messages import (
     AnswerKind,
@@ -30,15 +28,14 @@ from meshnet.protocol.messages import (
 )
 from meshnet.sampling import Alternatives, Draw, Sampler
 
-if TYPE_CHECKING:
-    from meshnet.node.service import NodeService
+__all__ = ["TailParts"]
 
 
-class TailParts:
-    """Methods of ``NodeService`` (``node.service``), on its state."""
+class TailParts(RepairParts):
+    """The tail's answer to a final chunk."""
 
     async def _sampled(
-        self: NodeService, s: NodeSession, request: HopRequest, logits: np.ndarray, me: HopEntry, *, direct: bool
+        self, s: NodeSession, request: HopRequest, logits: np.ndarray, me: HopEntry, *, direct: bool
     ) -> HopAnswer:
         """The tail's answer: the token after the chunk; for a verify chunk, the drafts it keeps and one
         token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first. Its
@@ -74,7 +71,7 @@ class TailParts:
         )  # fmt: skip
         return self.config.hop_key.sign_answer(s.session, answer)
 
-    async def _drop_rejected(self: NodeService, s: NodeSession, answer: HopAnswer, *, start: int, n: int) -> None:
+    async def _drop_rejected(self, s: NodeSession, answer: HopAnswer, *, start: int, n: int) -> None:
         """Keep what the verify ``answer`` kept (up to its ``position``) of the chunk of ``n`` at ``start``."""
         kept, hop = answer.position, s.next_hops[0]
         if answer.kind is not AnswerKind.TOKENS or kept is None or not start < kept <= start + n:
