@@ -35,7 +35,7 @@ from websockets.exceptions import WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
 from meshnet.errors import BadGateway, HopFailed, InvalidRequest, hop_error
-from meshnet.protocol.channel import MAX_HEADER_BYTES, ChannelFrame, Kind, decode_frame, encode_frame, ws_url
+from meshnet.protocol.channel import MAX_HEADER_BYTES, ChannelFrame, Kind, decode_frame, read_token, step_frame, ws_url
 from meshnet.protocol.messages import HopAnswer
 
 __all__ = ["ChannelUnavailable", "Channels", "Probe", "open_websocket"]
@@ -234,21 +234,14 @@ class Channels:
         seq = next(self._seq)
         waiter = _Waiter(urls)
         key = (session, seq)
-        header = {
-            "session": session,
-            "seq": seq,
-            "verb": verb,
-            "headers": headers,
-            "returns": [c.return_id for c in channels],
-            "hops": [],
-        }
+        frame = step_frame(session, seq, verb=verb, headers=headers, body=body, returns=[c.return_id for c in channels])
         with self._lock:
             self._waiters[key] = waiter
         try:
             for channel in channels:  # one that closed before the waiter was registered never tells it
                 if channel.closed:
                     waiter.box.put(_Closed(channel.url, "closed"))
-            channels[0].send(encode_frame(Kind.STEP, header, body))
+            channels[0].send(frame)
             deadline = time.monotonic() + timeout_s
             while True:
                 try:
@@ -308,7 +301,7 @@ def _answer(item: _Report | _Closed, urls: Sequence[str]) -> HopAnswer:
                         failed_hop=item.url)  # fmt: skip
     if frame.kind is Kind.TOKEN:
         try:
-            return HopAnswer.from_json(200, frame.header.get("answer"))
+            return read_token(frame)
         except ValueError as exc:
             raise HopFailed(f"the tail {item.url} sent a TOKEN frame without an answer: {exc}",
                             failed_hop=item.url) from None  # fmt: skip

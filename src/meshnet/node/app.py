@@ -40,7 +40,7 @@ from meshnet.node.service import ChannelSend, NodeConfig, NodeService
 from meshnet.node.transport import HttpTransport
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
-from meshnet.protocol.channel import CHANNEL_PATH, Kind, encode_frame
+from meshnet.protocol.channel import CHANNEL_PATH, step_frame_of
 from meshnet.protocol.ledger import format_chunks
 from meshnet.protocol.messages import HopRequest, Verb
 from meshnet.protocol.wire import format_shape
@@ -153,16 +153,7 @@ def _node_app(
 def _channel_sender(dialer: channel.Dialer) -> ChannelSend:
     async def send(hop: str, request: HopRequest, direct: Direct, timeout_s: float) -> None:
         """Pass a decode-channel step on to the next hop over its channel, without waiting for anything."""
-        headers, body = http_binding.encode_step(request)
-        header = {
-            "session": request.session,
-            "seq": direct.seq,
-            "verb": str(request.verb),
-            "headers": headers,
-            "returns": list(direct.returns),
-            "hops": list(direct.hops),
-        }
-        await dialer.send(hop, encode_frame(Kind.STEP, header, body), timeout_s)
+        await dialer.send(hop, step_frame_of(request, direct.seq, direct.returns, direct.hops), timeout_s)
 
     return send
 

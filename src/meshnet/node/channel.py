@@ -38,6 +38,8 @@ from meshnet.protocol.channel import (
     decode_frame,
     encode_frame,
     error_frame,
+    read_step,
+    token_frame,
     ws_url,
 )
 
@@ -45,8 +47,6 @@ __all__ = ["Dialer", "Direct", "Peer", "StepHandler", "serve"]
 
 log = logging.getLogger("meshnet.node")
 
-_VERBS = {"decode-step": False, "verify": True}  # verb -> is a verify chunk
-_MAX_SESSION_ID = 128
 _HELLO_TIMEOUT_S = 5.0
 
 
@@ -119,15 +119,15 @@ async def _one_step(data: bytes, peer: Peer, peers: dict[str, Peer], max_body: i
     reply = peer
     try:
         frame = decode_frame(data)
-        session, seq = _ids(frame)
-        returns = _returns(frame)
-        reply = peers.get(returns[0], peer)
-        verify, headers, hops = _step_fields(frame)
-        if len(frame.body) > max_body:
-            raise PayloadTooLarge(f"step body of {len(frame.body)} bytes exceeds this node's limit of {max_body} bytes")
-        answer = await on_step(SessionId(session), headers, frame.body, verify, Direct(seq, returns, hops))
+        session, seq = _reply_ids(frame)  # first: an error about the rest still names the step
+        step = read_step(frame)
+        reply = peers.get(step.returns[0], peer)
+        if len(step.body) > max_body:
+            raise PayloadTooLarge(f"step body of {len(step.body)} bytes exceeds this node's limit of {max_body} bytes")
+        direct = Direct(step.seq, step.returns, step.hops)
+        answer = await on_step(SessionId(step.session), Headers(headers=step.headers), step.body, step.verify, direct)
         if answer is not None:
-            await reply.send(encode_frame(Kind.TOKEN, {"session": session, "seq": seq, "answer": answer}))
+            await reply.send(token_frame(step.session, step.seq, answer))
     except MeshnetError as exc:
         await reply.send(error_frame(session, seq, exc))
     except Exception as exc:  # never let one step take the channel down
@@ -136,36 +136,11 @@ async def _one_step(data: bytes, peer: Peer, peers: dict[str, Peer], max_body: i
         await reply.send(error_frame(session, seq, error))
 
 
-def _ids(frame: ChannelFrame) -> tuple[str, int]:
-    if frame.kind is not Kind.STEP:
-        raise InvalidRequest(f"a node takes STEP frames on its channel, got {frame.kind.name}")
+def _reply_ids(frame: ChannelFrame) -> tuple[str | None, int | None]:
+    """The session and step a frame names, where they are well-formed (else ``None``)."""
     session, seq = frame.header.get("session"), frame.header.get("seq")
-    if not isinstance(session, str) or not 0 < len(session) <= _MAX_SESSION_ID:
-        raise InvalidRequest(f'a STEP frame needs "session": the session id, a string of 1..{_MAX_SESSION_ID}')
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-        raise InvalidRequest('a STEP frame needs "seq": the step\'s number, an integer >= 0')
-    return session, seq
-
-
-def _returns(frame: ChannelFrame) -> tuple[str, ...]:
-    returns = frame.header.get("returns")
-    if not isinstance(returns, list) or not returns or not all(isinstance(r, str) for r in returns):
-        raise InvalidRequest('a STEP frame needs "returns": the return ids of this hop and every hop after it')
-    return tuple(returns)
-
-
-def _step_fields(frame: ChannelFrame) -> tuple[bool, Headers, tuple[dict[str, Any], ...]]:
-    header = frame.header
-    verb = header.get("verb")
-    if verb not in _VERBS:
-        raise InvalidRequest(f'a STEP frame\'s "verb" is one of {", ".join(_VERBS)}, got {verb!r}')
-    raw = header.get("headers")
-    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
-        raise InvalidRequest('a STEP frame\'s "headers" are the X-Meshnet-* fields, an object of strings')
-    hops = header.get("hops", [])
-    if not isinstance(hops, list) or not all(isinstance(h, dict) for h in hops):
-        raise InvalidRequest('a STEP frame\'s "hops" are the entries of the hops before it, a list of objects')
-    return _VERBS[verb], Headers(headers=raw), tuple(hops)
+    good_seq = isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0
+    return (session if isinstance(session, str) else None), (seq if good_seq else None)
 
 
 class Dialer:

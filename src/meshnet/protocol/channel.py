@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.httputil import error_body
+from meshnet.protocol import http_binding
+from meshnet.protocol.messages import HopAnswer, HopRequest
 
 __all__ = [
     "CHANNEL_PATH",
@@ -37,9 +40,15 @@ __all__ = [
     "VERSION",
     "ChannelFrame",
     "Kind",
+    "Step",
     "decode_frame",
     "encode_frame",
     "error_frame",
+    "read_step",
+    "read_token",
+    "step_frame",
+    "step_frame_of",
+    "token_frame",
     "ws_url",
 ]
 
@@ -48,6 +57,8 @@ MAGIC = b"MN"
 VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 _PREFIX = struct.Struct("<2sBBI")
+STEP_VERBS = {"decode-step": False, "verify": True}  # a STEP frame's verb -> is a verify chunk
+MAX_SESSION_ID = 128
 
 
 class Kind(IntEnum):
@@ -89,6 +100,73 @@ def decode_frame(data: bytes) -> ChannelFrame:
     if not isinstance(header, dict):
         raise InvalidRequest("channel frame header must be a JSON object")
     return ChannelFrame(Kind(kind), header, bytes(data[_PREFIX.size + size :]))
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """A ``STEP`` frame, read and checked: the session, the step's number, whether it is a verify
+    chunk, its ``X-Meshnet-*`` fields, the return ids of the receiving hop and every hop after it,
+    the entries of the hops before it, and the body (the tensor, as the HTTP binding sends it)."""
+
+    session: str
+    seq: int
+    verify: bool
+    headers: dict[str, str]
+    returns: tuple[str, ...]
+    hops: tuple[dict[str, Any], ...]
+    body: bytes
+
+
+def step_frame(
+    session: str, seq: int, *, verb: str, headers: dict[str, str], body: bytes, returns: Sequence[str],
+    hops: Sequence[dict[str, Any]] = (),
+) -> bytes:  # fmt: skip
+    """A ``STEP`` frame: from the gateway to the head (no ``hops``), or from a hop to the next."""
+    header = {"session": session, "seq": seq, "verb": verb, "headers": headers, "returns": list(returns),
+              "hops": list(hops)}  # fmt: skip
+    return encode_frame(Kind.STEP, header, body)
+
+
+def step_frame_of(request: HopRequest, seq: int, returns: Sequence[str], hops: Sequence[dict[str, Any]] = ()) -> bytes:
+    """``request`` (a decode step or verify chunk) as a ``STEP`` frame: its HTTP binding's fields and body."""
+    headers, body = http_binding.encode_step(request)
+    return step_frame(request.session, seq, verb=str(request.verb), headers=headers, body=body, returns=returns,
+                      hops=hops)  # fmt: skip
+
+
+def read_step(frame: ChannelFrame) -> Step:
+    """A ``STEP`` frame's fields, or ``InvalidRequest`` saying which is wrong."""
+    if frame.kind is not Kind.STEP:
+        raise InvalidRequest(f"a node takes STEP frames on its channel, got {frame.kind.name}")
+    header = frame.header
+    session, seq = header.get("session"), header.get("seq")
+    if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_ID:
+        raise InvalidRequest(f'a STEP frame needs "session": the session id, a string of 1..{MAX_SESSION_ID}')
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise InvalidRequest('a STEP frame needs "seq": the step\'s number, an integer >= 0')
+    returns = header.get("returns")
+    if not isinstance(returns, list) or not returns or not all(isinstance(r, str) for r in returns):
+        raise InvalidRequest('a STEP frame needs "returns": the return ids of this hop and every hop after it')
+    verb = header.get("verb")
+    if verb not in STEP_VERBS:
+        raise InvalidRequest(f'a STEP frame\'s "verb" is one of {", ".join(STEP_VERBS)}, got {verb!r}')
+    raw = header.get("headers")
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        raise InvalidRequest('a STEP frame\'s "headers" are the X-Meshnet-* fields, an object of strings')
+    hops = header.get("hops", [])
+    if not isinstance(hops, list) or not all(isinstance(h, dict) for h in hops):
+        raise InvalidRequest('a STEP frame\'s "hops" are the entries of the hops before it, a list of objects')
+    return Step(session, seq, STEP_VERBS[verb], raw, tuple(returns), tuple(hops), frame.body)
+
+
+def token_frame(session: str, seq: int, answer: dict[str, Any]) -> bytes:
+    """The tail's answer to a step (``HopAnswer.to_json``), on the gateway's channel to the tail."""
+    return encode_frame(Kind.TOKEN, {"session": session, "seq": seq, "answer": answer})
+
+
+def read_token(frame: ChannelFrame) -> HopAnswer:
+    """The answer a ``TOKEN`` frame carries; ``ValueError`` when it carries none."""
+    return HopAnswer.from_json(200, frame.header.get("answer"))
 
 
 def error_frame(session: str | None, seq: int | None, error: MeshnetError) -> bytes:
