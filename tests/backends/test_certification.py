@@ -128,6 +128,7 @@ WITHOUT_FIX = {
     "lfm2moe": {"leading_layer_keys": ()},
     "nemotron_h_moe": {"layer_output": "l_out"},
     "afmoe": {"cut_multiple": 1},
+    "apertus": {"layer_key_prefixes": ()},
     "llama4": {"cut_multiple": 1},
 }
 

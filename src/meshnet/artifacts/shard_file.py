@@ -440,12 +440,10 @@ def _copy_metadata(reader: Any, writer: Any, *, arch: str, layers: LayerRange, t
     writer.add_bool(SHARD_VOCAB_CUT_KEY, cut)
 
 
-# Per-layer metadata outside the architecture's own keys (apertus's xIELU activation parameters).
-_PER_LAYER_PREFIXES = ("xielu.",)
-
-
 def _per_layer_key(name: str, arch: str) -> bool:
-    return name.startswith((f"{arch}.", *_PER_LAYER_PREFIXES))
+    """Whether metadata ``name`` may be a per-layer array: the architecture's own keys, and those
+    its family names outside them (``Family.layer_key_prefixes``)."""
+    return name.startswith((f"{arch}.", *family(arch).layer_key_prefixes))
 
 
 def _swa_pattern(fields: Any, key: str, seams: Family, total: int) -> list[bool] | None:

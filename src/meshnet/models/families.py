@@ -93,6 +93,8 @@ class Family:
       ``values`` in (llama.cpp builds one cache per kind and fails on an empty one). Ranges open
       only where the two layers before the cut and the two from it hold every kind, so any range
       of two or more layers holds them all.
+    - ``layer_key_prefixes``: metadata outside ``{arch}.`` that holds per-layer arrays (sliced with
+      the layers like the architecture's own, e.g. apertus's ``xielu.*`` activation parameters).
     - ``rollback``: the layers keep compressor states that llama.cpp rolls back from per-position
       snapshots (``n_rs_seq``): a rewind reaches at most this many positions back, once per step.
     - ``unsplittable_layer_counts``: whole-model layer counts for which llama.cpp picks a
@@ -123,6 +125,7 @@ class Family:
     token_layers: str | None = None
     range_kinds: tuple[str, tuple[int, ...]] | None = None
     rollback: int = 0
+    layer_key_prefixes: tuple[str, ...] = ()
     hf_types: tuple[str, ...] = ()  # transformers model_type(s) of the family (PyTorch nodes load those)
     unsplittable_layer_counts: Mapping[int, str] = field(default_factory=dict)
 
@@ -301,7 +304,6 @@ FAMILIES: dict[str, Family] = {
                 ("olmoe", ""),
                 ("arcee", ""),
                 ("seed_oss", ""),
-                ("apertus", " (xIELU activation parameters per layer, sliced with the layers)"),
                 ("hunyuan-dense", ""),
                 ("hy_v3", " (Hunyuan 3 MoE)"),
                 ("falcon", " (new decoder architecture: parallel attention and MLP)"),
@@ -314,6 +316,14 @@ FAMILIES: dict[str, Family] = {
                 ("phi2", " (a head's cut lm_head bias keeps one row, as its weight)"),
                 ("minimax-m2", " (sigmoid expert routing)"),
             )
+        ),
+        Family(
+            "apertus",
+            True,
+            False,
+            _CERTIFIED + "; its xIELU activation parameters are per-layer arrays outside the architecture's keys, "
+            "sliced with the layers",
+            layer_key_prefixes=("xielu.",),
         ),
         Family(
             "mellum",
