@@ -8,7 +8,21 @@ STAMP   = $(VENV)/.meshnet-installed-$(FLAGS_ID)
 # instructions (tilezero) and dies with SIGILL on these VMs. AVX-512 only where this CPU has it:
 # a build with it dies with SIGILL on the AVX2-only machines (AMD EPYC) these VMs also run on.
 AVX512 := $(if $(shell grep -m1 -ow avx512f /proc/cpuinfo 2>/dev/null),ON,OFF)
-export CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=$(AVX512) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# LLAMA_BACKEND: cpu (the default), or the GPU backend llama.cpp is built with for --gpu-layers
+# (docs/backends.md, "GPU offload"): make install LLAMA_BACKEND=cuda|vulkan|metal [VENV=DIR]. Give it to
+# every later make command too (or keep that build in its own VENV): a default `make` reinstalls the CPU build.
+# With cuda, CUDA_ARCHS=90 (say) builds for those GPUs only: minutes instead of most of an hour.
+LLAMA_BACKEND ?= cpu
+CUDA_ARCHS ?=
+GPU_FLAGS_cpu :=
+GPU_FLAGS_cuda := -DGGML_CUDA=ON $(if $(CUDA_ARCHS),-DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHS))
+GPU_FLAGS_vulkan := -DGGML_VULKAN=ON
+GPU_FLAGS_metal := -DGGML_METAL=ON
+ifeq ($(filter $(LLAMA_BACKEND),cpu cuda vulkan metal),)
+$(error LLAMA_BACKEND is cpu, cuda, vulkan or metal, not '$(LLAMA_BACKEND)')
+endif
+export CMAKE_ARGS := $(strip -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=$(AVX512) -DGGML_AMX_TILE=OFF \
+	-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF $(GPU_FLAGS_$(LLAMA_BACKEND)))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # The built llama-cpp-python wheel is kept per set of build flags (pip's own cache would hand a
 # wheel built with other flags to this machine): ~/.cache/meshnet/llama-wheels/FLAGS-DIGEST/.

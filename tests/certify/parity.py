@@ -10,6 +10,7 @@ apart from a split bug.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,10 @@ from meshnet.backends.shard import F32, ShardBackend, ShardInfo
 
 STEPS = 20
 PROMPT_LEN = 37
-CONFIG = LlamaShardConfig(n_ctx=1024, max_sessions=2, n_threads=1)
+# MESHNET_TEST_GPU_LAYERS=-1 certifies on the GPU (benchmarks/device_check.sh): whole and route alike offloaded.
+CONFIG = LlamaShardConfig(
+    n_ctx=1024, max_sessions=2, n_threads=1, gpu_layers=int(os.environ.get("MESHNET_TEST_GPU_LAYERS", "0"))
+)
 
 Seam = Callable[[F32], F32]  # what crosses a seam; identity for a faithful route
 

@@ -145,7 +145,8 @@ def test_traffic_speed_is_a_size_weighted_moving_average_seeded_by_the_benchmark
 
 def test_host_hardware_reports_this_machine_without_importing_torch():
     hw = host_hardware(threads=3)
-    assert set(hw) == {"cpu", "logical_cores", "threads", "ram_total_bytes", "ram_available_bytes", "gpu"}
+    ram = {"ram_total_bytes", "ram_available_bytes"}
+    assert set(hw) == {"cpu", "logical_cores", "threads", *ram, "gpu", "gpu_memory_bytes"}
     assert hw["threads"] == 3
     assert hw["logical_cores"] >= 1
     assert hw["ram_total_bytes"] > 0
@@ -249,6 +250,7 @@ ADVERT = {
         "ram_total_bytes": 2**35,
         "ram_available_bytes": 2**34,
         "gpu": None,
+        "gpu_memory_bytes": None,
     },
     "prefill_tps": 900.5,
     "decode_tps": 42.0,

@@ -290,6 +290,7 @@ UNADVERTISED = {
         "ram_total_bytes": None,
         "ram_available_bytes": None,
         "gpu": None,
+        "gpu_memory_bytes": None,
     },
     "prefill_tps": 0.0,
     "decode_tps": 0.0,

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from meshnet.backends.base import EngineStep, PrefillProgress, TokenStep, local_plan
+from meshnet.backends.gpu import require_offload
 from meshnet.backends.grammar import TokenGrammar
 from meshnet.backends.llama_vocab import LlamaVocab
 from meshnet.errors import Conflict, EngineError, InvalidRequest
@@ -40,10 +41,16 @@ class LlamaFullEngine:
         model_id: str | None = None,
         context_cap: int = 131072,
         url: str = "local",
+        gpu_layers: int = 0,
     ) -> None:
+        """``gpu_layers``: layers offloaded to a GPU (backends.gpu): 0 none, -1 all, N the last N."""
         import llama_cpp
 
+        if gpu_layers < -1:
+            raise InvalidRequest(f"--gpu-layers is all, 0 or a layer count, not {gpu_layers}", param="gpu_layers")
+        require_offload(llama_cpp, gpu_layers)  # before anything loads: a CPU build says what to rebuild
         self.url = url
+        self.gpu_layers = gpu_layers
         self.vocab = LlamaVocab(gguf, model_id=model_id)
         self.info = self.vocab.info
         n_ctx_train = self.info.n_ctx_train
@@ -64,6 +71,7 @@ class LlamaFullEngine:
             n_ubatch=min(n_batch, self.n_ctx),
             n_threads=self.n_threads,
             n_threads_batch=self.n_threads,
+            n_gpu_layers=gpu_layers,
             logits_all=False,
             flash_attn=True,  # the shard backend uses the same kernels, so routes match serve exactly
             verbose=False,

@@ -44,6 +44,7 @@ from meshnet.artifacts.shard_file import (
     write_shard,
 )
 from meshnet.backends.ggml_layout import NAME_OFFSET, NE_OFFSET, check_tensor_layout, tensor_get, tensor_set
+from meshnet.backends.gpu import offload_numerics, require_offload
 from meshnet.backends.llama_vocab import LlamaVocab, model_meta
 from meshnet.backends.load_checks import BatchChecks, CheckCache, check_key
 from meshnet.backends.shard import F32, I32, KVFormat, SeamSpec, ShardBase, ShardInfo, ShardOutput
@@ -126,10 +127,15 @@ class LlamaShardConfig:
     # Where the load-time bit checks of a shard are kept between starts (backends/load_checks.py);
     # None: measured at every load.
     checks_cache: Path | None = None
+    # Layers offloaded to a GPU (backends.gpu): 0 computes on the CPU only, -1 every layer of the shard
+    # file, N its last N (llama.cpp's n_gpu_layers, which counts the output layer as one).
+    gpu_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1 or self.n_ctx < self.max_sessions or self.n_batch < 1 or self.decode_batch < 1:
             raise ValueError("a shard needs n_ctx >= max_sessions >= 1, n_batch >= 1 and decode_batch >= 1")
+        if self.gpu_layers < -1:
+            raise ValueError(f"gpu_layers is -1 (every layer), 0 (CPU only) or a layer count, not {self.gpu_layers}")
 
     @property
     def positions_per_session(self) -> int:
@@ -164,7 +170,7 @@ class LlamaShard(ShardBase[int]):
             if not sidecar.is_file():
                 raise InvalidRequest(f"the head shard needs its embedding table {sidecar}; rebuild the shard")
             self._embed = HeadEmbeddings(sidecar)
-        self._model = self._load_model(shard_path)
+        self._model = self._load_model(shard_path, cfg.gpu_layers)
         n_layer = int(llama_cpp.llama_model_n_layer(self._model))
         if layers is None:  # a full model GGUF: one shard holding every layer
             layers = LayerRange.full(n_layer)
@@ -221,6 +227,7 @@ class LlamaShard(ShardBase[int]):
         if cache is not None:
             threads = cfg.n_threads or os.cpu_count() or 1
             build = f"{self._ll.__version__}:{self._ll.llama_print_system_info().decode(errors='replace')}"
+            build += offload_numerics(cfg.gpu_layers)  # GPU and CPU kernels keep different batched bits
             shapes: dict[str, object] = {
                 "verify": self.info.max_verify,
                 "decode": most,
@@ -266,10 +273,12 @@ class LlamaShard(ShardBase[int]):
         if seams.head_scale == "sqrt_n_embd" and self._embed is not None:
             self._head_scale = np.sqrt(np.float32(self._n_embd))  # sqrtf(n_embd), as llama.cpp computes it
 
-    def _load_model(self, path: Path) -> Any:
+    def _load_model(self, path: Path, gpu_layers: int) -> Any:
         from llama_cpp._utils import suppress_stdout_stderr
 
+        require_offload(self._ll, gpu_layers)  # a CPU build refuses a GPU configuration before loading
         params = self._ll.llama_model_default_params()
+        params.n_gpu_layers = gpu_layers  # explicit: llama.cpp's default (-1) offloads every layer on a GPU build
         # Read the weights, do not map them: on CPU llama.cpp repacks most quantized weights into
         # buffers of its own (its "extra buffer types"), reading them through the mapping, whose
         # touched pages then stay resident beside the copy — a node held its weights twice
@@ -345,6 +354,7 @@ class LlamaShard(ShardBase[int]):
             numerics=(
                 f"llama.cpp {getattr(self._ll, '__version__', '?')} cpu {platform.machine()} {_cpu_model()}; "
                 f"threads {cfg.n_threads or os.cpu_count() or 1}; n_batch {cfg.n_batch}; flash-attn; kv f16"
+                f"{offload_numerics(cfg.gpu_layers)}"
             ),
             max_verify=self._max_verify(cfg),
         )

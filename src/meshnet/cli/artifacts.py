@@ -247,6 +247,7 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
             n_threads=threads,
             idle_ttl_s=args.session_ttl,
             checks_cache=load_checks_dir(args.cache_dir),
+            gpu_layers=args.gpu_layers,
         )
         # The model id stays the one the gateway derives from the GGUF name; the digest is in the advert.
         shard = LlamaShard(path, model_id=manifest.model_id, embeddings=embeddings, config=config)

@@ -10,7 +10,7 @@ from typing import Any
 
 from meshnet import __version__
 from meshnet.cli.artifacts import add_artifact_commands
-from meshnet.cli.serve import add_allow_uncertified, add_api_keys, add_chat_template
+from meshnet.cli.serve import add_allow_uncertified, add_api_keys, add_chat_template, add_gpu_layers
 from meshnet.cli.swarm import add_decode_batch, add_speculative, add_swarm_commands, at_least_one
 from meshnet.cli.swarm_admin import add_swarm_admin_commands
 
@@ -47,6 +47,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     serve.add_argument("--threads", type=int, help="llama.cpp threads (default: all cores)")
+    add_gpu_layers(serve)
     serve.add_argument("--ctx", type=int, help="context window in tokens (default: the context cap)")
     serve.add_argument("--batch", type=int, default=512, help="prefill chunk / llama.cpp batch (default 512)")
     serve.add_argument("--model-id", help="model id clients use (default: the GGUF file name)")
@@ -115,6 +116,7 @@ def _add_up_parser(sub: Any) -> None:
         help="let each node compute with all the cores, one node at a time (a machine-wide lease), instead of "
         "splitting the cores between the nodes (measured slower on 2 cores: benchmarks/RESULTS.md, route)",
     )
+    add_gpu_layers(up, what="each llama.cpp node's range")
     up.add_argument(
         "--ctx",
         type=int,

@@ -176,6 +176,7 @@ def load_shard(args: argparse.Namespace, gguf: Path) -> tuple[Any, dict[str, Any
         idle_ttl_s=args.session_ttl,
         decode_batch=args.decode_batch,
         checks_cache=load_checks_dir(args.cache_dir),
+        gpu_layers=args.gpu_layers,
     )
     if layers.is_full:
         return LlamaShard(gguf, model_id=model_id, config=config), advert

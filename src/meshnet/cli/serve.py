@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from meshnet.gateway.auth import KeyRing
     from meshnet.gateway.origin import HostPolicy
 
-__all__ = ["bind_socket", "resolve_gguf", "run_serve", "serve_app", "setup_logging"]
+__all__ = ["add_gpu_layers", "bind_socket", "gpu_layers_arg", "resolve_gguf", "run_serve", "serve_app", "setup_logging"]
 
 log = logging.getLogger("meshnet")
 
@@ -57,6 +57,32 @@ def add_allow_uncertified(parser: argparse.ArgumentParser) -> None:
         "--allow-uncertified",
         action="store_true",
         help="run an architecture whose layer-split route is not certified (docs/models.md): text may be wrong",
+    )
+
+
+def gpu_layers_arg(text: str) -> int:
+    """An argparse type for ``--gpu-layers``: ``all`` is -1 (every layer), else a whole number >= 0."""
+    if text.strip().lower() == "all":
+        return -1
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected all or a whole number of layers (0: CPU only), got {text!r}")
+    return value
+
+
+def add_gpu_layers(parser: argparse.ArgumentParser, *, what: str = "the model") -> None:
+    """``--gpu-layers N|all``, llama-server's ``--n-gpu-layers`` (docs/backends.md, "GPU offload")."""
+    parser.add_argument(
+        "--gpu-layers",
+        type=gpu_layers_arg,
+        default=0,
+        metavar="N|all",
+        help=f"layers of {what} llama.cpp offloads to the GPU: all, or N (the last N, the output layer counting "
+        "as one; default 0: CPU only). Needs llama-cpp-python built with a GPU backend: make install "
+        "LLAMA_BACKEND=cuda|vulkan|metal",
     )
 
 
@@ -225,6 +251,15 @@ def _config(args: argparse.Namespace) -> ServeConfig:
         raise SystemExit(f"meshnet serve: {exc}") from None
 
 
+def _offloaded(gpu_layers: int) -> str:
+    """The start-up line's note of the offload and the GPUs it goes to (``""`` on the CPU)."""
+    if gpu_layers == 0:
+        return ""
+    from meshnet.backends.gpu import gpu_devices, gpu_label, gpu_layers_flag
+
+    return f", --gpu-layers {gpu_layers_flag(gpu_layers)} on {gpu_label(gpu_devices()) or 'no GPU llama.cpp lists'}"
+
+
 def run_serve(args: argparse.Namespace) -> int:
     setup_logging()
     config = _config(args)
@@ -248,6 +283,7 @@ def run_serve(args: argparse.Namespace) -> int:
             n_batch=config.batch,
             model_id=config.model_id,
             url=url,
+            gpu_layers=args.gpu_layers,
         )
     except MeshnetError as exc:
         sock.close()
@@ -269,7 +305,7 @@ def run_serve(args: argparse.Namespace) -> int:
     print(
         f"meshnet: {info.model_id} ({info.architecture}, {info.quantization}, {info.n_layers} layers) "
         f"loaded in {time.monotonic() - started:.1f}s; context cap {engine.n_ctx} tokens, "
-        f"{engine.n_threads} threads",
+        f"{engine.n_threads} threads{_offloaded(engine.gpu_layers)}",
         flush=True,
     )
     print(f"meshnet: OpenAI API on {url}/v1")

@@ -30,6 +30,7 @@ from meshnet.cli.serve import (
     add_allow_uncertified,
     add_api_keys,
     add_chat_template,
+    add_gpu_layers,
     bind_socket,
     check_certified,
     resolve_gguf,
@@ -236,6 +237,7 @@ def _add_tracker(sub: Any) -> None:
 
 def _add_compute(node: argparse.ArgumentParser) -> None:
     node.add_argument("--threads", type=int, help="compute threads (default: all cores)")
+    add_gpu_layers(node, what="this node's range (--backend llama)")
     node.add_argument(
         "--core-lease",
         type=Path,
@@ -307,6 +309,7 @@ def run_node(args: argparse.Namespace) -> int:
     for flag, mib in (("--seam-log-mb", args.seam_log_mb), ("--prefix-cache-mb", args.prefix_cache_mb)):
         if not mib >= 0:
             usage_error(f"meshnet node: {flag} is a size in MiB, 0 or more (0 turns it off), not {mib:g}")
+    _check_offload(args)  # before the port, the fetch and the model: a CPU build says what to rebuild
     args.member_tls = member_tls_for(args, "node", "node")
     if args.member_tls is None:
         check_plain_bind(args.host, args.insecure, "node", "join a private swarm and give --swarm-dir DIR")
@@ -336,6 +339,19 @@ def run_node(args: argparse.Namespace) -> int:
         print(f"meshnet node: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 1 if isinstance(exc, FetchError) else 2
     return serve_node(args, sock, shard, advert, started=started, seeder=seeder)
+
+
+def _check_offload(args: argparse.Namespace) -> None:
+    """``--gpu-layers`` on a node that can offload them: a llama.cpp node on a GPU build (else exit 2)."""
+    if not args.gpu_layers:
+        return
+    if args.backend != "llama" or args.hf is not None:
+        usage_error("meshnet node: --gpu-layers offloads llama.cpp layers; give it to a --backend llama node")
+    from meshnet.backends.gpu import offload_error
+
+    problem = offload_error(args.gpu_layers)
+    if problem is not None:
+        usage_error(f"meshnet node: {problem}")
 
 
 def _run_hf_node(args: argparse.Namespace) -> int:

@@ -128,6 +128,13 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange], int | Non
     if not 0.0 <= args.audit_rate <= 1.0:
         print(f"meshnet up: --audit-rate is a fraction of sessions in [0, 1], got {args.audit_rate}", file=sys.stderr)
         return None
+    if args.gpu_layers:  # every node would exit 2 with it: say it once, before any process starts
+        from meshnet.backends.gpu import offload_error
+
+        problem = offload_error(args.gpu_layers) if args.backend == "llama" else "--gpu-layers needs --backend llama"
+        if problem is not None:
+            print(f"meshnet up: {problem}", file=sys.stderr)
+            return None
     gguf = resolve_gguf(args.gguf, "up")
     if not check_certified(gguf, "up", allow=args.allow_uncertified, backend=args.backend):
         return None
@@ -160,6 +167,14 @@ def _threads(args: argparse.Namespace, cores: int) -> tuple[bool, int]:
     """Whether the nodes share the cores through a lease, and each node's threads."""
     lease = bool(args.core_lease)
     return lease, args.threads or (cores if lease else max(1, cores // args.nodes))
+
+
+def _gpu_layers(args: argparse.Namespace) -> str:
+    """``--gpu-layers`` as each node gets it: every node offloads its own range's layers alike, auditors
+    too (an auditor re-executes bit for bit only in the numerics class of the node it checks)."""
+    from meshnet.backends.gpu import gpu_layers_flag
+
+    return gpu_layers_flag(args.gpu_layers)
 
 
 def _sharing(lease: bool, threads: int) -> str:
@@ -202,7 +217,7 @@ def run_up(args: argparse.Namespace) -> int:
             node_args = [
                 "node", "--gguf", str(gguf), *placed, "--port", "0", "--tracker", tracker_url,
                 "--backend", args.backend, "--threads", str(threads), "--wire-dtype", args.wire_dtype,
-                "--node-id", f"node-{i}", *_context_args(args),
+                "--gpu-layers", _gpu_layers(args), "--node-id", f"node-{i}", *_context_args(args),
                 "--max-sessions", str(args.max_sessions), "--decode-batch", str(args.decode_batch),
                 # its own gateway is the swarm's one client: every slot is its (the default keeps one free)
                 "--max-sessions-per-client", str(args.max_sessions),
@@ -283,6 +298,7 @@ def _start_auditors(
         auditor_args = [
             "node", "--gguf", str(gguf), "--layers", layers, "--port", "0", "--tracker", tracker_url,
             "--backend", args.backend, "--threads", str(threads), "--node-id", f"auditor-{i}", "--auditor",
+            "--gpu-layers", _gpu_layers(args),
             *_context_args(args), "--max-sessions", "1",
             *(["--core-lease", str(workdir / "cores.lock")] if lease else []),
             *(["--allow-uncertified"] if args.allow_uncertified else []),

@@ -1,7 +1,8 @@
 """What a node advertises to the tracker besides its layer range: hardware, speed, load, latency.
 
-- ``host_hardware``: CPU, cores, RAM (``/proc``), GPU only if torch is *already* loaded (this
-  module never imports torch: a llama.cpp node must not pay for it).
+- ``host_hardware``: CPU, cores, RAM (``/proc``), and the GPUs its backend computes on: those
+  llama.cpp lists (``backends.gpu``) once llama.cpp is loaded, else torch's CUDA device if torch is
+  *already* loaded (this module never imports either: a node must not pay for the one it does not run).
 - ``Traffic``: requests in flight (the queue depth) and the node's measured speed, prefill and
   decode apart, as an exponential moving average of positions/second over real compute calls.
   Owned by the node's event loop; not thread-safe.
@@ -56,19 +57,23 @@ PROBE_SAMPLES = 3
 PROBE_TIMEOUT_S = 2.0
 PROBE_EVERY_S = 30.0  # re-measure a next hop this often
 PROBE_KEEP = 64  # measured next hops kept (the tracker accepts 4 x its 16 targets per heartbeat)
+GPU_NAME_CHARS = 256  # the longest hardware.gpu the tracker accepts
 
 
 # -- hardware -------------------------------------------------------------------------------------
 def host_hardware(threads: int | None = None) -> dict[str, Any]:
-    """This host, as the registration's ``hardware`` object. Cheap: a few ``/proc`` reads."""
+    """This host, as the registration's ``hardware`` object. Cheap: a few ``/proc`` reads, and a
+    device query of the GPU library a backend already loaded."""
     total, available = _memory()
+    gpu, gpu_memory = _gpu()
     return {
         "cpu": _cpu_name(),
         "logical_cores": os.cpu_count(),
         "threads": threads,
         "ram_total_bytes": total,
         "ram_available_bytes": available,
-        "gpu": _gpu_name(),
+        "gpu": gpu,
+        "gpu_memory_bytes": gpu_memory,
     }
 
 
@@ -92,6 +97,21 @@ def _memory() -> tuple[int | None, int | None]:
         with contextlib.suppress(ValueError, OSError, AttributeError):
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total, found.get("MemAvailable")
+
+
+def _gpu() -> tuple[str | None, int | None]:
+    """The GPUs' name (``"2x NVIDIA H100"`` for several alike: llama.cpp splits offloaded layers over
+    all of them) and their total memory in bytes; ``(None, None)`` without one. llama.cpp's devices are
+    asked only once llama.cpp is loaded: on a GPU build the first query initializes the driver, which
+    a process that never computes (``meshnet up``'s parent) must not pay for. The query never raises
+    (``backends.gpu``)."""
+    if "llama_cpp" in sys.modules:
+        from meshnet.backends.gpu import gpu_devices, gpu_label
+
+        devices = gpu_devices()
+        if devices:
+            return gpu_label(devices)[:GPU_NAME_CHARS], sum(d.memory_total_bytes for d in devices)
+    return _gpu_name(), None
 
 
 def _gpu_name() -> str | None:

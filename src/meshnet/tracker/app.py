@@ -74,6 +74,7 @@ class HardwareAdvert(BaseModel):
     ram_total_bytes: _Bytes | None = None
     ram_available_bytes: _Bytes | None = None
     gpu: str | None = Field(None, max_length=256)
+    gpu_memory_bytes: _Bytes | None = None  # the GPUs' total memory (node.advert)
 
 
 class Registration(BaseModel):

@@ -97,6 +97,7 @@ class Hardware:
     ram_total_bytes: int | None = None
     ram_available_bytes: int | None = None
     gpu: str | None = None
+    gpu_memory_bytes: int | None = None
 
 
 _NO_LATENCY: Mapping[str, float] = MappingProxyType({})

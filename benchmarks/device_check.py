@@ -1,0 +1,141 @@
+"""GPU offload, end to end in one process (benchmarks/device_check.sh runs it on a GPU machine).
+
+The bundled model whole, as ``meshnet serve`` runs it (``LlamaFullEngine``), against the same model
+as a 2-shard route (``LlamaShard.from_model`` + ``ChainSession``), both with ``--gpu-layers``:
+
+- greedy tokens: the route must give the whole model's (route == serve, on one kind of device);
+- decode tokens/s of each (medians of alternating rounds), and the route's over the whole's;
+- the same tokens in every round (a GPU run that is not deterministic fails too).
+
+``--gpu-layers 0`` runs the same check on the CPU (what a machine without a GPU can check of it).
+Exit status 1 when tokens differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from meshnet.artifacts.bundled import bundled_gguf
+from meshnet.backends.base import TokenStep
+from meshnet.backends.chain import ChainSession
+from meshnet.backends.gpu import gpu_devices, gpu_layers_flag
+from meshnet.backends.llama_full import LlamaFullEngine
+from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
+from meshnet.cli.serve import gpu_layers_arg
+from meshnet.sampling import Sampler, SamplingParams
+
+PROMPT_TEXT = "<|im_start|>user\nWrite a story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
+CTX = 2048
+CHUNK = 512  # the engine's prefill chunk (its n_batch): the route prefills in the same chunks
+Run = tuple[list[int], float]  # greedy tokens, decode tokens/s
+
+
+def _rate(times: list[float]) -> float:
+    """Decode tokens/s from the times each token came: (n - 1) over first to last."""
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+
+
+def whole(engine: LlamaFullEngine, prompt: list[int], tokens: int) -> Run:
+    """Greedy tokens and decode tokens/s of the whole model, as ``meshnet serve`` runs it."""
+    out: list[int] = []
+    times: list[float] = []
+    steps = engine.generate(prompt, Sampler(SamplingParams(temperature=0)), threading.Event())
+    for step in steps:
+        if isinstance(step, TokenStep):
+            out.append(step.token)
+            times.append(time.perf_counter())
+            if len(out) == tokens:
+                break
+    steps.close()
+    return out, _rate(times)
+
+
+def route(shards: list[LlamaShard], prompt: list[int], tokens: int) -> Run:
+    """Greedy tokens and decode tokens/s of a route of in-process shards."""
+    session = ChainSession(shards)
+    try:
+        logits = session.prefill(prompt, CHUNK)
+        out: list[int] = []
+        times: list[float] = []
+        while True:
+            out.append(int(np.argmax(logits)))
+            times.append(time.perf_counter())
+            if len(out) == tokens:
+                return out, _rate(times)
+            logits = session.step(out[-1])
+    finally:
+        session.close()
+
+
+def _rounds(args: argparse.Namespace, cache: Path) -> tuple[list[tuple[Run, Run]], str]:
+    """The whole model and the route cut mid-model, loaded side by side and run in alternating rounds
+    (drift of a shared machine hits both alike): each round's (whole, route), and the shards' numerics."""
+    started = time.monotonic()
+    engine = LlamaFullEngine(bundled_gguf(), n_ctx=CTX, n_threads=args.threads, gpu_layers=args.gpu_layers)
+    prompt, total = engine.tokenize(PROMPT_TEXT, add_special=True), engine.info.n_layers
+    config = LlamaShardConfig(n_ctx=CTX, max_sessions=1, n_threads=args.threads, gpu_layers=args.gpu_layers)
+    shards: list[LlamaShard] = []
+    try:
+        for a, b in ((0, total // 2), (total // 2, total)):
+            shards.append(LlamaShard.from_model(bundled_gguf(), f"{a}:{b}", cache_dir=cache, config=config))
+        print(f"loaded the whole model and the route {[str(s.info.layers) for s in shards]}", end=" ")
+        print(f"in {time.monotonic() - started:.1f}s")
+        print(f"shard numerics: {shards[0].info.numerics}")
+        runs = [(whole(engine, prompt, args.tokens), route(shards, prompt, args.tokens)) for _ in range(args.rounds)]
+        return runs, shards[0].info.numerics
+    finally:
+        engine.close()
+        for shard in shards:
+            shard.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu-layers", type=gpu_layers_arg, default=-1, metavar="N|all", help="default all")
+    parser.add_argument("--tokens", type=int, default=128, help="greedy tokens generated (default 128)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating (default 3)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args(argv)
+    import llama_cpp
+
+    print(f"llama-cpp-python {llama_cpp.__version__}, GPU offload supported: {llama_cpp.llama_supports_gpu_offload()}")
+    print(f"GPUs llama.cpp lists: {gpu_devices() or 'none'}")
+    flag = gpu_layers_flag(args.gpu_layers)
+    with tempfile.TemporaryDirectory(prefix="device-check-") as cache:
+        runs, numerics = _rounds(args, Path(cache))
+    want, got = runs[0][0][0], runs[0][1][0]
+    same = got == want
+    steady = all(w == want and r == got for (w, _), (r, _) in runs)  # every round gives the same tokens
+    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+    whole_tps = statistics.median(tps for (_, tps), _ in runs)
+    route_tps = statistics.median(tps for _, (_, tps) in runs)
+    print(f"whole (meshnet serve --gpu-layers {flag}): {whole_tps:.1f} decode tok/s (median of {args.rounds})")
+    print(f"route (2 shards, gpu_layers {flag}): {route_tps:.1f} decode tok/s (median of {args.rounds})")
+    print(f"route == serve: {same}" + ("" if same else f" (first difference at token {first})"))
+    print(f"the same tokens every round: {steady}")
+    summary = {
+        "gpu_layers": flag,
+        "tokens": args.tokens,
+        "route_equals_serve": same,
+        "deterministic": steady,
+        "whole_decode_tps": round(whole_tps, 2),
+        "route_decode_tps": round(route_tps, 2),
+        "route_over_whole": round(route_tps / whole_tps, 3) if whole_tps else None,
+        "numerics": numerics,
+    }
+    print(json.dumps(summary))
+    return 0 if same and steady else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
