@@ -40,9 +40,11 @@ up: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/meshnet serve $(ARGS)
 
-# The whole suite (what .ci/run runs); the 25 slowest tests are listed at the end of every run.
+# The whole suite (what .ci/run runs) on TEST_WORKERS processes, a test file to a process (its
+# module fixtures are shared); the 25 slowest tests are listed at the end of every run.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest --durations=25 $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
 
 # The in-process tier (tests/conftest.py): no real processes, llama.cpp, torch, PostgreSQL, browser or
 # namespaces. About a minute on 2 cores.

@@ -127,7 +127,7 @@ def convert_many(jobs: list[tuple[Path, Path, tuple[str, ...]]]) -> tuple[set[in
     fails, or crashes the process, is left out)."""
     if not jobs:
         return set(), ""
-    partials = [out.with_suffix(".partial.gguf") for _, out, _ in jobs]
+    partials = [out.with_suffix(f".partial-{os.getpid()}.gguf") for _, out, _ in jobs]  # test workers share the cache
     spec = [(str(hf), str(partial), list(args)) for (hf, _, args), partial in zip(jobs, partials, strict=True)]
     done = subprocess.run(
         [sys.executable, "-c", _BOOT, str(converter_dir()), json.dumps(spec)],
@@ -190,9 +190,17 @@ def gguf_for(model: TinyModel) -> tuple[Path, Path]:
         staging = Path(tmp) / model.arch
         save_tiny_model(model, staging)
         convert(staging, gguf, model.convert_args)
-        shutil.rmtree(base, ignore_errors=True)
-        staging.rename(base)
+        _settle(staging, base)
     return gguf, hf_dir
+
+
+def _settle(staging: Path, base: Path) -> None:
+    """Move a built model's folder into the cache; another test worker may have put it there first."""
+    try:
+        staging.rename(base)
+    except OSError:
+        if not base.is_dir():
+            raise
 
 
 def prepare(models: list[TinyModel]) -> None:
@@ -215,9 +223,7 @@ def prepare(models: list[TinyModel]) -> None:
             staged.append((staging, root / key))
         converted, _ = convert_many(jobs)
         for index in converted:
-            staging, base = staged[index]
-            shutil.rmtree(base, ignore_errors=True)
-            staging.rename(base)
+            _settle(*staged[index])
 
 
 def _paths(model: TinyModel) -> tuple[Path, Path, Path]:
