@@ -59,6 +59,14 @@ HYBRID = {
     "layer_types": ["linear_attention", "linear_attention", "full_attention"] * 3,
     "pad_token_id": 0,
 }
+# Qwen3.5's partial multimodal rope (interleaved sections), as its text models configure it
+QWEN35_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [1, 1, 0],
+    "mrope_interleaved": True,
+}
 TINY = {
     "llama": TinyModel("llama", "llama", {"head_dim": 16}),
     "qwen2": TinyModel("qwen2", "qwen2"),
@@ -127,13 +135,7 @@ TINY = {
         "qwen3_5_moe_text",
         {
             **HYBRID,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [1, 1, 0],
-                "mrope_interleaved": True,
-            },
+            "rope_parameters": QWEN35_ROPE,
         },
         layers=9,
         convert_args=("--no-mtp",),
@@ -366,13 +368,7 @@ TINY.update(
                     "linear_num_key_heads": 2,
                     "linear_num_value_heads": 4,
                     "layer_types": ["linear_attention", "linear_attention", "full_attention"] * 3,
-                    "rope_parameters": {
-                        "rope_type": "default",
-                        "rope_theta": 1e4,
-                        "partial_rotary_factor": 0.25,
-                        "mrope_section": [1, 1, 0],
-                        "mrope_interleaved": True,
-                    },
+                    "rope_parameters": QWEN35_ROPE,
                 },
                 layers=9,
                 convert_args=("--no-mtp",),

@@ -349,3 +349,22 @@ def _tracker_of(client: TestClient) -> Any:
             if isinstance(cell.cell_contents, tracker_app._Tracker):
                 return cell.cell_contents
     raise AssertionError("no _Tracker found")
+
+
+# -- a GPU in the registration (backends.gpu, --gpu-layers) -------------------------------------
+def _gpu_registration(**hardware: object) -> dict[str, object]:
+    return {"node_id": "g", "url": "http://g:7000", "model": "m", "layers": "0:12", "total_layers": 12,
+            "hardware": {"gpu": "NVIDIA H200", **hardware}}  # fmt: skip
+
+
+def test_the_tracker_accepts_and_lists_the_gpu_memory(client: TestClient) -> None:
+    assert client.post("/v1/nodes", json=_gpu_registration(gpu_memory_bytes=150 * 2**30)).status_code == 201
+    [node] = client.get("/v1/nodes").json()["nodes"]
+    assert node["hardware"]["gpu"] == "NVIDIA H200"
+    assert node["hardware"]["gpu_memory_bytes"] == 150 * 2**30
+
+
+def test_the_tracker_refuses_a_negative_gpu_memory(client: TestClient) -> None:
+    response = client.post("/v1/nodes", json=_gpu_registration(gpu_memory_bytes=-1))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "hardware.gpu_memory_bytes"

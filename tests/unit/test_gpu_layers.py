@@ -8,11 +8,8 @@ import logging
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from starlette.testclient import TestClient
 
 from meshnet.backends import gpu
 from meshnet.backends.gpu import GpuDevice, gpu_devices, gpu_label, offload_error, offload_numerics
@@ -20,8 +17,6 @@ from meshnet.backends.llama_shard import LlamaShardConfig
 from meshnet.cli.main import _build_parser
 from meshnet.cli.serve import gpu_layers_arg
 from meshnet.node.advert import host_hardware
-from meshnet.tracker.app import create_tracker_app
-from meshnet.tracker.db import TrackerDB
 from tests.procs import MESHNET
 
 H200 = GpuDevice("CUDA0", "NVIDIA H200", 150 * 2**30, 140 * 2**30, integrated=False)
@@ -122,34 +117,6 @@ def test_host_hardware_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "gpu_memory_bytes" in hw
     if "torch" not in sys.modules:
         assert hw["gpu"] is None and hw["gpu_memory_bytes"] is None
-
-
-@pytest.fixture
-def tracker(tmp_path: Path) -> Iterator[TestClient]:
-    db = TrackerDB("sqlite:///" + str(tmp_path / "t.db"))
-    try:
-        with TestClient(create_tracker_app(db)) as c:
-            yield c
-    finally:
-        db.close()
-
-
-def _registration(**hardware: object) -> dict[str, object]:
-    return {"node_id": "g", "url": "http://g:7000", "model": "m", "layers": "0:12", "total_layers": 12,
-            "hardware": {"gpu": "NVIDIA H200", **hardware}}  # fmt: skip
-
-
-def test_the_tracker_accepts_and_lists_the_gpu_memory(tracker: TestClient) -> None:
-    assert tracker.post("/v1/nodes", json=_registration(gpu_memory_bytes=150 * 2**30)).status_code == 201
-    [node] = tracker.get("/v1/nodes").json()["nodes"]
-    assert node["hardware"]["gpu"] == "NVIDIA H200"
-    assert node["hardware"]["gpu_memory_bytes"] == 150 * 2**30
-
-
-def test_the_tracker_refuses_a_negative_gpu_memory(tracker: TestClient) -> None:
-    response = tracker.post("/v1/nodes", json=_registration(gpu_memory_bytes=-1))
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "hardware.gpu_memory_bytes"
 
 
 # -- on this CPU build, with llama.cpp and the bundled model ----------------------------------------------

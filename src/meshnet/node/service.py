@@ -41,11 +41,7 @@ from typing import Any
 import numpy as np
 
 from meshnet.backends.shard import DecodeStep, ShardOutput, compute_chunks, verify_chunk
-from meshnet.errors import (
-    InvalidRequest,
-    MeshnetError,
-    SessionBusy,
-)
+from meshnet.errors import InvalidRequest, MeshnetError, SessionBusy
 from meshnet.ids import SessionId
 from meshnet.node.channel import Direct
 from meshnet.node.checks import check_drafts, check_model, shard_inputs
@@ -53,14 +49,7 @@ from meshnet.node.service_base import ChannelSend, NodeConfig
 from meshnet.node.service_tail import TailParts
 from meshnet.node.session import NodeSession
 from meshnet.protocol import headers as H
-from meshnet.protocol.messages import (
-    AnswerKind,
-    HopAnswer,
-    HopEntry,
-    HopRequest,
-    Payload,
-    Verb,
-)
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, HopRequest, Payload, Verb
 from meshnet.protocol.wire import TensorFrame, encode_tensor
 from meshnet.routes import hop_timeout_s
 

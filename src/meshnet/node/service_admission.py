@@ -11,14 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshnet.errors import (
-    Conflict,
-    InvalidRequest,
-    RateLimited,
-    SeamMismatch,
-    SessionGone,
-    Unauthorized,
-)
+from meshnet.errors import Conflict, InvalidRequest, RateLimited, SeamMismatch, SessionGone, Unauthorized
 from meshnet.ids import SessionId
 from meshnet.node.authority import SessionAuthority
 from meshnet.node.checks import check_next_hops, sampling_params
@@ -26,10 +19,7 @@ from meshnet.node.service_base import ServiceBase
 from meshnet.node.session import NodeSession
 from meshnet.protocol import headers as H
 from meshnet.protocol.ledger import ChunkLedger
-from meshnet.protocol.messages import (
-    HopRequest,
-    PrefixClaim,
-)
+from meshnet.protocol.messages import HopRequest, PrefixClaim
 from meshnet.protocol.tickets import CODE_MISMATCH, RouteTicket, TicketKind
 from meshnet.sampling import Sampler
 

@@ -20,12 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from meshnet.backends.shard import ShardBackend
-from meshnet.errors import (
-    HopFailed,
-    MeshnetError,
-    SessionGone,
-    SessionNotFound,
-)
+from meshnet.errors import HopFailed, MeshnetError, SessionGone, SessionNotFound
 from meshnet.ids import SessionId
 from meshnet.node.advert import Traffic
 from meshnet.node.audit import AuditLane
@@ -37,12 +32,7 @@ from meshnet.node.prefix_cache import PrefixCache
 from meshnet.node.sampling_lane import DEFAULT_SAMPLE_DEADLINE_S, SamplingLane
 from meshnet.node.session import NodeSession, SeamLogs
 from meshnet.node.transport import HopTransport
-from meshnet.protocol.messages import (
-    HopAnswer,
-    HopEntry,
-    HopRequest,
-    PrefixRequest,
-)
+from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, PrefixRequest
 from meshnet.protocol.signing import HopKey
 from meshnet.protocol.tickets import TicketVerifier
 from meshnet.protocol.wire import TensorFrame, frame_values

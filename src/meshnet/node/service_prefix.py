@@ -13,21 +13,12 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from meshnet.errors import (
-    Conflict,
-    HopFailed,
-    MeshnetError,
-)
+from meshnet.errors import Conflict, HopFailed, MeshnetError
 from meshnet.node.checks import check_model
 from meshnet.node.prefix_cache import CachedPrefix
 from meshnet.node.service_admission import AdmissionParts
 from meshnet.node.session import NodeSession
-from meshnet.protocol.messages import (
-    AnswerKind,
-    HopAnswer,
-    PrefixClaim,
-    PrefixRequest,
-)
+from meshnet.protocol.messages import AnswerKind, HopAnswer, PrefixClaim, PrefixRequest
 
 __all__ = ["PrefixParts"]
 

@@ -14,15 +14,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from meshnet.errors import (
-    Conflict,
-    Forbidden,
-    InvalidRequest,
-    SessionBusy,
-    SessionGone,
-    SessionNotFound,
-    Unauthorized,
-)
+from meshnet.errors import Conflict, Forbidden, InvalidRequest, SessionBusy, SessionGone, SessionNotFound, Unauthorized
 from meshnet.ids import SessionId
 from meshnet.node.audit import reexecute
 from meshnet.node.checks import check_model, check_next_hops
@@ -30,14 +22,7 @@ from meshnet.node.service_snapshots import SnapshotParts
 from meshnet.node.session import NodeSession
 from meshnet.protocol.audits import AuditRequest, AuditStatement
 from meshnet.protocol.ledger import pack_chunks
-from meshnet.protocol.messages import (
-    AnswerKind,
-    HopAnswer,
-    HopRequest,
-    Payload,
-    RerouteRequest,
-    Verb,
-)
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopRequest, Payload, RerouteRequest, Verb
 from meshnet.protocol.tickets import REPAIR
 from meshnet.protocol.wire import TensorFrame
 

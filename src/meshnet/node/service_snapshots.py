@@ -15,26 +15,14 @@ import logging
 import time
 from typing import Any
 
-from meshnet.errors import (
-    Conflict,
-    InvalidRequest,
-    MeshnetError,
-    SessionBusy,
-    SessionNotFound,
-    StoreFull,
-    Unauthorized,
-)
+from meshnet.errors import Conflict, InvalidRequest, MeshnetError, SessionBusy, SessionNotFound, StoreFull, Unauthorized
 from meshnet.ids import SessionId
 from meshnet.node.checks import check_model
 from meshnet.node.service_prefix import PrefixParts
 from meshnet.node.session import NodeSession
 from meshnet.node.snapshots import SessionSnapshot
 from meshnet.protocol import headers as H
-from meshnet.protocol.messages import (
-    AnswerKind,
-    HopAnswer,
-    RestoreRequest,
-)
+from meshnet.protocol.messages import AnswerKind, HopAnswer, RestoreRequest
 from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, TicketVerifier
 
 __all__ = ["SnapshotParts"]

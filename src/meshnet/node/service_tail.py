@@ -14,18 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshnet.errors import (
-    HopFailed,
-)
+from meshnet.errors import HopFailed
 from meshnet.node.sampling_lane import SamplingTooSlow
 from meshnet.node.service_repair import RepairParts
 from meshnet.node.session import NodeSession
-from meshnet.protocol.messages import (
-    AnswerKind,
-    HopAnswer,
-    HopEntry,
-    HopRequest,
-)
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, HopRequest
 from meshnet.sampling import Alternatives, Draw, Sampler
 
 __all__ = ["TailParts"]
