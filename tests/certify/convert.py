@@ -91,7 +91,7 @@ import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
 # Some converters read a checkpoint's own config.json keys (rotary_pct, n_ctx, ...) that transformers
 # folds into others and leaves out of the config it loads: give them the file's keys too.
-import json, pathlib
+import pathlib
 _load = base.ModelBase.load_hparams
 def _hparams(dir_model, is_mistral_format):
     loaded = _load(dir_model, is_mistral_format)
@@ -129,21 +129,29 @@ def convert_many(jobs: list[tuple[Path, Path, tuple[str, ...]]]) -> tuple[set[in
         return set(), ""
     partials = [out.with_suffix(f".partial-{os.getpid()}.gguf") for _, out, _ in jobs]  # test workers share the cache
     spec = [(str(hf), str(partial), list(args)) for (hf, _, args), partial in zip(jobs, partials, strict=True)]
-    done = subprocess.run(
-        [sys.executable, "-c", _BOOT, str(converter_dir()), json.dumps(spec)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120 + 60 * len(jobs),
-    )
-    converted = {int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("meshnet-converted ")}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _BOOT, str(converter_dir()), json.dumps(spec)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120 + 60 * len(jobs),
+        )
+        stdout, stderr = done.stdout, done.stderr
+    except subprocess.TimeoutExpired as exc:  # what finished before it stalled still counts
+        stdout, stderr = _text(exc.stdout), _text(exc.stderr) + f"\n(the converter stalled past {exc.timeout} s)"
+    converted = {int(line.split()[1]) for line in stdout.splitlines() if line.startswith("meshnet-converted ")}
     for index, ((_, out, _), partial) in enumerate(zip(jobs, partials, strict=True)):
         if index in converted and partial.is_file():
             partial.rename(out)
         else:
             converted.discard(index)
             partial.unlink(missing_ok=True)
-    return converted, done.stderr
+    return converted, stderr
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def convert(hf_dir: Path, out: Path, args: tuple[str, ...] = ()) -> Path:
@@ -217,7 +225,7 @@ def prepare(models: list[TinyModel]) -> None:
             staging = Path(tmp) / key
             try:
                 save_tiny_model(model, staging)
-            except Exception:
+            except Exception:  # gguf_for builds it again, alone, and raises the error in its own test
                 continue
             jobs.append((staging, (root / key).with_suffix(".gguf"), model.convert_args))
             staged.append((staging, root / key))
