@@ -76,3 +76,25 @@ def test_a_certified_family_is_refused_on_another_llama_cpp(monkeypatch: pytest.
     warning = require_certified("llama", allow_uncertified=True)
     assert warning is not None and "9.9.9" in warning
     assert require_certified("llama", backend="torch") is None  # the PyTorch route does not run llama.cpp
+
+
+@pytest.mark.parametrize(("arch", "layers"), [("gemma2", 46), ("gemma3", 62), ("exaone4", 64), ("deepseek2", 27)])
+def test_a_model_whose_graph_depends_on_its_layer_count_is_not_cut(arch: str, layers: int, tmp_path: Path) -> None:
+    """llama.cpp picks a hyperparameter (an attention scale, sliding windows, the lite layout) by the
+    file's layer count: a shard of such a model would compute another model, so the writer refuses
+    to cut it, saying to serve it whole; nothing is written."""
+    import gguf
+
+    from meshnet.artifacts.shard_file import write_shard
+    from meshnet.errors import InvalidRequest
+
+    source = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(source), arch)
+    writer.add_block_count(layers)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(InvalidRequest, match=rf"a {layers}-layer {arch} model cannot be split: .*--layers 0:{layers}"):
+        write_shard(source, f"0:{layers // 2}", tmp_path / "s.gguf")
+    assert not (tmp_path / "s.gguf").exists()

@@ -237,6 +237,12 @@ FAMILIES: dict[str, Family] = {
             False,
             _CERTIFIED + "; MLA; the count of leading dense layers is made relative to each range",
             leading_layer_keys=_DENSE_LEAD,
+            # llama.cpp tells the lite variants (no q_lora) by the file's layer count
+            unsplittable_layer_counts={
+                n: f"llama.cpp reads a {n}-layer DeepSeek-V2 as a lite one (DeepSeek-V2-Lite, GigaChat3: no query "
+                "compression) by its layer count, and a shard of other length as the full layout"
+                for n in (26, 27)
+            },
         ),
         Family(
             "glm-dsa",
