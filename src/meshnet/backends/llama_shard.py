@@ -743,37 +743,32 @@ class LlamaShard(ShardBase[int]):
         head_k = self._int_meta(f"{arch}.attention.key_length", self._n_embd // max(n_head, 1))
         head_v = self._int_meta(f"{arch}.attention.value_length", head_k)
         lora = self._int_meta(f"{arch}.attention.kv_lora_rank")
-        indexer = [0] * n_layer
+        recurrent, attention = self._hybrid_layers(arch, n_layer)
         if lora:
             per_token = (lora + self._int_meta(f"{arch}.rope.dimension_count")) * _KV_CACHE_BYTES
             kind, formula = "mla", "per layer: (kv_lora_rank + rope dims) * 2 bytes (f16 latent; V is a view of it)"
+            indexer = [0] * n_layer
             index_dim = self._int_meta(f"{arch}.attention.indexer.key_length")
             if index_dim:  # DSA: the lightning indexer's key, on layers that compute their own top-k
                 flags = layer_flags(self._path, f"{arch}.attention.indexer.types", n_layer, default=True)
                 indexer = [index_dim * _KV_CACHE_BYTES if f else 0 for f in flags]
                 formula += "; + indexer key_length * 2 bytes on layers computing their own top-k"
-        else:
-            per_token = (n_head_kv * head_k + n_head_kv * head_v) * _KV_CACHE_BYTES
-            kind, formula = "kv", "per layer: (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes (f16 K and V)"
-        recurrent, attention = self._hybrid_layers(arch, n_layer)
-        heads = self._head_count_kv(arch, n_layer, n_head_kv)
-        if not lora:  # GQA: a layer's KV by its own KV head count (0 on a recurrent-only layer)
-            per_layer = [
-                (h * head_k + h * head_v) * _KV_CACHE_BYTES if a else 0 for h, a in zip(heads, attention, strict=True)
-            ]
-        else:
             per_layer = [per_token + extra if a else 0 for a, extra in zip(attention, indexer, strict=True)]
+        else:
+            kind, formula = "kv", "per layer: (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes (f16 K and V)"
+            # a layer's own KV head count where the file has one per layer (hybrids write 0 on recurrent layers)
+            heads = layer_values(self._path, f"{arch}.attention.head_count_kv", n_layer, default=n_head_kv)
+            per_layer = [(h * head_k + h * head_v) * _KV_CACHE_BYTES if a else 0
+                         for h, a in zip(heads, attention, strict=True)]  # fmt: skip
         fixed = 0
-        if any(recurrent):
-            state = self._recurrent_state_bytes(arch)
-            fixed = state * sum(recurrent)
+        if any(recurrent):  # kept twice: live, and the checkpoint a rewind restores
+            fixed = 2 * self._recurrent_state_bytes(arch) * sum(recurrent)
             kind = "hybrid" if any(attention) else "recurrent"
             formula += (
                 "; recurrent layers: ((conv_kernel - 1) * (inner + 2 * groups * state) + state * inner) * 4 bytes "
                 "(LFM2's short convolutions: n_embd * (l_cache - 1) * 4) per session (f32), kept twice (live, and "
                 "the checkpoint a rewind restores)"
             )
-            fixed *= 2
         return KVFormat(
             kind=kind,
             dtype="f16",
@@ -835,11 +830,6 @@ class LlamaShard(ShardBase[int]):
         if not family(arch).recurrent:
             return [False] * n_layer, [True] * n_layer
         return hybrid_layers(self._path, arch, n_layer)
-
-    def _head_count_kv(self, arch: str, n_layer: int, default: int) -> list[int]:
-        """KV heads per layer: llama.cpp's per-layer array where the file has one (hybrid families
-        write 0 on recurrent layers), else the one count for every layer."""
-        return layer_values(self._path, f"{arch}.attention.head_count_kv", n_layer, default=default)
 
     def _recurrent_state_bytes(self, arch: str) -> int:
         """One recurrent layer's state per session (f32), as llama.cpp sizes it (``n_embd_r`` +
