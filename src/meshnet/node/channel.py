@@ -33,12 +33,12 @@ from meshnet.errors import HopFailed, InvalidRequest, MeshnetError, PayloadTooLa
 from meshnet.ids import SessionId
 from meshnet.protocol.channel import (
     MAX_HEADER_BYTES,
-    ChannelFrame,
     Kind,
     decode_frame,
     encode_frame,
     error_frame,
     read_step,
+    step_ids,
     token_frame,
     ws_url,
 )
@@ -119,7 +119,7 @@ async def _one_step(data: bytes, peer: Peer, peers: dict[str, Peer], max_body: i
     reply = peer
     try:
         frame = decode_frame(data)
-        session, seq = _reply_ids(frame)  # first: an error about the rest still names the step
+        session, seq = step_ids(frame)  # first: an error about the rest still names the step
         step = read_step(frame)
         reply = peers.get(step.returns[0], peer)
         if len(step.body) > max_body:
@@ -134,13 +134,6 @@ async def _one_step(data: bytes, peer: Peer, peers: dict[str, Peer], max_body: i
         log.exception("decode-channel step of session %s failed", session)
         error = MeshnetError(f"the node failed on this step: {type(exc).__name__}: {exc}")
         await reply.send(error_frame(session, seq, error))
-
-
-def _reply_ids(frame: ChannelFrame) -> tuple[str | None, int | None]:
-    """The session and step a frame names, where they are well-formed (else ``None``)."""
-    session, seq = frame.header.get("session"), frame.header.get("seq")
-    good_seq = isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0
-    return (session if isinstance(session, str) else None), (seq if good_seq else None)
 
 
 class Dialer:

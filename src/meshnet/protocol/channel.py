@@ -27,7 +27,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypeGuard
 
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.httputil import error_body
@@ -48,6 +48,7 @@ __all__ = [
     "read_token",
     "step_frame",
     "step_frame_of",
+    "step_ids",
     "token_frame",
     "ws_url",
 ]
@@ -142,7 +143,7 @@ def read_step(frame: ChannelFrame) -> Step:
     session, seq = header.get("session"), header.get("seq")
     if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_ID:
         raise InvalidRequest(f'a STEP frame needs "session": the session id, a string of 1..{MAX_SESSION_ID}')
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+    if not _is_seq(seq):
         raise InvalidRequest('a STEP frame needs "seq": the step\'s number, an integer >= 0')
     returns = header.get("returns")
     if not isinstance(returns, list) or not returns or not all(isinstance(r, str) for r in returns):
@@ -157,6 +158,17 @@ def read_step(frame: ChannelFrame) -> Step:
     if not isinstance(hops, list) or not all(isinstance(h, dict) for h in hops):
         raise InvalidRequest('a STEP frame\'s "hops" are the entries of the hops before it, a list of objects')
     return Step(session, seq, STEP_VERBS[verb], raw, tuple(returns), tuple(hops), frame.body)
+
+
+def step_ids(frame: ChannelFrame) -> tuple[str | None, int | None]:
+    """The session and step number a frame names, each where it is well-formed (else ``None``): what
+    an error about the rest of the frame is reported under."""
+    session, seq = frame.header.get("session"), frame.header.get("seq")
+    return (session if isinstance(session, str) else None), (seq if _is_seq(seq) else None)
+
+
+def _is_seq(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def token_frame(session: str, seq: int, answer: dict[str, Any]) -> bytes:
