@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import decode_rate
 from meshnet.artifacts.bundled import bundled_gguf
 from meshnet.backends.base import TokenStep
 from meshnet.backends.chain import ChainSession
@@ -40,11 +41,6 @@ CHUNK = 512  # the engine's prefill chunk (its n_batch): the route prefills in t
 Run = tuple[list[int], float]  # greedy tokens, decode tokens/s
 
 
-def _rate(times: list[float]) -> float:
-    """Decode tokens/s from the times each token came: (n - 1) over first to last."""
-    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
-
-
 def whole(engine: LlamaFullEngine, prompt: list[int], tokens: int) -> Run:
     """Greedy tokens and decode tokens/s of the whole model, as ``meshnet serve`` runs it."""
     out: list[int] = []
@@ -57,7 +53,7 @@ def whole(engine: LlamaFullEngine, prompt: list[int], tokens: int) -> Run:
             if len(out) == tokens:
                 break
     steps.close()
-    return out, _rate(times)
+    return out, decode_rate(len(times), times)
 
 
 def route(shards: list[LlamaShard], prompt: list[int], tokens: int) -> Run:
@@ -71,7 +67,7 @@ def route(shards: list[LlamaShard], prompt: list[int], tokens: int) -> Run:
             out.append(int(np.argmax(logits)))
             times.append(time.perf_counter())
             if len(out) == tokens:
-                return out, _rate(times)
+                return out, decode_rate(len(times), times)
             logits = session.step(out[-1])
     finally:
         session.close()

@@ -70,7 +70,7 @@ async def heartbeat(
                     if revoked is not None and isinstance(answer.get("revoked"), list):
                         revoked.update(answer["revoked"])
                     if answer.get("manifest_wanted") and node.config.publication is not None:
-                        await hand_over(client, tracker_url, node.config.publication, log)
+                        await _hand_over(client, tracker_url, node.config.publication, log)
                     if placement is not None:
                         placement.on_answer(answer, node.shard.store, info.layers)
                     if probing is None or probing.done():
@@ -89,7 +89,7 @@ async def heartbeat(
             probing.cancel()
 
 
-async def hand_over(client: httpx.AsyncClient, tracker_url: str, publication: tuple[bytes, bytes], log: Any) -> None:
+async def _hand_over(client: httpx.AsyncClient, tracker_url: str, publication: tuple[bytes, bytes], log: Any) -> None:
     """Give the tracker the manifest and torrent this node serves from (it asked: it holds none).
     Best effort: a failure is logged, and the next heartbeat's answer asks again."""
     manifest, torrent = publication
