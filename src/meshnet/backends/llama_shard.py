@@ -756,8 +756,11 @@ class LlamaShard(ShardBase[int]):
             per_layer = [per_token + extra if a else 0 for a, extra in zip(attention, indexer, strict=True)]
         else:
             kind, formula = "kv", "per layer: (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes (f16 K and V)"
-            # a layer's own KV head count where the file has one per layer (hybrids write 0 on recurrent layers)
-            heads = layer_values(self._path, f"{arch}.attention.head_count_kv", n_layer, default=n_head_kv)
+            # hybrid families count KV heads per layer (0 on recurrent ones): read from the file, as their
+            # layer kinds are; the others' one count is llama.cpp's to give (no header parse at load)
+            heads = [n_head_kv] * n_layer
+            if family(arch).recurrent:
+                heads = layer_values(self._path, f"{arch}.attention.head_count_kv", n_layer, default=n_head_kv)
             per_layer = [(h * head_k + h * head_v) * _KV_CACHE_BYTES if a else 0
                          for h, a in zip(heads, attention, strict=True)]  # fmt: skip
         fixed = 0
