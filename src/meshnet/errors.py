@@ -154,8 +154,8 @@ class SessionBroken(Conflict):
 
     code = "session_broken"
 
-    def __init__(self, message: str, *, failed_hop: str | None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, failed_hop: str | None, code: str | None = None) -> None:
+        super().__init__(message, code=code)
         self.failed_hop = failed_hop
 
 

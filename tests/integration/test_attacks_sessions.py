@@ -18,7 +18,6 @@ import httpx
 import numpy as np
 import pytest
 
-from meshnet.gateway.channels import open_websocket
 from meshnet.ids import SessionId
 from meshnet.protocol.channel import Kind, decode_frame, encode_frame
 from meshnet.protocol.http_binding import encode_request, encode_reroute, encode_step
@@ -27,6 +26,7 @@ from meshnet.protocol.wire import encode_tensor
 from meshnet.security.tls import Credentials
 from tests.private_swarm import PrivateSwarm, node_urls, private_swarm, wait_nodes
 from tests.procs import member_client
+from tests.ws import open_channel
 
 pytestmark = pytest.mark.real
 
@@ -174,8 +174,8 @@ def test_no_other_member_appends_a_step_to_a_live_session_or_rewinds_it(scene: S
                                  route_id=victim["route_id"], rewind=True)  # fmt: skip
             _refused(_post(other, tail, on_tail), 403, "session_not_yours")
     credentials = Credentials.at(scene.swarm.member("spy"))
-    with open_websocket(scene.head, ssl_context=credentials.client_context(), open_timeout_s=30, compression=None,
-                        close_timeout=5) as channel:  # fmt: skip
+    with open_channel(scene.head, ssl=credentials.client_context(), open_timeout_s=30, compression=None,
+                      close_timeout=5) as channel:  # fmt: skip
         hello = decode_frame(bytes(channel.recv(timeout=10, decode=False)))
         headers, body = encode_step(_session_request(victim, Verb.DECODE, position, [99], rewind=True))
         header = {"session": victim["session_id"], "seq": 0, "verb": "decode-step", "headers": headers,

@@ -11,10 +11,10 @@ import httpx
 import numpy as np
 import pytest
 
-from meshnet.gateway.channels import open_websocket
 from meshnet.protocol.channel import Kind, decode_frame, encode_frame
 from meshnet.protocol.wire import encode_tensor, format_shape
 from tests.procs import Proc, meshnet_process
+from tests.ws import open_channel
 
 pytestmark = pytest.mark.real
 
@@ -360,8 +360,8 @@ def test_decode_steps_over_the_channel_match_http_and_a_bad_frame_hurts_no_sessi
     assert first.status_code == 200, first.text
     tokens = [first.json()["token"]]
     with (
-        open_websocket(middle.url, ssl_context=None, open_timeout_s=10, compression=None) as to_middle,
-        open_websocket(tail.url, ssl_context=None, open_timeout_s=10, compression=None) as to_tail,
+        open_channel(middle.url, open_timeout_s=10, compression=None) as to_middle,
+        open_channel(tail.url, open_timeout_s=10, compression=None) as to_tail,
     ):
         returns = [
             decode_frame(bytes(ws.recv(timeout=10, decode=False))).header["channel"] for ws in (to_middle, to_tail)

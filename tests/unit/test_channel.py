@@ -1,5 +1,6 @@
 """The decode channel's frames (golden bytes) and both of its ends, over real WebSockets on
-loopback: a node's ``channel.serve`` with a scripted step handler, and the gateway's ``Channels``."""
+loopback: a node's ``channel.serve`` with a scripted step handler, and the gateway's ``Channels``
+(asyncio: each test runs its scenario on an event loop of its own, as the gateway's would be)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ from starlette.websockets import WebSocket
 from websockets.sync.client import connect
 
 from meshnet.errors import BadGateway, HopFailed, InvalidRequest, SessionBroken
-from meshnet.gateway.channels import Channels, ChannelUnavailable, _answer, _Report, open_websocket
 from meshnet.ids import SessionId
 from meshnet.node import channel
 from meshnet.node.channel import Direct
+from meshnet.protocol import channel_client
 from meshnet.protocol.channel import CHANNEL_PATH, Kind, decode_frame, encode_frame, ws_url
+from meshnet.protocol.channel_client import Channels, ChannelUnavailable, _answer, _Report
 from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
 from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_member_key
 from meshnet.security.tls import save_member
@@ -109,68 +111,84 @@ def hop() -> Iterator[tuple[ScriptedHop, str]]:
     scripted.release.set()
 
 
-def _step(channels: Channels, url: str, session: str, **kw: Any) -> HopAnswer:
+async def _computed(_url: str, _seq: int) -> bool | None:
+    return True
+
+
+async def _step(channels: Channels, url: str, session: str, **kw: Any) -> HopAnswer:
     args: dict[str, Any] = {"verb": "decode-step", "headers": {"X-Meshnet-Position": "2"}, "body": b"\x01\x00\x00\x00"}
     args.update(kw)
     args.setdefault("timeout_s", 10.0)
-    args.setdefault("probe", lambda _url, _seq: True)
-    return channels.step([url], session, **args)
+    args.setdefault("probe", _computed)
+    return await channels.step([url], session, **args)
 
 
 def test_a_step_comes_back_as_the_tails_answer_with_every_hops_entry(hop: tuple[ScriptedHop, str]) -> None:
     scripted, url = hop
-    channels = Channels()
-    try:
-        answer = _step(channels, url, "ok-1", verb="verify")
-        assert answer == HopAnswer(
-            AnswerKind.TOKEN, (HopEntry.from_json(TAIL_ENTRY),), position=3, token=7, logprob=-0.5
-        )
-        sid, headers, body, verify, direct = scripted.steps[-1]
-        assert (sid, headers["x-meshnet-position"], body, verify) == ("ok-1", "2", b"\x01\x00\x00\x00", True)
-        assert direct.returns == tuple(scripted.peers)  # the gateway's own channel is the return address
-        assert _step(channels, url, "ok-2").token == 7  # the same kept-open channel serves the next one
-        assert len(scripted.peers) == 1
-    finally:
-        channels.close()
+
+    async def scenario() -> None:
+        channels = Channels()
+        try:
+            answer = await _step(channels, url, "ok-1", verb="verify")
+            assert answer == HopAnswer(
+                AnswerKind.TOKEN, (HopEntry.from_json(TAIL_ENTRY),), position=3, token=7, logprob=-0.5
+            )
+            sid, headers, body, verify, direct = scripted.steps[-1]
+            assert (sid, headers["x-meshnet-position"], body, verify) == ("ok-1", "2", b"\x01\x00\x00\x00", True)
+            assert direct.returns == tuple(scripted.peers)  # the gateway's own channel is the return address
+            assert (await _step(channels, url, "ok-2")).token == 7  # the same kept-open channel serves the next one
+            assert len(scripted.peers) == 1
+        finally:
+            await channels.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_errors_map_as_over_http(hop: tuple[ScriptedHop, str]) -> None:
     scripted, url = hop
-    channels = Channels()
-    try:
-        scripted.blame = url
-        with pytest.raises(HopFailed) as failed:
-            _step(channels, url, "broken")
-        assert failed.value.failed_hop == url and "session broken" in failed.value.message
-        scripted.blame = "http://deeper"  # a node off the route: blaming it is the sender's own failure
-        with pytest.raises(HopFailed, match="not a hop at or after it") as blamed:
-            _step(channels, url, "broken")
-        assert blamed.value.failed_hop == url
-        with pytest.raises(BadGateway, match="absolute position") as own:  # the head's own error names no hop
-            _step(channels, url, "bad")
-        assert not isinstance(own.value, HopFailed)
-    finally:
-        channels.close()
+
+    async def scenario() -> None:
+        channels = Channels()
+        try:
+            scripted.blame = url
+            with pytest.raises(HopFailed) as failed:
+                await _step(channels, url, "broken")
+            assert failed.value.failed_hop == url and "session broken" in failed.value.message
+            scripted.blame = "http://deeper"  # a node off the route: blaming it is the sender's own failure
+            with pytest.raises(HopFailed, match="not a hop at or after it") as blamed:
+                await _step(channels, url, "broken")
+            assert blamed.value.failed_hop == url
+            with pytest.raises(BadGateway, match="absolute position") as own:  # the head's own error names no hop
+                await _step(channels, url, "bad")
+            assert not isinstance(own.value, HopFailed)
+        finally:
+            await channels.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_only_the_tails_channel_answers_a_step() -> None:
     head, tail = ScriptedHop(), ScriptedHop()
     serve = {"ws": "websockets-sansio", "ws_per_message_deflate": False}
-    with serve_in_thread(head.app(), **serve) as head_url, serve_in_thread(tail.app(), **serve) as tail_url:
+
+    async def scenario(head_url: str, tail_url: str) -> None:
         channels = Channels()
         try:
             # The head answers the step itself, skipping the tail: a forged answer, the head's failure.
             with pytest.raises(HopFailed, match="only the tail") as forged:
-                channels.step([head_url, tail_url], "ok-1", verb="decode-step", headers={}, body=b"\x01\x00\x00\x00",
-                              timeout_s=10.0, probe=lambda _url, _seq: True)  # fmt: skip
+                await channels.step([head_url, tail_url], "ok-1", verb="decode-step", headers={},
+                                    body=b"\x01\x00\x00\x00", timeout_s=10.0, probe=_computed)  # fmt: skip
             assert forged.value.failed_hop == head_url
             head.blame = tail_url  # a hop may name one after it (the next hop it could not reach)
             with pytest.raises(HopFailed) as failed:
-                channels.step([head_url, tail_url], "broken", verb="decode-step", headers={}, body=b"\x01\x00\x00\x00",
-                              timeout_s=10.0, probe=lambda _url, _seq: True)  # fmt: skip
+                await channels.step([head_url, tail_url], "broken", verb="decode-step", headers={},
+                                    body=b"\x01\x00\x00\x00", timeout_s=10.0, probe=_computed)  # fmt: skip
             assert failed.value.failed_hop == tail_url
         finally:
-            channels.close()
+            await channels.aclose()
+
+    with serve_in_thread(head.app(), **serve) as head_url, serve_in_thread(tail.app(), **serve) as tail_url:
+        asyncio.run(scenario(head_url, tail_url))
 
 
 @pytest.mark.parametrize(
@@ -215,46 +233,105 @@ def test_a_malformed_frame_gets_an_error_and_the_channel_serves_the_next_step(ho
 
 def test_a_closed_channel_names_its_node_and_silence_is_located_by_probing(hop: tuple[ScriptedHop, str]) -> None:
     scripted, url = hop
-    channels = Channels()
-    try:
-        asked: list[tuple[str, int]] = []
 
-        def probe(at: str, seq: int) -> bool | None:
-            asked.append((at, seq))
-            return False
+    async def scenario() -> None:
+        channels = Channels()
+        try:
+            asked: list[tuple[str, int]] = []
 
-        with pytest.raises(HopFailed, match="did not pass step") as silent:
-            _step(channels, url, "slow", timeout_s=0.5, probe=probe)
-        assert silent.value.failed_hop == url and asked and asked[0][0] == url
-        scripted.release.set()
-        # the node goes away mid-step: the waiting step fails at once, naming it
-        scripted.release.clear()
-        done: dict[str, BaseException] = {}
+            async def probe(at: str, seq: int) -> bool | None:
+                asked.append((at, seq))
+                return False
 
-        def waiting() -> None:
-            try:
-                _step(channels, url, "slow", timeout_s=30.0)
-            except BaseException as exc:
-                done["error"] = exc
+            with pytest.raises(HopFailed, match="did not pass step") as silent:
+                await _step(channels, url, "slow", timeout_s=0.5, probe=probe)
+            assert silent.value.failed_hop == url and asked and asked[0][0] == url
+            scripted.release.set()
+            # the node goes away mid-step: the waiting step fails at once, naming it
+            scripted.release.clear()
+            waiting = asyncio.create_task(_step(channels, url, "slow", timeout_s=30.0))
+            for _ in range(50):
+                if any(s[0] == "slow" for s in scripted.steps[1:]):
+                    break
+                await asyncio.sleep(0.05)
+            for open_channel in list(channels._open.values()):
+                await open_channel.connection.close()  # what a killed node looks like from the gateway
+            with pytest.raises(HopFailed) as lost:
+                await asyncio.wait_for(waiting, 10)
+            assert lost.value.failed_hop == url
+        finally:
+            scripted.release.set()
+            await channels.aclose()
 
-        thread = threading.Thread(target=waiting)
-        thread.start()
-        deadline = 50
-        while not any(s[0] == "slow" for s in scripted.steps[1:]) and deadline:
-            threading.Event().wait(0.05)
-            deadline -= 1
-        for open_channel in list(channels._open.values()):
-            open_channel.connection.close()  # what a killed node looks like from the gateway
-        thread.join(10)
-        assert isinstance(done.get("error"), HopFailed) and done["error"].failed_hop == url
-    finally:
-        scripted.release.set()
-        channels.close()
+    asyncio.run(scenario())
 
 
-def test_a_peer_that_does_tls_but_never_answers_the_upgrade_costs_the_open_timeout(tmp_path: Path) -> None:
-    """websockets alone waits forever here (its reader thread sits in a TLS read after its handshake
-    timed out); ``open_websocket`` gives up half a second after the deadline, every time."""
+class _FakeChannel:
+    """An open channel that only records what is sent on it: the step's waiting, not the network."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.return_id = f"ret-{url}"
+        self.closed = False
+        self.sent: list[bytes] = []
+
+    async def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+def test_a_lost_hop_waits_for_its_upstreams_report_and_strangers_are_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    """A hop whose channel closes is named at once only if the hop before it has computed the step;
+    else that hop's own report is awaited (it names the lost one). A report from a node off the
+    route is ignored."""
+    route = ["http://a", "http://b"]
+
+    async def scenario() -> None:
+        channels = Channels()
+        computed: dict[str, bool | None] = {}
+
+        async def probe(url: str, _seq: int) -> bool | None:
+            return computed.get(url)
+
+        async def step() -> tuple[asyncio.Task[HopAnswer], int]:
+            for url in route:
+                channels._open[url] = _FakeChannel(url)  # type: ignore[assignment]
+            task = asyncio.create_task(channels.step(route, "s", verb="decode-step", headers={}, body=b"",
+                                                     timeout_s=10.0, probe=probe))  # fmt: skip
+            while not channels._waiters:
+                await asyncio.sleep(0)
+            ((_, seq),) = channels._waiters
+            return task, seq
+
+        computed["http://a"] = False
+        task, seq = await step()
+        channels.lost(channels._open["http://b"], "gone")
+        stranger = encode_frame(Kind.TOKEN, {"session": "s", "seq": seq, "answer": {}})
+        channels.deliver(_Report("http://elsewhere", decode_frame(stranger)))
+        await asyncio.sleep(0.05)
+        assert not task.done() and "not on; ignored" in caplog.text
+        error = {"session": "s", "seq": seq, "status": 502, "error": {"message": "next hop", "failed_hop": route[1]}}
+        channels.deliver(_Report(route[0], decode_frame(encode_frame(Kind.ERROR, error))))
+        with pytest.raises(HopFailed, match="next hop") as reported:
+            await task
+        assert reported.value.failed_hop == route[1]
+
+        computed["http://a"] = True  # the head has computed it: the lost tail is named at once
+        task, seq = await step()
+        channels.lost(channels._open["http://b"], "gone")
+        with pytest.raises(HopFailed, match="decode channel closed") as named:
+            await asyncio.wait_for(task, 5)
+        assert named.value.failed_hop == route[1]
+        assert not channels._waiters
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_that_does_tls_but_never_answers_the_upgrade_costs_the_open_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole open (TCP, TLS, upgrade, HELLO) is bounded: cancelling it wakes the TLS read that
+    a peer which completes TLS and then says nothing leaves it in, every time."""
+    monkeypatch.setattr(channel_client, "_OPEN_TIMEOUT_S", 0.5)
     ca = SwarmCA.init(tmp_path / "swarm", name="lab")
     creds = {}
     for member, role in (("node-1", "node"), ("gw-1", "gateway")):
@@ -274,12 +351,21 @@ def test_a_peer_that_does_tls_but_never_answers_the_upgrade_costs_the_open_timeo
 
     threading.Thread(target=accept, daemon=True).start()
     url = f"https://127.0.0.1:{listener.getsockname()[1]}"
-    try:
-        for _ in range(3):
+
+    async def scenario() -> None:
+        for _ in range(3):  # a Channels each: one remembers a refusal for _RETRY_S
+            channels = Channels(creds["gw-1"].client_context())
             began = time.monotonic()
-            with pytest.raises((TimeoutError, OSError)):
-                open_websocket(url, ssl_context=creds["gw-1"].client_context(), open_timeout_s=0.5)
-            assert time.monotonic() - began < 3
+            try:
+                with pytest.raises(ChannelUnavailable, match="refused its decode channel") as refused:
+                    await _step(channels, url, "ok-1")
+            finally:
+                await channels.aclose()
+            assert time.monotonic() - began < channel_client._OPEN_TIMEOUT_S + 1
+            assert url in str(refused.value) and "TimeoutError" in str(refused.value)
+
+    try:
+        asyncio.run(scenario())
         assert len(held) == 3
     finally:
         listener.close()
@@ -288,12 +374,15 @@ def test_a_peer_that_does_tls_but_never_answers_the_upgrade_costs_the_open_timeo
 
 
 def test_a_node_without_a_channel_is_unavailable_and_not_redialed_at_every_step() -> None:
-    channels = Channels()
-    try:
-        with serve_in_thread(Starlette(routes=[])) as url:  # an HTTP server that takes no WebSocket
+    async def scenario(url: str) -> None:
+        channels = Channels()
+        try:
             with pytest.raises(ChannelUnavailable, match="refused its decode channel"):
-                _step(channels, url, "ok-1")
+                await _step(channels, url, "ok-1")
             with pytest.raises(ChannelUnavailable, match="less than 30 s ago"):
-                _step(channels, url, "ok-1")
-    finally:
-        channels.close()
+                await _step(channels, url, "ok-1")
+        finally:
+            await channels.aclose()
+
+    with serve_in_thread(Starlette(routes=[])) as url:  # an HTTP server that takes no WebSocket
+        asyncio.run(scenario(url))

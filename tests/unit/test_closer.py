@@ -1,8 +1,10 @@
 """gateway.closer: a session's close is retried off the request path until acknowledged (issue 28:
-zombies), and a hop without room is a ``HopFull``, not a failure. A fake hop on loopback."""
+zombies), and a hop without room is a ``HopFull``, not a failure. A fake hop on loopback, reached
+through the gateway's own hop client."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -15,7 +17,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet.errors import BadGateway, HopFailed, HopFull, InvalidRequest, Overloaded, hop_error
-from meshnet.gateway.closer import SessionCloser, acknowledged
+from meshnet.gateway.closer import SessionCloser
+from meshnet.ids import SessionId
+from meshnet.protocol.hops import HttpTransport, acknowledged
 from meshnet.sampling import SamplingParams
 from tests.asgi import serve_in_thread
 
@@ -43,11 +47,18 @@ def test_a_busy_hop_is_closed_once_it_is_free_and_a_refusal_is_given_up() -> Non
 
     app = Starlette(routes=[Route("/v1/sessions/{name}", delete, methods=["DELETE"])])
     closer = SessionCloser(first_retry_s=0.05, max_retry_s=0.2)
-    with serve_in_thread(app) as base, httpx.Client() as client:
-        assert not closer.close(f"{base}/v1/sessions/busy", {"X-T": "t"}, client=client, timeout_s=2)
-        assert not closer.close(f"{base}/v1/sessions/refused", {}, client=client, timeout_s=2)
-        assert closer.wait_idle(10)
-        closer.shutdown()
+
+    async def main(base: str) -> None:
+        hops = HttpTransport(httpx.AsyncClient())
+        for name in ("busy", "refused"):
+            sid = SessionId(name)
+            assert not await closer.close(lambda sid=sid: hops.delete(base, sid, "t"), name, timeout_s=2)  # type: ignore[misc]
+        assert await closer.wait_idle(10)
+        await closer.shutdown()
+        await hops.aclose()
+
+    with serve_in_thread(app) as base:
+        asyncio.run(main(base))
     assert len(seen["busy"]) == 4  # 409, 409, 503, then the 204 that closed it
     gaps = [b - a for a, b in zip(seen["busy"], seen["busy"][1:], strict=False)]
     assert gaps[1] >= gaps[0] * 0.9  # backing off, not hammering
@@ -56,11 +67,35 @@ def test_a_busy_hop_is_closed_once_it_is_free_and_a_refusal_is_given_up() -> Non
 
 def test_an_unreachable_hop_is_retried_until_it_answers() -> None:
     closer = SessionCloser(first_retry_s=0.05, max_retry_s=0.1, attempts=3)
-    with httpx.Client() as client:
-        assert not closer.close("http://127.0.0.1:9/v1/sessions/x", {}, client=client, timeout_s=0.5)
-    assert closer.wait_idle(10)
-    closer.shutdown()
+
+    async def main() -> None:
+        hops = HttpTransport(httpx.AsyncClient())
+        assert not await closer.close(lambda: hops.delete("http://127.0.0.1:9", SessionId("x")), "x", timeout_s=0.5)
+        assert await closer.wait_idle(10)
+        await closer.shutdown()
+        await hops.aclose()
+
+    asyncio.run(main())
     assert closer.given_up == 1  # three attempts, then the hop's TTL
+
+
+def test_an_attempt_that_hangs_is_bounded_and_retried() -> None:
+    closer = SessionCloser(first_retry_s=0.01, max_retry_s=0.02, attempts=3, timeout_s=0.05)
+    calls: list[float] = []
+
+    async def hang() -> bool | None:
+        calls.append(time.monotonic())
+        await asyncio.sleep(60)
+        return True
+
+    async def main() -> None:
+        began = time.monotonic()
+        assert not await closer.close(hang, "hung", timeout_s=0.05)
+        assert time.monotonic() - began < 1
+        assert await closer.wait_idle(10)
+
+    asyncio.run(main())
+    assert len(calls) == 3 and closer.given_up == 1
 
 
 @pytest.mark.parametrize("code", ["kv_store_full", "rate_limit_exceeded", "hop_full"])
@@ -102,14 +137,13 @@ class _RoomlessRoute:
         self.engine, self.full, self.closed, self.planned, self.reported = engine, full, [], [], []
         self.info = tokenizer.info
 
-        def prefill(run: Any, tokens: Any, cancel: Any) -> Any:
+        async def prefill(run: Any, tokens: Any, cancel: Any) -> Any:
             if self.full:
                 self.full -= 1
                 raise HopFull("route hop answered 429: member 'gw' holds 2 sessions", failed_hop="http://head")
             return None
-            yield  # a generator, as the real one
 
-        def plan(**kwargs: Any) -> Any:
+        async def plan(**kwargs: Any) -> Any:
             self.planned.append(sorted(kwargs.get("exclude", ())))
             if "head" in kwargs.get("exclude", ()):
                 raise Overloaded("no route without head")
@@ -117,8 +151,15 @@ class _RoomlessRoute:
 
         engine._prefill = prefill  # type: ignore[method-assign]
         engine.plan = plan  # type: ignore[method-assign]
-        engine._close = lambda plan: self.closed.append(plan.session_id)  # type: ignore[method-assign]
-        engine._report_failure = lambda *a: self.reported.append(a)  # type: ignore[method-assign]
+
+        async def close(plan: Any) -> None:
+            self.closed.append(plan.session_id)
+
+        async def report(*a: Any) -> None:
+            self.reported.append(a)
+
+        engine._close = close  # type: ignore[method-assign]
+        engine._report_failure = report  # type: ignore[method-assign]
 
     def run(self) -> list[Any]:
         from meshnet.gateway.billing_outbox import Usage
@@ -126,8 +167,19 @@ class _RoomlessRoute:
         from meshnet.protocol.ledger import ChunkLedger
 
         run = _Run(_plan(self.info), SamplingParams(), Usage(), ChunkLedger(sends=False))
-        steps = self.engine._prefill_with_retries(run, [1, 2, 3], threading.Event())
-        return list(steps)
+        return _steps(self.engine, run)
+
+
+def _steps(engine: Any, run: Any) -> list[Any]:
+    """The steps ``engine._prefill_with_retries`` emits on ``run``."""
+    steps: list[Any] = []
+
+    async def emit(step: Any) -> None:
+        steps.append(step)
+
+    run.emit = emit
+    asyncio.run(engine._prefill_with_retries(run, [1, 2, 3], asyncio.Event()))
+    return steps
 
 
 def _plan(info: Any) -> Any:
@@ -181,23 +233,21 @@ def test_a_grammar_too_costly_fails_only_a_request_with_a_grammar(tmp_path: Any,
     said = [hop_error("route hop answered 400: sampling took longer than the deadline", status=400, failed_hop=None,
                       sender="http://head", sender_is_head=True, code="grammar_too_costly")]  # fmt: skip
 
-    def prefill(run: Any, tokens: Any, cancel: Any) -> Any:
+    async def prefill(run: Any, tokens: Any, cancel: Any) -> Any:
         if said:
             raise said.pop()
         return None
-        yield  # a generator, as the real one
 
     route.engine._prefill = prefill  # type: ignore[method-assign]
     run = _Run(_plan(route.info), SamplingParams(), Usage(), ChunkLedger(sends=False), grammar=grammar)
-    steps = route.engine._prefill_with_retries(run, [1, 2, 3], threading.Event())
     if grammar:
         with pytest.raises(InvalidRequest) as refused:
-            list(steps)
+            _steps(route.engine, run)
         assert (refused.value.status, refused.value.param, refused.value.code) == (400, "grammar", "grammar_too_costly")
         assert route.reported == [] and route.planned == []
     else:
         with pytest.raises(Overloaded, match="no route without head"):  # a fresh route without the tail
-            list(steps)
+            _steps(route.engine, run)
         ((_, hop, reason),) = route.reported
         assert hop.node == "head" and "without a grammar" in reason  # a one-hop route: its head is its tail
         assert route.planned == [["head"]]

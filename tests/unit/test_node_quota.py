@@ -14,7 +14,7 @@ from meshnet.httputil import error_response
 from meshnet.ids import SessionId
 from meshnet.node.app import _quota_client
 from meshnet.node.service import NodeConfig, NodeService
-from meshnet.node.transport import LocalTransport
+from meshnet.protocol.hops import LocalTransport
 from meshnet.protocol.messages import AnswerKind, HopRequest, Verb
 from meshnet.security.identity import Member
 from tests.unit.test_node_service import MixShard, ids_payload

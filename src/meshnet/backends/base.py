@@ -9,8 +9,9 @@ the next step and closing the generator. ``max_concurrency`` tells the caller ho
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,7 +23,19 @@ from meshnet.sampling import Alternatives, Sampler
 if TYPE_CHECKING:
     from meshnet.backends.grammar import TokenGrammar
 
-__all__ = ["EngineStep", "ModelInfo", "PrefillProgress", "RouteChange", "TextEngine", "TokenStep", "local_plan"]
+__all__ = [
+    "AnyEngine",
+    "AsyncTextEngine",
+    "Emit",
+    "EngineStep",
+    "ModelInfo",
+    "PrefillProgress",
+    "RouteChange",
+    "Stop",
+    "TextEngine",
+    "TokenStep",
+    "local_plan",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +108,13 @@ class RouteChange:
 
 
 EngineStep = PrefillProgress | TokenStep | RouteChange
+Emit = Callable[[EngineStep], Awaitable[None]]  # an async engine hands each step to its consumer so
+
+
+class Stop(Exception):
+    """Raised by an ``Emit``: the consumer wants no more steps (a stop sequence, ``max_tokens``, a
+    client gone). The engine ends the generation as completed, as a sync engine does when its
+    generator is closed."""
 
 
 class TextEngine(Protocol):
@@ -136,3 +156,41 @@ class TextEngine(Protocol):
     ) -> Generator[EngineStep, None, None]: ...
 
     def close(self) -> None: ...
+
+
+class AsyncTextEngine(Protocol):
+    """A ``TextEngine`` whose calls that wait on the network are coroutines on the caller's event
+    loop (the gateway's route engine): ``plan``, ``release``, ``generate`` and ``aclose``."""
+
+    info: ModelInfo
+    n_ctx: int
+    max_concurrency: int
+
+    async def plan(
+        self, *, prompt_tokens: int = 0, max_tokens: int = 0, trusted_only: bool = False, prompt: Sequence[int] = (),
+        namespace: bytes = b"",
+    ) -> RoutePlan: ...  # fmt: skip
+
+    async def release(self, plan: RoutePlan) -> None: ...
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+    def is_end_of_generation(self, token: int) -> bool: ...
+
+    def grammar(self, text: str, *, param: str = "grammar") -> TokenGrammar: ...
+
+    async def generate(
+        self, prompt: Sequence[int], sampler: Sampler, cancel: asyncio.Event, plan: RoutePlan | None, emit: Emit
+    ) -> None:
+        """Generate on ``plan``'s route, handing every step to ``emit`` until the text ends, the
+        context is full, ``cancel`` is set, or ``emit`` raises ``Stop``."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+AnyEngine = TextEngine | AsyncTextEngine  # what the gateway serves: a local model, or a swarm's route engine

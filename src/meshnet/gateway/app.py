@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshnet.backends.base import TextEngine
+from meshnet.backends.base import AnyEngine
 from meshnet.backends.grammar import check_grammar_cost
 from meshnet.errors import ContextOverflow, InvalidRequest, MeshnetError
 from meshnet.gateway import dashboard, swarm_view
@@ -43,6 +43,9 @@ from meshnet.gateway.generation import (
     GenerationService,
     Heartbeat,
     StreamItem,
+    is_async,
+    plan_route,
+    release_route,
 )
 from meshnet.gateway.logprobs import LogprobsShape
 from meshnet.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
@@ -70,7 +73,7 @@ _MAX_ANNOUNCE_WAIT_S = 30.0
 
 @dataclass
 class GatewayState:
-    engine: TextEngine
+    engine: AnyEngine
     hub: TelemetryHub
     metrics: GatewayMetrics
     service: GenerationService
@@ -91,7 +94,7 @@ class GatewayState:
 
 
 def create_app(
-    engine: TextEngine,
+    engine: AnyEngine,
     *,
     max_queue: int = 64,
     swarm_tracker: str | None = None,
@@ -100,7 +103,7 @@ def create_app(
     api_keys: KeyRing | None = None,
     tracker_tls: ssl.SSLContext | None = None,
     learn: Learner | None = None,
-    more_engines: Sequence[TextEngine] = (),
+    more_engines: Sequence[AnyEngine] = (),
     allowed_hosts: HostPolicy | None = None,
     audits: Audits | None = None,
 ) -> Starlette:
@@ -137,6 +140,9 @@ def create_app(
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         catalog.start()
         yield
+        for entry in catalog.entries():  # an async engine's connections live on this loop
+            if is_async(entry.engine):
+                await entry.engine.aclose()
         catalog.close()
 
     routes = [
@@ -428,21 +434,18 @@ async def _start(
     tools: ToolPlan | None = None,
 ) -> tuple[_Shape, AsyncIterator[StreamItem]]:
     """Plan a route for one choice, open its telemetry and queue it."""
-    # Planning may ask a tracker over the network: off the event loop.
+    # Planning may ask a tracker over the network (plan_route: a local engine's off the loop).
     # The route must hold the prompt plus the max_tokens the client asked for; without one it may stop
     # at the route's own context (finish_reason "length"), so none is asked of the route.
     size = {"prompt_tokens": len(gen.prompt_tokens), "max_tokens": body.token_limit or 0}
-    plan = await asyncio.get_running_loop().run_in_executor(
-        None,
-        lambda: state.engine.plan(
-            **size, trusted_only=gen.trusted_only, prompt=gen.prompt_tokens, namespace=gen.prefix_namespace
-        ),
+    plan = await plan_route(
+        state.engine, **size, trusted_only=gen.trusted_only, prompt=gen.prompt_tokens, namespace=gen.prefix_namespace
     )
     try:
         tel = _open_telemetry(state, gid, plan, len(gen.prompt_tokens))
         state.service.admit(tel)
     except MeshnetError:
-        state.engine.release(plan)
+        await release_route(state.engine, plan)
         raise
     logprobs = LogprobsShape(kind, state.engine.token_bytes) if body.wants_logprobs else None
     shape = _Shape(kind, tel, state.engine.info.model_id, int(time.time()), logprobs, index, tools)

@@ -27,7 +27,7 @@ import queue
 import ssl
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,7 +128,11 @@ class BillingOutbox:
         spool_dir: Path | None = None,
         tls: ssl.SSLContext | None = None,
         key: HopKey | None = None,
+        client: Callable[[], httpx.Client] | None = None,
     ) -> None:
+        """``client``: makes the delivery thread's HTTP client (default: one for ``tracker_url`` with
+        ``tls``; tests hand it an in-process tracker's)."""
+        self._client = client or (lambda: httpx.Client(timeout=timeout_s, verify=tls or True))
         self.tracker_url = tracker_url.rstrip("/")
         self.tls = tls  # the member TLS of a private swarm's gateway
         # The gateway's key: it countersigns every report (the key pinned with the session's route)
@@ -225,7 +229,7 @@ class BillingOutbox:
 
     # -- the delivery thread -------------------------------------------------------------------
     def _run(self) -> None:
-        with httpx.Client(timeout=self._timeout, verify=self.tls or True) as client:
+        with self._client() as client:
             while not self._stop.is_set():
                 item = self._queue.get()
                 if item is None:

@@ -30,7 +30,7 @@ import httpx
 
 from meshnet.artifacts.manifest import MANIFEST_NAME, parse_manifest
 from meshnet.artifacts.vocab import Publication, verify_publication
-from meshnet.backends.base import TextEngine
+from meshnet.backends.base import AnyEngine
 from meshnet.errors import MeshnetError, Overloaded, UnknownModel
 from meshnet.gateway.chat_template import ChatTemplate
 from meshnet.gateway.generation import GenerationService
@@ -45,14 +45,14 @@ _TIMEOUT_S = 10.0
 _log = logging.getLogger("meshnet.gateway")
 
 # A verified publication -> an engine for its model (MeshnetError when it cannot be had).
-Learner = Callable[[Publication], TextEngine]
+Learner = Callable[[Publication], AnyEngine]
 
 
 @dataclass(frozen=True)
 class ServedModel:
     """One model the gateway serves: its engine, the queue in front of it, its chat template."""
 
-    engine: TextEngine
+    engine: AnyEngine
     service: GenerationService
     template: ChatTemplate
     manifest: str | None = None  # the digest it was learned from (None: the gateway's own --gguf/--manifest)
@@ -82,14 +82,14 @@ class ModelCatalog:
         self.learn = learn if self.tracker else None
         self.learn_every_s = learn_every_s
         self._entries: dict[str, ServedModel] = {}
-        self._learned: list[TextEngine] = []  # engines this catalog made, closed with it
+        self._learned: list[AnyEngine] = []  # engines this catalog made, closed with it
         self._lock = threading.Lock()
         self._failed: dict[str, float] = {}  # digest -> when learning it last failed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- entries -----------------------------------------------------------------------------------
-    def add(self, engine: TextEngine, *, template: str | None = None, manifest: str | None = None) -> ServedModel:
+    def add(self, engine: AnyEngine, *, template: str | None = None, manifest: str | None = None) -> ServedModel:
         """Serve ``engine``'s model (``template`` replaces the model's own chat template)."""
         info = engine.info
         entry = ServedModel(

@@ -8,29 +8,27 @@ briefly unreachable, or answers after the gateway stopped waiting. So:
 
 - the first attempt is made at once, by the caller, with the caller's short timeout: a healthy
   route frees the session (and keeps its prompt blocks) before the stream ends, as before;
-- an attempt that is not acknowledged goes to this closer's thread, which retries with
-  exponential backoff (``FIRST_RETRY_S`` doubling to ``MAX_RETRY_S``), at most ``ATTEMPTS`` times
-  (about two minutes in all), then gives up with a warning: the hop's TTL still frees it;
+- an attempt that is not acknowledged is retried on a task of its own with exponential backoff
+  (``FIRST_RETRY_S`` doubling to ``MAX_RETRY_S``), at most ``ATTEMPTS`` times (about two minutes in
+  all), then given up with a warning: the hop's TTL still frees it;
 - acknowledged means 2xx, or 404/410 (nothing left to close); 409, 429, 5xx and transport errors
-  are retried; any other 4xx (e.g. a refused ticket) will not change and is given up at once.
+  are retried; any other 4xx (e.g. a refused ticket) will not change and is given up at once
+  (``protocol.hops.acknowledged``).
 
-Threading: ``close`` may be called from any thread; one daemon thread owns the retries and its own
-HTTP client. At most ``MAX_PENDING`` closes wait (the oldest is dropped, with a warning).
+An attempt is any coroutine function saying whether it was acknowledged (the route engine's: a
+``DELETE`` through its hop client, or on the tracker), so a close goes the way every other request
+of the route goes. Concurrency: every call on the event loop of the engine that owns the closer. At
+most ``MAX_PENDING`` closes wait (the oldest is dropped, with a warning).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
-import ssl
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
-import httpx
-
-__all__ = ["ATTEMPTS", "SessionCloser", "acknowledged"]
+__all__ = ["ATTEMPTS", "Attempt", "SessionCloser"]
 
 _log = logging.getLogger("meshnet.gateway")
 
@@ -38,133 +36,86 @@ ATTEMPTS = 8  # the first one included
 FIRST_RETRY_S = 0.5
 MAX_RETRY_S = 30.0
 MAX_PENDING = 4096
-_RETRIED = frozenset({408, 409, 425, 429})
 
-
-def acknowledged(status: int) -> bool | None:
-    """True: closed (or nothing to close); False: retry; None: give up (it will not change)."""
-    if status < 300 or status in (404, 410):
-        return True
-    if status in _RETRIED or status >= 500:
-        return False
-    return None
-
-
-@dataclass
-class _Close:
-    url: str
-    headers: dict[str, str]
-    attempts: int
-    due: float
+# True: acknowledged; False: retry; None: give up (``protocol.hops.acknowledged``)
+Attempt = Callable[[], Awaitable[bool | None]]
 
 
 class SessionCloser:
     def __init__(
         self,
-        tls: ssl.SSLContext | None = None,
         *,
         attempts: int = ATTEMPTS,
         first_retry_s: float = FIRST_RETRY_S,
         max_retry_s: float = MAX_RETRY_S,
         timeout_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.tls = tls
         self.attempts = attempts
         self.first_retry_s = first_retry_s
         self.max_retry_s = max_retry_s
-        self.timeout_s = timeout_s
-        self._clock = clock
-        self._pending: collections.deque[_Close] = collections.deque()
-        self._wake = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._working = 0  # a close the thread took and is attempting: still pending
+        self.timeout_s = timeout_s  # each retry's wait
+        self._pending: collections.deque[asyncio.Task[None]] = collections.deque()
         self.given_up = 0  # closes abandoned after every attempt (or refused for good)
 
-    def close(self, url: str, headers: dict[str, str], *, client: httpx.Client, timeout_s: float) -> bool:
-        """``DELETE url`` now with ``client`` (waiting at most ``timeout_s``); retried from the
-        closer's thread if not acknowledged. Whether it was acknowledged at once."""
-        done = self._attempt(client, url, headers, timeout_s)
+    async def close(self, attempt: Attempt, what: str, *, timeout_s: float) -> bool:
+        """Make ``attempt`` now (waiting at most ``timeout_s``); retried on a task of its own if it is
+        not acknowledged. ``what``: the session it closes, for the log. Whether it was acknowledged at once."""
+        done = await self._try(attempt, timeout_s, what)
         if done is None:
             self.given_up += 1
             return False
         if not done:
-            self._queue(_Close(url, dict(headers), 1, self._clock() + self.first_retry_s))
+            self._queue(attempt, what)
         return done
 
     @property
     def pending(self) -> int:
-        with self._wake:
-            return len(self._pending) + self._working
+        return sum(not task.done() for task in self._pending)
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Block until no close is pending (tests, shutdown); whether that happened in time."""
-        deadline = time.monotonic() + timeout_s
-        while self.pending and time.monotonic() < deadline:
-            time.sleep(0.02)
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no close is pending (tests, shutdown); whether that happened in time."""
+        waiting = [task for task in self._pending if not task.done()]
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout_s)
         return not self.pending
 
-    def shutdown(self, grace_s: float = 2.0) -> None:
-        """Give pending closes ``grace_s`` to get through, then stop the thread."""
-        self.wait_idle(grace_s)
-        with self._wake:
-            self._stopping = True
-            self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join(grace_s + self.timeout_s)
+    async def shutdown(self, grace_s: float = 2.0) -> None:
+        """Give pending closes ``grace_s`` to get through, then stop retrying."""
+        await self.wait_idle(grace_s)
+        for task in self._pending:
+            task.cancel()
+        await asyncio.gather(*self._pending, return_exceptions=True)
+        self._pending.clear()
 
-    # -- the retry thread ------------------------------------------------------------------------
-    def _queue(self, job: _Close) -> None:
-        with self._wake:
-            if len(self._pending) >= MAX_PENDING:
-                dropped = self._pending.popleft()
+    def _queue(self, attempt: Attempt, what: str) -> None:
+        while self._pending and self._pending[0].done():
+            self._pending.popleft()
+        if len(self._pending) >= MAX_PENDING:
+            self._pending.popleft().cancel()
+            self.given_up += 1
+            _log.warning("too many sessions left to close; no more retries for the oldest")
+        self._pending.append(asyncio.ensure_future(self._retry(attempt, what)))
+
+    async def _retry(self, attempt: Attempt, what: str) -> None:
+        attempts = 1
+        while True:
+            await asyncio.sleep(min(self.max_retry_s, self.first_retry_s * 2 ** (attempts - 1)))
+            done = await self._try(attempt, self.timeout_s, what)
+            attempts += 1
+            if done:
+                _log.info("closed %s after %d attempts", what, attempts)
+                return
+            if done is None or attempts >= self.attempts:
                 self.given_up += 1
-                _log.warning("too many sessions left to close; no more retries for %s", dropped.url)
-            self._pending.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="meshnet-closer", daemon=True)
-                self._thread.start()
-            self._wake.notify_all()
-
-    def _next(self) -> _Close | None:
-        """The earliest due close, once it is due (None: stopping)."""
-        with self._wake:
-            while not self._stopping:
-                if self._pending:
-                    job = min(self._pending, key=lambda j: j.due)
-                    wait = job.due - self._clock()
-                    if wait <= 0:
-                        self._pending.remove(job)
-                        self._working += 1
-                        return job
-                    self._wake.wait(min(wait, 1.0))
-                else:
-                    self._wake.wait(1.0)
-            return None
-
-    def _run(self) -> None:
-        with httpx.Client(verify=self.tls or True, timeout=self.timeout_s) as client:
-            while (job := self._next()) is not None:
-                done = self._attempt(client, job.url, job.headers, self.timeout_s)
-                job.attempts += 1
-                if done:
-                    _log.info("closed %s after %d attempts", job.url, job.attempts)
-                elif done is None or job.attempts >= self.attempts:
-                    self.given_up += 1
-                    _log.warning("gave up closing %s after %d attempts: its idle TTL frees it", job.url, job.attempts)
-                else:
-                    delay = min(self.max_retry_s, self.first_retry_s * 2 ** (job.attempts - 1))
-                    job.due = self._clock() + delay
-                    with self._wake:
-                        self._pending.append(job)
-                with self._wake:
-                    self._working -= 1
+                _log.warning("gave up closing %s after %d attempts: its idle TTL frees it", what, attempts)
+                return
 
     @staticmethod
-    def _attempt(client: httpx.Client, url: str, headers: dict[str, str], timeout_s: float) -> bool | None:
+    async def _try(attempt: Attempt, timeout_s: float, what: str) -> bool | None:
         try:
-            response = client.delete(url, headers=headers, timeout=timeout_s)
-        except httpx.HTTPError:
+            return await asyncio.wait_for(attempt(), timeout_s)
+        except TimeoutError:
             return False
-        return acknowledged(response.status_code)
+        except Exception as exc:  # an attempt's own bug must not end the retries silently
+            _log.warning("closing %s failed: %s: %s", what, type(exc).__name__, exc)
+            return False

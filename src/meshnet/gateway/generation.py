@@ -1,9 +1,11 @@
-"""Running one generation: the blocking worker, and the async service that feeds telemetry.
+"""Running one generation: the worker, and the async service that feeds telemetry.
 
-Threading: ``run_worker`` runs on an executor thread and owns the engine call, the text decoding
-and the stop logic, so the engine never computes a token nobody asked for. It reports through a
-callback; ``GenerationService`` hands each report to the event loop, where all telemetry is
-recorded. A client that goes away sets ``cancel``; the worker stops at the next step.
+The worker owns the engine call, the text decoding and the stop logic (``_Consumer``), so the
+engine never computes a token nobody asked for, and reports through a callback. A local engine
+computes on the caller's thread: ``run_worker`` runs on an executor thread and ``GenerationService``
+hands each report to the event loop. An async engine (the route engine: it only waits on the
+network) runs as a task on the loop itself (``run_async_worker``). All telemetry is recorded on
+the loop. A client that goes away sets ``cancel``; the worker stops at the next step.
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import inspect
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
-from meshnet.backends.base import PrefillProgress, RouteChange, TextEngine
+from meshnet.backends.base import AnyEngine, AsyncTextEngine, EngineStep, PrefillProgress, RouteChange, Stop, TextEngine
 from meshnet.errors import EngineError, MeshnetError, Overloaded, RouteInconsistent
 from meshnet.gateway.metrics import GatewayMetrics
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, Phase, TelemetryHub
@@ -35,6 +38,10 @@ __all__ = [
     "GenerationService",
     "Heartbeat",
     "StopMatcher",
+    "is_async",
+    "plan_route",
+    "release_route",
+    "run_async_worker",
     "run_worker",
 ]
 
@@ -119,81 +126,157 @@ def _overlap(buf: str, stop: str) -> int:
     return 0
 
 
+def is_async(engine: AnyEngine) -> TypeGuard[AsyncTextEngine]:
+    """Whether ``engine`` generates as coroutines on the event loop (the route engine)."""
+    return inspect.iscoroutinefunction(engine.generate)
+
+
+async def plan_route(engine: AnyEngine, **size: Any) -> RoutePlan:
+    """``engine.plan``: on the loop for an async engine, else off it (it may ask a tracker)."""
+    if is_async(engine):
+        return await engine.plan(**size)
+    local: TextEngine = engine  # type: ignore[assignment]
+    return await asyncio.get_running_loop().run_in_executor(None, lambda: local.plan(**size))
+
+
+async def release_route(engine: AnyEngine, plan: RoutePlan) -> None:
+    if is_async(engine):
+        await engine.release(plan)
+    else:
+        engine.release(plan)
+
+
+class _Consumer:
+    """Turns engine steps into reports: text decoding, stop strings, ``max_tokens``."""
+
+    def __init__(self, engine: AnyEngine, request: GenerationRequest,
+                 report: Callable[[WorkerReport], None]) -> None:  # fmt: skip
+        self.engine, self.request, self.report = engine, request, report
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stops = StopMatcher(request.stop)
+        self.produced = 0
+        self.finished: Finished | None = None
+
+    def take(self, step: EngineStep) -> bool:
+        """Report ``step``; whether the generation goes on."""
+        if isinstance(step, PrefillProgress | RouteChange):
+            self.report(step)
+            return True
+        if self.engine.is_end_of_generation(step.token):
+            self.finished = Finished("stop", self._rest())
+            return False
+        self.produced += 1
+        text, stopped = self.stops.feed(self.decoder.decode(self.engine.token_bytes(step.token)))
+        self.report(Delta(text, step.token, step.logprob, step.hop_ms, step.drafted, step.accepted, step.top))
+        if stopped:
+            self.finished = Finished("stop", "")
+        elif self.produced >= self.request.max_tokens:
+            self.finished = Finished("length", self._rest())
+        return self.finished is None
+
+    def end(self, cancelled: bool) -> None:
+        """Reported only once the engine closed the generation (a route: its session freed, its
+        prompt blocks in the hops' prefix caches), so a client's next turn finds them there."""
+        if self.finished is None:  # the engine ran out of context (or was cancelled) before any other stop condition
+            self.finished = Finished("cancelled" if cancelled else "length", self._rest())
+        self.report(self.finished)
+
+    def _rest(self) -> str:
+        return self.stops.flush() + self.decoder.decode(b"", final=True)
+
+
 def run_worker(
     engine: TextEngine,
     request: GenerationRequest,
     cancel: threading.Event,
     report: Callable[[WorkerReport], None],
 ) -> None:
-    """Drive ``engine`` for one generation; every outcome, errors included, ends in a report."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    stops = StopMatcher(request.stop)
-    produced = 0
+    """Drive a local ``engine`` for one generation; every outcome, errors included, ends in a report."""
+    consumer = _Consumer(engine, request, report)
     try:
         grammar = engine.grammar(request.sampling.grammar) if request.sampling.grammar else None
         steps = engine.generate(request.prompt_tokens, Sampler(request.sampling, grammar), cancel, request.plan)
-        finished: Finished | None = None
         with contextlib.closing(steps):
             for step in steps:
-                if isinstance(step, PrefillProgress | RouteChange):
-                    report(step)
-                    continue
-                if engine.is_end_of_generation(step.token):
-                    finished = Finished("stop", stops.flush() + decoder.decode(b"", final=True))
+                if not consumer.take(step):
                     break
-                produced += 1
-                text, stopped = stops.feed(decoder.decode(engine.token_bytes(step.token)))
-                report(Delta(text, step.token, step.logprob, step.hop_ms, step.drafted, step.accepted, step.top))
-                if stopped:
-                    finished = Finished("stop", "")
-                    break
-                if produced >= request.max_tokens:
-                    finished = Finished("length", stops.flush() + decoder.decode(b"", final=True))
-                    break
-        # Reported only once the engine closed the generation (a route: its session freed, its prompt
-        # blocks in the hops' prefix caches), so a client's next turn finds them there.
-        if finished is None:  # the engine ran out of context (or was cancelled) before any other stop condition
-            reason = "cancelled" if cancel.is_set() else "length"
-            finished = Finished(reason, stops.flush() + decoder.decode(b"", final=True))
-        report(finished)
+        consumer.end(cancel.is_set())
     except MeshnetError as exc:
         report(Failed(exc))
     except Exception as exc:  # a backend bug must still end the generation visibly
         report(Failed(EngineError(f"{type(exc).__name__}: {exc}")))
 
 
+async def run_async_worker(
+    engine: AsyncTextEngine,
+    request: GenerationRequest,
+    cancel: asyncio.Event,
+    report: Callable[[WorkerReport], None],
+) -> None:
+    """``run_worker`` for an async engine, on the event loop."""
+    consumer = _Consumer(engine, request, report)
+
+    async def emit(step: EngineStep) -> None:
+        if not consumer.take(step):
+            raise Stop
+
+    try:
+        grammar = engine.grammar(request.sampling.grammar) if request.sampling.grammar else None
+        await engine.generate(request.prompt_tokens, Sampler(request.sampling, grammar), cancel, request.plan, emit)
+        consumer.end(cancel.is_set())
+    except MeshnetError as exc:
+        report(Failed(exc))
+    except Exception as exc:  # an engine bug must still end the generation visibly
+        report(Failed(EngineError(f"{type(exc).__name__}: {exc}")))
+
+
 class GenerationService:
     """Queues generations in front of an engine and turns worker reports into telemetry."""
 
-    def __init__(self, engine: TextEngine, hub: TelemetryHub, metrics: GatewayMetrics, *, max_queue: int = 64) -> None:
+    def __init__(self, engine: AnyEngine, hub: TelemetryHub, metrics: GatewayMetrics, *, max_queue: int = 64) -> None:
         self.engine = engine
         self.hub = hub
         self.metrics = metrics
         self.max_queue = max_queue
         self._slots = asyncio.Semaphore(engine.max_concurrency)
         self._executor = ThreadPoolExecutor(engine.max_concurrency, thread_name_prefix="meshnet-engine")
+        self._tasks: set[asyncio.Task[None]] = set()  # an async engine's generations
         self.waiting = 0
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
+    def _launch(
+        self, request: GenerationRequest, queue: asyncio.Queue[WorkerReport]
+    ) -> tuple[threading.Event | asyncio.Event, asyncio.Future[None]]:
+        """Start the worker: a task on this loop for an async engine, else an executor thread."""
+        engine = self.engine
+        if is_async(engine):
+            cancel = asyncio.Event()
+            task = asyncio.ensure_future(run_async_worker(engine, request, cancel, queue.put_nowait))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return cancel, task
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+
+        def report(item: WorkerReport) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        local: TextEngine = engine  # type: ignore[assignment]
+        return stop, loop.run_in_executor(self._executor, run_worker, local, request, stop, report)
+
     async def stream(self, request: GenerationRequest, tel: GenerationTelemetry) -> AsyncIterator[StreamItem]:
         """Yield deltas (and heartbeats) until one ``Finished`` or ``Failed``; always ends the telemetry."""
-        cancel = threading.Event()
         try:
             async for beat in self._acquire_slot(tel):
                 yield beat
         except BaseException:
             self._fail(tel, EngineError("cancelled while queued"), reason="cancelled")
             raise
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[WorkerReport] = asyncio.Queue()
-
-        def report(item: WorkerReport) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
         self._begin_prefill(tel)
-        future = loop.run_in_executor(self._executor, run_worker, self.engine, request, cancel, report)
+        cancel, future = self._launch(request, queue)
         # The slot frees only when the worker really stopped, so the next generation never
         # finds the engine busy.
         future.add_done_callback(lambda _: self._slots.release())

@@ -25,7 +25,7 @@ every draft the tail kept plus one token of its own; every hop has already dropp
 positions. A verify chunk that fails is repaired like the plain step it started with: every hop
 drops the drafts and the step is resent without them.
 
-Decode channel (``decode_channel=True``, gateway.channels): decode steps go to the head as frames
+Decode channel (``decode_channel=True``, protocol.channel_client): decode steps go to the head as frames
 on a kept-open WebSocket, pass every hop without waiting, and the tail's answer comes straight
 back; a route with a node that takes no channel gets HTTP steps. Failures name the hop as over
 HTTP, so repair is the same.
@@ -37,14 +37,19 @@ signed by its own hop's key as the tracker pinned it, the tail's over its token 
 (``protocol.signing``: no hop answers for another). A route that disagrees ends the generation
 with ``RouteInconsistent`` instead of streaming text from it.
 
-Every HTTP call is bounded in time, so a dead hop ends in a retry or a stated failure, never a hang.
+Every call is bounded in time, so a dead hop ends in a retry or a stated failure, never a hang.
 
-Threading: ``generate`` runs on a gateway worker thread; each worker thread keeps its own
-kept-alive HTTP client (a per-token TCP handshake would dominate decode latency).
+Concurrency: the engine is async and runs on the gateway's event loop, every generation a task of
+its own (``generate``; its steps go to the caller's ``emit``). It reaches the hops through one
+``protocol.hops.HopTransport`` — the nodes' own hop client: HTTP over one kept-alive connection pool
+with decode-channel steps, or the in-process ``LocalTransport`` the route-engine tests drive a swarm
+of real node services with — and the tracker through one ``httpx.AsyncClient``. Only a draft
+model's drafting and an audit's seam-log fetch leave the loop, for a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -52,7 +57,6 @@ import json
 import logging
 import math
 import ssl
-import threading
 import time
 from collections.abc import Generator, Sequence
 from typing import Any, Protocol
@@ -60,7 +64,7 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
-from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, TokenStep
+from meshnet.backends.base import Emit, ModelInfo, PrefillProgress, RouteChange, Stop, TokenStep
 from meshnet.backends.grammar import TokenGrammar
 from meshnet.errors import (
     REQUEST_CODES,
@@ -73,18 +77,16 @@ from meshnet.errors import (
     MeshnetError,
     Overloaded,
     RouteInconsistent,
-    hop_error,
 )
 from meshnet.gateway.audits import AuditJob, Audits, collect
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
-from meshnet.gateway.channels import Channels, ChannelUnavailable
 from meshnet.gateway.closer import SessionCloser
 from meshnet.gateway.speculative import SPECULATIVE_MODES, Drafter, DraftSource, ModelDraft, PromptLookup, WalkCosts
 from meshnet.httputil import CLIENT_KEEP_ALIVE_S, error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
-from meshnet.protocol import headers as H
-from meshnet.protocol import http_binding
+from meshnet.protocol.channel_client import Channels
+from meshnet.protocol.hops import HopTransport, HttpTransport, Sendable, acknowledged
 from meshnet.protocol.ledger import ChunkLedger, pack_chunks, verify_hops
 from meshnet.protocol.messages import (
     AnswerKind,
@@ -170,6 +172,7 @@ class _Run:
     audited: bool = False
     answers: dict[int, tuple[HopEntry, dict[str, Any]]] = dataclasses.field(default_factory=dict)
     answers_of: str = ""
+    emit: Emit = dataclasses.field(default=None, repr=False)  # type: ignore[assignment]  # set by generate
 
     @functools.cached_property
     def sampling(self) -> str:
@@ -184,6 +187,8 @@ class _Run:
 
 
 class RouteEngine:
+    """The gateway's ``AsyncTextEngine`` over a swarm (module docstring)."""
+
     def __init__(
         self,
         tokenizer: Tokenizer,
@@ -205,7 +210,12 @@ class RouteEngine:
         trusted_only: bool = False,
         room_wait_s: float = ROOM_WAIT_S,
         audits: Audits | None = None,
+        hops: HopTransport | None = None,
+        tracker: httpx.AsyncClient | None = None,
     ) -> None:
+        """``hops``: how the engine reaches the hops (default: HTTP with decode-channel steps when
+        ``decode_channel``, member TLS ``client_tls``); ``tracker``: its client for ``tracker_url``
+        (default: its own). Both are made on first use, on the loop that runs the engine."""
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
         if (speculative == "draft") != (draft_model is not None):
@@ -216,7 +226,6 @@ class RouteEngine:
         self.speculative = speculative
         self.draft_tokens = draft_tokens
         self._costs: dict[tuple[str, ...], WalkCosts] = {}  # per route (its nodes): walk seconds by size
-        self._costs_lock = threading.Lock()
         self.tokenizer = tokenizer
         self.info = tokenizer.info
         self.tracker_url = tracker_url.rstrip("/")
@@ -228,12 +237,13 @@ class RouteEngine:
         self.max_retries = max_retries
         self.timeout_s = timeout_s  # the innermost hop's wait for its next hop; outer waits nest above it
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
-        self._local = threading.local()
         self.client_tls = client_tls  # a private swarm's member TLS, for every outgoing connection
         self.trusted_only = trusted_only  # every route (and the tracker's repairs of it) on trusted nodes only
         self.outbox = outbox if outbox is not None else BillingOutbox(self.tracker_url, tls=client_tls)
-        self.channels = Channels(client_tls) if decode_channel else None
-        self.closer = SessionCloser(client_tls)  # every close retried until acknowledged
+        self.decode_channel = decode_channel
+        self._hops_client, self._tracker_client = hops, tracker
+        self._audit_client: httpx.Client | None = None  # an audit's seam-log reads, on a thread
+        self.closer = SessionCloser()  # every close retried until acknowledged
         self.room_wait_s = room_wait_s  # how long a generation waits for a hop with room (HopFull)
         self.audits = audits  # audit sampling (--audit-rate); None: no audits
 
@@ -252,24 +262,30 @@ class RouteEngine:
         return self.tokenizer.grammar(text, param=param)
 
     # -- routes ------------------------------------------------------------------------------
-    def _client(self) -> httpx.Client:
-        client: httpx.Client | None = getattr(self._local, "client", None)
-        if client is None:
-            client = httpx.Client(
-                timeout=self._timeout,
-                limits=httpx.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE_S),
-                verify=self.client_tls or True,
-            )
-            self._local.client = client
-        return client
+    def _http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            timeout=self._timeout,
+            limits=httpx.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE_S),
+            verify=self.client_tls or True,
+        )
 
-    def _tracker(self, method: str, path: str, *, timeout_s: float = 30.0, **kwargs: Any) -> httpx.Response:
+    @property
+    def hops(self) -> HopTransport:
+        if self._hops_client is None:
+            channels = Channels(self.client_tls) if self.decode_channel else None
+            self._hops_client = HttpTransport(self._http(), channels)
+        return self._hops_client
+
+    async def _tracker(self, method: str, path: str, *, timeout_s: float = 30.0, **kwargs: Any) -> httpx.Response:
+        if self._tracker_client is None:
+            self._tracker_client = self._http()
         try:
-            return self._client().request(method, f"{self.tracker_url}{path}", timeout=timeout_s, **kwargs)
+            return await self._tracker_client.request(method, f"{self.tracker_url}{path}", timeout=timeout_s,
+                                                      **kwargs)  # fmt: skip
         except httpx.HTTPError as exc:
             raise Overloaded(f"the tracker at {self.tracker_url} is unreachable: {exc}", retry_after_s=5) from None
 
-    def plan(
+    async def plan(
         self,
         *,
         exclude: Sequence[str] = (),
@@ -300,7 +316,7 @@ class RouteEngine:
             body["prefill_tokens"] = prompt_tokens
         if max_tokens:
             body["max_tokens"] = max_tokens
-        response = self._tracker("POST", "/v1/sessions", json=body)
+        response = await self._tracker("POST", "/v1/sessions", json=body)
         if response.status_code == 503:
             raise Overloaded(f"no route: {error_message(response)}", retry_after_s=5)
         if response.status_code == 400 and error_field(response, "code") == ContextOverflow.code:
@@ -334,21 +350,31 @@ class RouteEngine:
         """Positions this generation may reach: the gateway's cap, or the route's smaller one."""
         return min(self.n_ctx, plan.max_positions) if plan.max_positions else self.n_ctx
 
-    def release(self, plan: RoutePlan) -> None:
+    async def release(self, plan: RoutePlan) -> None:
         """Free the session on the tracker: retried until it is acknowledged (gateway.closer)."""
-        url = f"{self.tracker_url}/v1/sessions/{plan.session_id}"
-        self.closer.close(url, {}, client=self._client(), timeout_s=CLOSE_WAIT_S)
+        path = f"/v1/sessions/{plan.session_id}"
+
+        async def attempt() -> bool | None:
+            try:
+                return acknowledged((await self._tracker("DELETE", path, timeout_s=CLOSE_WAIT_S)).status_code)
+            except Overloaded:  # unreachable now
+                return False
+
+        await self.closer.close(attempt, f"{self.tracker_url}{path}", timeout_s=CLOSE_WAIT_S)
 
     # -- generation --------------------------------------------------------------------------
-    def generate(
-        self, prompt: Sequence[int], sampler: Sampler, cancel: threading.Event, plan: RoutePlan | None = None
-    ) -> Generator[EngineStep, None, None]:
+    async def generate(
+        self, prompt: Sequence[int], sampler: Sampler, cancel: asyncio.Event, plan: RoutePlan | None, emit: Emit
+    ) -> None:
+        """Generate on ``plan``'s route, every step to ``emit``, until the text or the context ends,
+        ``cancel`` is set or ``emit`` raises ``Stop``; the route is closed and billed either way."""
         if plan is None:
             raise InvalidRequest("a route engine generates only on a planned route")
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")
         run = _Run(plan, sampler.params, Usage(), ChunkLedger(sends=False), grammar=bool(sampler.params.grammar))
         run.audited = self.audits is not None and self.audits.chosen()
+        run.emit = emit
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
         hashes = block_hashes(tokens, self.prefill_chunk, namespace=plan.prefix_namespace) if self.prefix_cache else []
         run.prefix = PrefixClaim(self.prefill_chunk, tuple(hashes)) if hashes else None
@@ -359,7 +385,7 @@ class RouteEngine:
             drafter.extend(tokens)
         outcome = "failed"
         try:
-            answer = yield from self._prefill_with_retries(run, tokens, cancel)
+            answer = await self._prefill_with_retries(run, tokens, cancel)
             while answer is not None and not cancel.is_set():
                 steps = _tokens_of(answer)
                 drafted, accepted = answer.drafted, answer.accepted
@@ -370,7 +396,7 @@ class RouteEngine:
                 for i, (token, logprob, top) in enumerate(steps):
                     first = i == 0
                     hop_ms = _hop_ms(answer) if first else ()
-                    yield TokenStep(token, logprob, hop_ms, drafted * first, accepted * first, top)
+                    await run.emit(TokenStep(token, logprob, hop_ms, drafted * first, accepted * first, top))
                     if len(tokens) + 1 > self._context(run.plan):
                         full = True
                         break
@@ -379,29 +405,28 @@ class RouteEngine:
                         drafter.extend([token])
                 if full:
                     break
-                self._snapshot_when_due(run, len(tokens) - 1)  # the route holds every token but the newest
-                drafts = self._drafts(drafter, run.plan, len(tokens))
-                answer = yield from self._decode_with_repair(run, tokens, drafts, cancel)
+                await self._snapshot_when_due(run, len(tokens) - 1)  # the route holds every token but the newest
+                drafts = await self._drafts(drafter, run.plan, len(tokens))
+                answer = await self._decode_with_repair(run, tokens, drafts, cancel)
             outcome = "completed"
-        except GeneratorExit:
+        except Stop:
             outcome = "completed"  # the consumer stopped: a stop sequence, max_tokens or a disconnect
-            raise
         except RouteInconsistent:
             run.usage.void()  # a forged answer: which relaying hop forged it is unknown, so none is paid
             raise
         finally:
-            self._finish(run, outcome)
+            await self._finish(run, outcome)
 
-    def _finish(self, run: _Run, outcome: str) -> None:
+    async def _finish(self, run: _Run, outcome: str) -> None:
         """A generation ended: take what its audit needs (if it is audited) while its route still
         holds the session, close the route, bill it, then audit it."""
-        job = self._audit_job(run) if run.audited and outcome == "completed" else None
-        self._close(run.plan)
-        self.outbox.submit(run.plan, run.usage, outcome)
+        job = await self._audit_job(run) if run.audited and outcome == "completed" else None
+        await self._close(run.plan)
+        await asyncio.to_thread(self.outbox.submit, run.plan, run.usage, outcome)  # it spools to disk
         if self.audits is not None and run.audited:
             self.audits.submit(job)
 
-    def _audit_job(self, run: _Run) -> AuditJob | None:
+    async def _audit_job(self, run: _Run) -> AuditJob | None:
         """What auditing this generation needs, taken from its route before it closes (gateway.audits)."""
         held = run.ledger.position
         if held > AUDIT_MAX_POSITIONS:
@@ -410,39 +435,40 @@ class RouteEngine:
         answers = run.answers if run.answers_of == plan.session_id else {}
         receipts = {node: entry for node, (entry, _) in run.usage.receipts.items()}
         signed = {node: r for node in receipts if (r := run.usage.receipt(node)) is not None}
-        return collect(self._client(), session=plan.session_id, model=self.info.model_id, hops=plan.hops,
+        if self._audit_client is None:
+            self._audit_client = httpx.Client(timeout=self._timeout, verify=self.client_tls or True)
+        return await asyncio.to_thread(
+            collect, self._audit_client, session=plan.session_id, model=self.info.model_id, hops=plan.hops,
                        chunks=run.ledger.sizes(), tokens=run.ids[:held], sampling=dataclasses.asdict(run.params),
                        receipts=receipts, signed=signed, answers=answers,
-                       rejected=run.ids[held:] if run.surplus else (), timeout_s=CLOSE_WAIT_S * 5)  # fmt: skip
+                       rejected=run.ids[held:] if run.surplus else (), timeout_s=CLOSE_WAIT_S * 5,
+        )  # fmt: skip
 
-    def _prefill_with_retries(
-        self, run: _Run, tokens: list[int], cancel: threading.Event
-    ) -> Generator[EngineStep, None, HopAnswer | None]:
+    async def _prefill_with_retries(self, run: _Run, tokens: list[int], cancel: asyncio.Event) -> HopAnswer | None:
         """Prefill ``tokens``; a failed hop means a fresh route without it, from scratch; a hop without
         room for the session means waiting for room, on a route around it if there is one (``_wait``)."""
         while True:
             try:
-                answer = yield from self._prefill(run, tokens, cancel)
+                answer = await self._prefill(run, tokens, cancel)
             except HopFull as exc:
-                if not (yield from self._wait(run, tokens, exc, cancel)):
+                if not (await self._wait(run, tokens, exc, cancel)):
                     return None
                 continue
             except (HopFailed, InvalidRequest) as raised:
                 failure = _hop_failure(run, raised)
                 began = time.monotonic()
                 failed = self._failed_hop(run, failure)
-                self._report_failure(run.plan, failed, failure.message)
-                self._fresh_route(run, tokens)
-                yield RouteChange("reroute", failure.message, failed.node, run.plan, run.retries, 0, _since(began))
+                await self._report_failure(run.plan, failed, failure.message)
+                await self._fresh_route(run, tokens)
+                change = RouteChange("reroute", failure.message, failed.node, run.plan, run.retries, 0, _since(began))
+                await run.emit(change)
                 continue
             if answer is not None:
                 _verified(run, answer)
                 run.usage.add(run.plan.hops, prefill=len(tokens) - run.cached)
             return answer
 
-    def _wait(
-        self, run: _Run, tokens: list[int], full: HopFull, cancel: threading.Event
-    ) -> Generator[EngineStep, None, bool]:
+    async def _wait(self, run: _Run, tokens: list[int], full: HopFull, cancel: asyncio.Event) -> bool:
         """A hop had no room to open the session (its sessions taken: by zombies, by another member's
         parked sessions, or by this gateway's own; or this gateway's quota there spent). Nothing
         failed, so nothing is reported: free what the attempt opened, wait a while (doubling from
@@ -460,24 +486,28 @@ class RouteEngine:
         delay = min(ROOM_WAIT_MAX_STEP_S, ROOM_WAIT_FIRST_S * 2 ** (run.room_waits - 1), self.room_wait_s - waited)
         hop = next((h for h in run.plan.hops if h.url == full.failed_hop), None)
         node = hop.node if hop is not None else str(full.failed_hop)
-        self._close(run.plan)
+        await self._close(run.plan)
         reason = f"{full.message}; waiting {delay:.2f} s for room"
-        yield RouteChange("wait", reason, node, run.plan, run.retries, 0, 0.0)
-        if cancel.wait(delay):
+        await run.emit(RouteChange("wait", reason, node, run.plan, run.retries, 0, 0.0))
+        try:
+            await asyncio.wait_for(cancel.wait(), delay)
             return False
+        except TimeoutError:
+            pass
         like = run.plan.session_id if run.streamed else None
         ask: dict[str, Any] = {
             "prompt_tokens": len(tokens), "like_session": like, "trusted_only": run.plan.trusted_only,
             "prompt": tokens if run.prefix is not None else (), "namespace": run.plan.prefix_namespace,
         }  # fmt: skip
         try:  # around the full hop if the swarm has another for its layers
-            run.plan = self.plan(exclude=sorted(run.failed_nodes | {node}), **ask)
+            run.plan = await self.plan(exclude=sorted(run.failed_nodes | {node}), **ask)
         except (Overloaded, EngineError):  # it has not: wait for that one
-            run.plan = self.plan(exclude=sorted(run.failed_nodes), **ask)
+            run.plan = await self.plan(exclude=sorted(run.failed_nodes), **ask)
         run.usage, run.cached = Usage(), 0
         run.standbys, run.snapshot_at = {}, 0
         # the new session: the telemetry moves to it (a wait on the old one only said "waiting")
-        yield RouteChange("wait", f"{full.message}; waited for room", node, run.plan, run.retries, 0, _since(now))
+        moved = RouteChange("wait", f"{full.message}; waited for room", node, run.plan, run.retries, 0, _since(now))
+        await run.emit(moved)
         return True
 
     def _drafter(self, plan: RoutePlan) -> Drafter | None:
@@ -491,24 +521,27 @@ class RouteEngine:
     def _walk_costs(self, plan: RoutePlan) -> WalkCosts:
         """The measured walk times of ``plan``'s route (the most recently used routes are kept)."""
         key = tuple(h.node for h in plan.hops)
-        with self._costs_lock:
-            costs = self._costs.pop(key, None) or WalkCosts()
-            self._costs[key] = costs  # most recent last
-            while len(self._costs) > _ROUTES_COSTED:
-                del self._costs[next(iter(self._costs))]
-            return costs
+        costs = self._costs.pop(key, None) or WalkCosts()
+        self._costs[key] = costs  # most recent last
+        while len(self._costs) > _ROUTES_COSTED:
+            del self._costs[next(iter(self._costs))]
+        return costs
 
-    def _drafts(self, drafter: Drafter | None, plan: RoutePlan, length: int) -> list[int]:
+    async def _drafts(self, drafter: Drafter | None, plan: RoutePlan, length: int) -> list[int]:
         """Tokens to verify after ``length`` tokens: within every hop's limit and the context."""
         if drafter is None:
             return []
         drafter.costs = self._walk_costs(plan)  # a repaired route has costs of its own
         limit = min(*(h.max_verify for h in plan.hops), self._context(plan) - length)
-        return drafter.propose(limit) if limit > 0 else []
+        if limit <= 0:
+            return []
+        if isinstance(drafter, ModelDraft):  # a model computes the drafts: off the loop
+            return await asyncio.to_thread(drafter.propose, limit)
+        return drafter.propose(limit)
 
-    def _decode_with_repair(
-        self, run: _Run, tokens: list[int], drafts: Sequence[int], cancel: threading.Event
-    ) -> Generator[EngineStep, None, HopAnswer | None]:
+    async def _decode_with_repair(
+        self, run: _Run, tokens: list[int], drafts: Sequence[int], cancel: asyncio.Event
+    ) -> HopAnswer | None:
         """One decode step for ``tokens[-1]`` at position ``len(tokens) - 1`` (a verify chunk with
         ``drafts`` after it), repairing the route if a hop fails."""
         position = len(tokens) - 1
@@ -522,15 +555,17 @@ class RouteEngine:
         run.surplus = False
         began = time.monotonic()
         try:
-            answer = self._channel_step(run, request) if self.channels is not None else None
+            # no hop waits for another on the channel, so no nesting: one hop timeout bounds the walk
+            route = [h.url for h in run.plan.hops]
+            answer = await self.hops.step(route, request, timeout_s=self.timeout_s)
             direct = answer is not None
             if answer is None:
-                answer = self._send(run.plan, request)
+                answer = await self._send(run.plan, request)
             self._check_tokens(answer, run)
         except (HopFailed, InvalidRequest) as raised:
             failure = _hop_failure(run, raised)
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
-            return (yield from self._recover(run, tokens, failure, cancel))
+            return await self._recover(run, tokens, failure, cancel)
         took = _since(began)
         self._walk_costs(run.plan).observe(len(chunk), took)
         run.usage.decoded(took)  # the tracker checks the route's advertised speeds by it
@@ -545,45 +580,13 @@ class RouteEngine:
         run.usage.add(run.plan.hops, decode=kept - position)
         return answer
 
-    def _channel_step(self, run: _Run, request: HopRequest) -> HopAnswer | None:
-        """One step over the decode channel: the head gets it, the tail's answer comes straight back;
-        ``None`` when a node of the route takes no channel (nothing was sent: HTTP then)."""
-        assert self.channels is not None
-        plan = run.plan
-        sid = plan.session_id
-        headers, body = http_binding.encode_step(request)
-
-        def probe(url: str, seq: int) -> bool | None:
-            try:
-                response = self._client().get(f"{url}/v1/sessions/{sid}", timeout=min(5.0, self.timeout_s))
-                return bool(response.status_code == 200 and response.json().get("seq") == seq)
-            except (httpx.HTTPError, ValueError, AttributeError):
-                return None
-
-        try:
-            return self.channels.step(
-                [h.url for h in plan.hops],
-                sid,
-                verb=str(request.verb),
-                headers=headers,
-                body=body,
-                # no hop waits for another here, so no nesting: one hop timeout bounds the walk, as it
-                # bounds the innermost HTTP hop's wait for everything below it
-                timeout_s=self.timeout_s,
-                probe=probe,
-            )
-        except ChannelUnavailable:
-            return None
-
-    def _recover(
-        self, run: _Run, tokens: list[int], error: HopFailed, cancel: threading.Event
-    ) -> Generator[EngineStep, None, HopAnswer | None]:
+    async def _recover(self, run: _Run, tokens: list[int], error: HopFailed, cancel: asyncio.Event) -> HopAnswer | None:
         """Repair the route after ``error`` (retrying while repairs fail), else re-prefill on a fresh route."""
         while True:
             began = time.monotonic()
             failed = self._failed_hop(run, error)
             try:
-                answer, replayed = self._repair(run, failed, error, tokens)
+                answer, replayed = await self._repair(run, failed, error, tokens)
             except HopFailed as again:  # a replacement (or the upstream) failed too: repair that
                 error = again
                 continue
@@ -594,23 +597,25 @@ class RouteEngine:
                     error = _hop_failure(run, exc)  # (the client's 400 when the request has a grammar)
                     continue
                 reason = f"{error.message}; route repair impossible ({exc.message})"
-                self._fresh_route(run, tokens)
-                yield RouteChange("reroute", reason, failed.node, run.plan, run.retries, len(tokens), _since(began))
-                return (yield from self._prefill_with_retries(run, tokens, cancel))
-            yield RouteChange("repair", error.message, failed.node, run.plan, run.retries, replayed, _since(began))
+                await self._fresh_route(run, tokens)
+                change = RouteChange("reroute", reason, failed.node, run.plan, run.retries, len(tokens), _since(began))
+                await run.emit(change)
+                return await self._prefill_with_retries(run, tokens, cancel)
+            change = RouteChange("repair", error.message, failed.node, run.plan, run.retries, replayed, _since(began))
+            await run.emit(change)
             return answer
 
-    def _snapshot_when_due(self, run: _Run, held: int) -> None:
+    async def _snapshot_when_due(self, run: _Run, held: int) -> None:
         due = held - run.snapshot_at >= (SNAPSHOT_EVERY if run.snapshot_at else SNAPSHOT_MIN_POSITIONS)
         if not due or run.surplus:  # (hops still holding rejected drafts would snapshot them too)
             return
         run.snapshot_at = held
         try:
-            self._snapshot(run, held)
+            await self._snapshot(run, held)
         except MeshnetError as exc:  # a tracker that cannot answer now: repair replays everything
             _log.info("no KV snapshots for session %s: %s", run.plan.session_id, exc.message)
 
-    def _snapshot(self, run: _Run, held: int) -> None:
+    async def _snapshot(self, run: _Run, held: int) -> None:
         """After a long prompt's prefill (and every ``SNAPSHOT_EVERY`` positions after), every hop
         that has a standby (a trusted node of the same layers the tracker names, only in a private
         swarm) snapshots its KV to it, replacing the one before; a repair then restores there and
@@ -619,7 +624,7 @@ class RouteEngine:
         plan = run.plan
         if not self.kv_snapshots or plan.ticket is None:
             return
-        response = self._tracker("POST", f"/v1/sessions/{plan.session_id}/standbys", json={})
+        response = await self._tracker("POST", f"/v1/sessions/{plan.session_id}/standbys", json={})
         if response.status_code >= 400:
             _log.info("no KV snapshots for session %s: %s", plan.session_id, error_message(response))
             return
@@ -630,35 +635,29 @@ class RouteEngine:
             if hop is None or not isinstance(ticket, str):
                 continue
             try:
-                answer = self._client().post(f"{hop.url}/v1/sessions/{plan.session_id}/snapshot",
-                                             headers={H.TICKET: ticket}, timeout=self.timeout_s)  # fmt: skip
-            except httpx.HTTPError as exc:
-                _log.info("hop %s took no KV snapshot: %s", hop.node, exc)
+                answer = await self.hops.take_snapshot(hop.url, plan.session_id, ticket, timeout_s=self.timeout_s)
+            except MeshnetError as exc:
+                _log.info("hop %s took no KV snapshot: %s", hop.node, exc.message)
                 continue
-            try:
-                taken = answer.json().get("snapshot") if answer.status_code == 202 else None
-            except (ValueError, AttributeError):
-                taken = None
-            if taken == held:
+            if answer.get("snapshot") == held:
                 run.standbys[hop.node] = (str(standby.get("node_id")), held)
             else:
-                _log.info("hop %s took no KV snapshot: %s", hop.node, error_message(answer))
+                _log.info("hop %s took no KV snapshot of the %d positions: %s", hop.node, held, answer)
 
-    def _restore(self, run: _Run, hop: Hop) -> int:
+    async def _restore(self, run: _Run, hop: Hop) -> int:
         """Open the session on a repair's replacement from the KV snapshot it holds as a standby;
         the positions it took (0: it holds none, and the replay starts from the beginning)."""
         plan = run.plan
         restore = RestoreRequest(plan.session_id, plan.route_id, model=self.info.model_id, sampling=run.sampling,
                                  ticket=plan.ticket)  # fmt: skip
-        path, headers = http_binding.encode_restore(restore)
         try:
-            answer = self._post(plan, hop.url, path, b"", headers, below=1)
+            answer = await self._post(plan, hop.url, restore, below=1)
         except MeshnetError as exc:
             _log.info("standby %s restored no snapshot (%s): replaying everything", hop.node, exc.message)
             return 0
         return answer.count if answer.kind is AnswerKind.RESTORED else 0
 
-    def _repair(self, run: _Run, failed: Hop, error: HopFailed, tokens: list[int]) -> tuple[HopAnswer, int]:
+    async def _repair(self, run: _Run, failed: Hop, error: HopFailed, tokens: list[int]) -> tuple[HopAnswer, int]:
         """Ask the tracker for replacement hops, rebuild them from the upstream's seam log (after the
         positions a standby's KV snapshot gives the replacement), resend the step."""
         position = len(tokens) - 1
@@ -666,7 +665,7 @@ class RouteEngine:
         standby = run.standbys.pop(failed.node, None)
         if standby is not None:
             body["prefer"] = standby[0]
-        response = self._tracker("POST", f"/v1/sessions/{run.plan.session_id}/repair", json=body)
+        response = await self._tracker("POST", f"/v1/sessions/{run.plan.session_id}/repair", json=body)
         if response.status_code >= 400:
             raise BadGateway(f"{error.message}; no route repair: {error_message(response)}")
         data = response.json()
@@ -678,19 +677,19 @@ class RouteEngine:
         first, count = int(data["replaced"]["first"]), int(data["replaced"]["count"])
         new_hops = run.plan.hops
         sid = run.plan.session_id
-        restored = self._restore(run, new_hops[first]) if data.get("preferred") is True and count == 1 else 0
+        restored = await self._restore(run, new_hops[first]) if data.get("preferred") is True and count == 1 else 0
         if first == 0:  # the head failed: the gateway is the upstream and replays token ids
-            answer = self._replay_tokens(run, tokens, count, start=restored)
+            answer = await self._replay_tokens(run, tokens, count, start=restored)
         else:
             upstream = new_hops[first - 1]
             below = len(new_hops) - first + 1
             chunks = 1 + (position - restored) // 256  # the upstream replays its log in requests of up to 256
             reroute = dataclasses.replace(self._reroute(run, first - 1, count, position), replay_from=restored)
-            answer = self._post_reroute(run.plan, upstream.url, reroute, below=below, scale=chunks)
+            answer = await self._post(run.plan, upstream.url, reroute, below=below, scale=chunks)
             above: list[HopEntry] = []
             for i in range(first - 2, -1, -1):  # the hops above it broke the session too: clear them
                 reroute = self._reroute(run, i, 0, position)
-                cleared = self._post_reroute(run.plan, new_hops[i].url, reroute, below=len(new_hops) - i)
+                cleared = await self._post(run.plan, new_hops[i].url, reroute, below=len(new_hops) - i)
                 above[:0] = cleared.hops[:1]
             answer = answer.after(*above)
         self._check_tokens(answer, run)
@@ -700,8 +699,8 @@ class RouteEngine:
         kept = {h.url for h in new_hops}
         for hop in old.hops:  # hops cut out of the route (but alive) free the session now, not at TTL
             if hop.url not in kept and hop.node != failed.node:
-                with contextlib.suppress(httpx.HTTPError):
-                    self._client().delete(f"{hop.url}/v1/sessions/{sid}", headers=_ticketed(old), timeout=5.0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.hops.delete(hop.url, sid, old.ticket), CLOSE_WAIT_S)
         return answer, position - restored
 
     def _reroute(self, run: _Run, index: int, replay: int, step: int) -> RerouteRequest:
@@ -711,21 +710,21 @@ class RouteEngine:
         return RerouteRequest(plan.session_id, hops, plan.route_id, model=self.info.model_id, replay=replay,
                               sampling=run.sampling, step=step, ticket=plan.ticket)  # fmt: skip
 
-    def _replay_tokens(self, run: _Run, tokens: list[int], count: int, *, start: int = 0) -> HopAnswer:
+    async def _replay_tokens(self, run: _Run, tokens: list[int], count: int, *, start: int = 0) -> HopAnswer:
         """Rebuild a new head (and ``count - 1`` hops after it) from the token ids after ``start`` (the
         positions a restored snapshot gave it), then resend the step."""
         plan, position = run.plan, len(tokens) - 1
         for _, request in self._chunk_requests(run, tokens[:position], start=start):
-            self._send(plan, dataclasses.replace(request, replay=count))
+            await self._send(plan, dataclasses.replace(request, replay=count))
         step = HopRequest(Verb.DECODE, plan.session_id, position, 1, _ids_payload(tokens[position:]),
                           model=self.info.model_id, route_id=plan.route_id, rewind=True)  # fmt: skip
-        return self._send(plan, step)
+        return await self._send(plan, step)
 
-    def _fresh_route(self, run: _Run, tokens: list[int]) -> None:
+    async def _fresh_route(self, run: _Run, tokens: list[int]) -> None:
         """Abandon the current route (work on it is not billed) for a new one without the failed nodes."""
-        self._close(run.plan)
+        await self._close(run.plan)
         like = run.plan.session_id if run.streamed else None
-        run.plan = self.plan(
+        run.plan = await self.plan(
             exclude=sorted(run.failed_nodes), prompt_tokens=len(tokens), like_session=like,
             trusted_only=run.plan.trusted_only, prompt=tokens if run.prefix is not None else (),
             namespace=run.plan.prefix_namespace,
@@ -775,33 +774,31 @@ class RouteEngine:
                 raise HopFailed(f"the tail {tail.node} answered token {answer.token} at {answer.position}: {why}",
                                 failed_hop=tail.url)  # fmt: skip
 
-    def _report_failure(self, plan: RoutePlan, hop: Hop, reason: str) -> None:
+    async def _report_failure(self, plan: RoutePlan, hop: Hop, reason: str) -> None:
         with contextlib.suppress(MeshnetError):  # reliability bookkeeping only; a new route is what matters
             body = {"reason": reason, "session_id": plan.session_id}
-            self._tracker("POST", f"/v1/nodes/{hop.node}/failures", json=body)
+            await self._tracker("POST", f"/v1/nodes/{hop.node}/failures", json=body)
 
     # -- the wire ----------------------------------------------------------------------------
-    def _prefill(
-        self, run: _Run, tokens: Sequence[int], cancel: threading.Event
-    ) -> Generator[EngineStep, None, HopAnswer | None]:
+    async def _prefill(self, run: _Run, tokens: Sequence[int], cancel: asyncio.Event) -> HopAnswer | None:
         """Prefill ``tokens`` on ``run.plan`` in the chunks of ``run.ledger``, after the positions the
         route's prefix caches give it (``_reuse``); the last chunk's answer samples."""
         answer: HopAnswer | None = None
         total = len(tokens)
         run.cached = 0
         if run.prefix is not None and run.plan.cached_tokens > 0 and not run.cold:
-            run.cached = yield from self._reuse(run, tokens)
+            run.cached = await self._reuse(run, tokens)
         for end, chunk in self._chunk_requests(run, tokens, start=run.cached):
             if cancel.is_set():
                 return None
             request = dataclasses.replace(chunk, sample=True) if end == total else chunk
-            answer = self._send(run.plan, request)
-            yield PrefillProgress(done=end, total=total, cached=run.cached)
+            answer = await self._send(run.plan, request)
+            await run.emit(PrefillProgress(done=end, total=total, cached=run.cached))
         if answer is not None:
             self._check_tokens(answer, run)
         return answer
 
-    def _reuse(self, run: _Run, tokens: Sequence[int]) -> Generator[EngineStep, None, int]:
+    async def _reuse(self, run: _Run, tokens: Sequence[int]) -> int:
         """Open the session with a prefix request: every hop adopts the KV of as many leading prompt
         blocks as the whole route holds. The answer's digests must show every hop holding exactly
         what a cold prefill of these tokens computes (protocol.ledger); if they do not (a poisoned
@@ -815,8 +812,7 @@ class RouteEngine:
         request = PrefixRequest(plan.session_id, claim, limit, plan.route_id, model=self.info.model_id,
                                 next_hops=tuple(h.url for h in plan.hops[1:]), sampling=run.sampling,
                                 ticket=plan.ticket)  # fmt: skip
-        path, headers = http_binding.encode_prefix(request)
-        answer = self._post(plan, plan.hops[0].url, path, b"", headers, below=len(plan.hops))
+        answer = await self._post(plan, plan.hops[0].url, request, below=len(plan.hops))
         held = answer.count
         if answer.kind is not AnswerKind.CACHED or held % block or held > limit * block:
             head = plan.hops[0]
@@ -830,10 +826,10 @@ class RouteEngine:
             _log.warning("prefix cache: route %s holds other KV for this prompt's blocks (%s); prefilling cold",
                          plan.route_id, exc.message)  # fmt: skip
             run.cold = True
-            self._fresh_route(run, list(tokens))
+            await self._fresh_route(run, list(tokens))
             return 0
         if held:
-            yield PrefillProgress(done=held, total=len(tokens), cached=held)
+            await run.emit(PrefillProgress(done=held, total=len(tokens), cached=held))
         return held
 
     def _chunk_requests(
@@ -859,62 +855,46 @@ class RouteEngine:
                 prefix=run.prefix if first else None,
             )  # fmt: skip
 
-    def _send(self, plan: RoutePlan, request: HopRequest) -> HopAnswer:
+    async def _send(self, plan: RoutePlan, request: HopRequest) -> HopAnswer:
         """Send ``request`` to the head of ``plan``'s route; its answer."""
-        path, headers, body = http_binding.encode_request(request)
-        return self._post(plan, plan.hops[0].url, path, body, headers, below=len(plan.hops))
+        return await self._post(plan, plan.hops[0].url, request, below=len(plan.hops))
 
-    def _post_reroute(
-        self, plan: RoutePlan, hop_url: str, request: RerouteRequest, *, below: int, scale: int = 1
-    ) -> HopAnswer:
-        path, headers = http_binding.encode_reroute(request)
-        return self._post(plan, hop_url, path, b"", headers, below=below, scale=scale)
+    async def _post(self, plan: RoutePlan, hop_url: str, request: Sendable, *, below: int, scale: int = 1) -> HopAnswer:
+        """``request`` to a hop with ``below`` hops from it to the tail (itself included); a failure
+        that names a hop (or is this hop's own) raises ``HopFailed``. The wait nests one margin above
+        the hop's own wait for its next hop (``hop_timeout_s``): a stopped head is named after 14 s on
+        a 2-hop route with the 4 s default, not 24."""
+        downstream = [hop_url, *(h.url for h in plan.hops[len(plan.hops) - below :] if h.url != hop_url)]
+        timeout_s = scale * hop_timeout_s(self.timeout_s, below)
+        return await self.hops.send(hop_url, request, timeout_s=timeout_s, downstream=downstream)
 
-    def _post(
-        self, plan: RoutePlan, hop_url: str, path: str, body: bytes, headers: dict[str, str], *, below: int,
-        scale: int = 1,
-    ) -> HopAnswer:  # fmt: skip
-        """POST to a hop with ``below`` hops from it to the tail (itself included); a failure that names
-        a hop (or is this hop's own) raises ``HopFailed``. The wait nests one margin above the hop's own
-        wait for its next hop (``hop_timeout_s``): a stopped head is named after 14 s on a 2-hop route
-        with the 4 s default, not 24."""
-        timeout = httpx.Timeout(scale * hop_timeout_s(self.timeout_s, below), connect=5.0)
-        try:
-            response = self._client().post(f"{hop_url}{path}", content=body, headers=headers, timeout=timeout)
-        except httpx.HTTPError as exc:
-            raise HopFailed(f"node {hop_url} failed: {type(exc).__name__}: {exc}", failed_hop=hop_url) from None
-        if response.status_code >= 400:
-            message = f"route hop answered {response.status_code}: {error_message(response)}"
-            failed = error_field(response, "failed_hop")
-            downstream = {hop_url, *(h.url for h in plan.hops[len(plan.hops) - below :])}
-            raise hop_error(
-                message, status=response.status_code, failed_hop=failed, sender=hop_url, sender_is_head=True,
-                code=error_field(response, "code"), may_name=downstream,
-            )  # fmt: skip
-        try:
-            return HopAnswer.from_json(response.status_code, response.json())
-        except ValueError as exc:  # a bad answer is a failed tail, repaired like a dead one
-            tail = plan.hops[-1]
-            raise HopFailed(f"the tail {tail.node} answered a malformed step ({exc})", failed_hop=tail.url) from None
-
-    def _close(self, plan: RoutePlan) -> None:
+    async def _close(self, plan: RoutePlan) -> None:
         """Free the session's KV on every hop (the head forwards the delete; each hop keeps its prompt
         blocks first) and on the tracker. The stream ends only after the first attempt
         (``run_worker``), so its wait is short (``CLOSE_WAIT_S``); one that is not acknowledged (a hop
-        still computing for the session, or unreachable for a moment) is retried from the closer's
-        thread until it is (gateway.closer): no zombie holds a slot of the route until its TTL."""
-        url = f"{plan.hops[0].url}/v1/sessions/{plan.session_id}"
-        self.closer.close(url, _ticketed(plan), client=self._client(), timeout_s=CLOSE_WAIT_S)
-        self.release(plan)
+        still computing for the session, or unreachable for a moment) is retried by the closer until
+        it is (gateway.closer): no zombie holds a slot of the route until its TTL."""
+        head, sid, ticket = plan.hops[0].url, plan.session_id, plan.ticket
+
+        async def attempt() -> bool | None:
+            return await self.hops.delete(head, sid, ticket)
+
+        await self.closer.close(attempt, f"{head}/v1/sessions/{sid}", timeout_s=CLOSE_WAIT_S)
+        await self.release(plan)
+
+    async def aclose(self) -> None:
+        """Close the engine's connections, giving pending closes a moment first (on the engine's loop)."""
+        await self.closer.shutdown()
+        if self._hops_client is not None:
+            await self._hops_client.aclose()
+        if self._tracker_client is not None:
+            await self._tracker_client.aclose()
 
     def close(self) -> None:
-        self.closer.shutdown()
+        """What does not need the loop: the billing outbox's and the audit reads' own threads."""
         self.outbox.close()
-        if self.channels is not None:
-            self.channels.close()
-        client = getattr(self._local, "client", None)
-        if client is not None:
-            client.close()
+        if self._audit_client is not None:
+            self._audit_client.close()
 
 
 def _ids_payload(tokens: Sequence[int]) -> Payload:
@@ -958,11 +938,6 @@ def _hop_failure(run: _Run, raised: MeshnetError) -> HopFailed:
 
 def _since(began: float) -> float:
     return time.monotonic() - began
-
-
-def _ticketed(plan: RoutePlan) -> dict[str, str]:
-    """The headers of a ``DELETE`` on a node: a private swarm's nodes want the session's ticket."""
-    return {} if plan.ticket is None else {H.TICKET: plan.ticket}
 
 
 def _verified(run: _Run, answer: HopAnswer, expected: ChunkLedger | None = None) -> None:

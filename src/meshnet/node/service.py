@@ -2,7 +2,7 @@
 
 Flow of one request (a ``protocol.messages.HopRequest``, whichever transport brought it): check
 the session's route binding → compute this shard's layers on a worker thread → pass the output on
-to the next hop through a ``node.transport.HopTransport`` → answer. The tail samples the next
+to the next hop through a ``protocol.hops.HopTransport`` → answer. The tail samples the next
 token (``meshnet.sampling``) and its answer (token, logprob, per-hop entries) travels back up the
 chain. ``node.app`` drives it over HTTP and the decode channel; tests drive chains of services
 over ``LocalTransport`` with fake shards.

@@ -31,7 +31,7 @@ from meshnet.node.metrics import NodeMetrics
 from meshnet.node.prefix_cache import PrefixCache
 from meshnet.node.sampling_lane import DEFAULT_SAMPLE_DEADLINE_S, SamplingLane
 from meshnet.node.session import NodeSession, SeamLogs
-from meshnet.node.transport import HopTransport
+from meshnet.protocol.hops import HopTransport
 from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, PrefixRequest
 from meshnet.protocol.signing import HopKey
 from meshnet.protocol.tickets import TicketVerifier

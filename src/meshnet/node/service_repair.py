@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Coroutine
 from typing import Any
 
 from meshnet.errors import Conflict, Forbidden, InvalidRequest, SessionBusy, SessionGone, SessionNotFound, Unauthorized
@@ -69,7 +70,7 @@ class RepairParts(SnapshotParts):
         if s.forward is not None:
             with contextlib.suppress(Exception):
                 await s.forward  # the failed forward: its outcome is why we are here
-        s.next_hops, s.broken, s.broken_hop, s.forward = hops, None, None, None
+        s.next_hops, s.broken, s.broken_hop, s.broken_full, s.forward = hops, None, None, False, None
         if request.step is not None and self.shard.store.get(sid).position > request.step + 1:
             await self.rewind(s, request.step + 1)
         position = self.shard.store.get(sid).position
@@ -149,7 +150,7 @@ class RepairParts(SnapshotParts):
             with contextlib.suppress(SessionGone, SessionNotFound):
                 await self._off_loop(self.shard.close_session, sid)
 
-        ends = [end_here()]
+        ends: list[Coroutine[Any, Any, object]] = [end_here()]
         if s.next_hops:  # the next hops keep theirs meanwhile
             ends.append(self.transport.delete(s.next_hops[0], sid, ticket))
         if s.standby is not None:  # its snapshot is of no more use

@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshnet.errors import MeshnetError, SessionBroken
+from meshnet.errors import HopFull, MeshnetError, SessionBroken
 from meshnet.ids import SessionId
 from meshnet.node.authority import SessionAuthority
 from meshnet.protocol.ledger import ChunkLedger
@@ -36,6 +36,7 @@ class NodeSession:
     busy: bool = False
     broken: str | None = None
     broken_hop: str | None = None
+    broken_full: bool = False  # it broke on a hop without room (HopFull): said so to the gateway, which waits
     forward: asyncio.Task[Any] | None = None
     # The seam log (``SeamLogs``); ``None`` once dropped (budget) or on the tail.
     log: bytearray | None = field(default_factory=bytearray)
@@ -54,13 +55,17 @@ class NodeSession:
 
     def check_open(self) -> None:
         if self.broken:
+            code = HopFull.code if self.broken_full else None
             raise SessionBroken(f"session {self.session} is broken on this node: {self.broken}",
-                                failed_hop=self.broken_hop)  # fmt: skip
+                                failed_hop=self.broken_hop, code=code)  # fmt: skip
 
     def break_with(self, error: MeshnetError) -> None:
-        """Every later request on the session gets this reason (the first one stays)."""
+        """Every later request on the session gets this reason (the first one stays). A hop without
+        room for the session stays one (``hop_full``): a pipelined prefill learns of it on its next
+        chunk, and the gateway must wait for room then, not report a failure."""
         if not self.broken:
             self.broken, self.broken_hop = error.message, error.failed_hop
+            self.broken_full = isinstance(error, HopFull)
 
 
 class SeamLogs:

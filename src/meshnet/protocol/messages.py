@@ -18,7 +18,7 @@ computed it, nearest first. A failure is a ``MeshnetError`` (``meshnet.errors``)
 the sender is ``remote_error``, the one error map every transport uses.
 
 Transports: ``protocol.http_binding`` (the HTTP binding of docs/protocol.md, byte for byte) and the
-in-process transport of ``node.transport``. Records check their own invariants when built, so a
+in-process transport of ``protocol.hops``. Records check their own invariants when built, so a
 malformed request is refused the same way whichever transport brought it.
 """
 

@@ -1,0 +1,299 @@
+"""The gateway's side of the decode channel (docs/protocol.md, "Decode channel"), on asyncio.
+
+The gateway keeps one WebSocket open to every node its routes use, shared by every generation.
+A decode step goes to the head as a ``STEP`` frame naming each hop's *return id* (the id the node
+gave this gateway's channel in its ``HELLO``); the head passes it on over its own channel to the
+next hop, and so on; the tail sends the ``TOKEN`` straight back on the gateway's channel to the
+tail, and any hop that fails sends an ``ERROR`` on the gateway's channel to itself. So a step
+costs one one-way leg per seam plus one back, and a failure still names the hop.
+
+A node whose channel closes (its process died) fails every step waiting on a route through it at
+once, naming it; a step that hears nothing within its deadline is located by asking each hop what
+it holds (``GET /v1/sessions/{id}``): the first hop that did not compute it is the failed one.
+
+Concurrency: one event loop (the gateway's) owns every channel; one reader task per channel hands
+each frame to the step waiting for it. Opening a channel (TCP, TLS, the WebSocket upgrade and the
+node's ``HELLO``) is bounded as a whole by one deadline: cancelling the open wakes whatever it waits
+on, a TLS read included, so a peer that completes TLS and then says nothing costs the deadline and
+no more, with no watchdog beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import WebSocketException
+
+from meshnet.errors import BadGateway, HopFailed, InvalidRequest, hop_error
+from meshnet.protocol.channel import MAX_HEADER_BYTES, ChannelFrame, Kind, decode_frame, read_token, step_frame, ws_url
+from meshnet.protocol.messages import HopAnswer
+
+__all__ = ["ChannelUnavailable", "Channels", "Probe"]
+
+log = logging.getLogger("meshnet.gateway")
+
+_OPEN_TIMEOUT_S = 5.0
+_RETRY_S = 30.0  # a node that refused its channel gets HTTP steps this long before it is dialed again
+_MAX_FRAME_BYTES = 64 * 2**20 + MAX_HEADER_BYTES
+_CLOSE_TIMEOUT_S = 3.0  # websockets' closing handshake waits close_timeout (2 s); past this the socket is cut
+
+
+class ChannelUnavailable(Exception):
+    """A node of the route takes no decode channel (an older node, a proxy that passes no WebSocket,
+    a node that is down): nothing was sent, the caller sends the step over HTTP instead."""
+
+
+# (node url, step seq) -> True: it computed the step; False: it did not; None: it cannot be asked
+Probe = Callable[[str, int], Awaitable[bool | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Closed:
+    url: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Report:
+    url: str  # the node whose channel it came on
+    frame: ChannelFrame
+
+
+class _Waiter:
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.urls = frozenset(urls)
+        self.box: asyncio.Queue[_Report | _Closed] = asyncio.Queue()
+
+
+class _NodeChannel:
+    """One open channel: frames go out one at a time, and its reader task hands every frame that
+    comes in to ``Channels.deliver`` (and says ``Channels.lost`` when the channel ends)."""
+
+    def __init__(self, owner: Channels, url: str, connection: ClientConnection, return_id: str) -> None:
+        self.url = url
+        self.connection = connection
+        self.return_id = return_id
+        self.closed = False
+        self._send_lock = asyncio.Lock()
+        self._reader = asyncio.create_task(self._read(owner), name=f"channel {url}")
+
+    @classmethod
+    async def open(cls, owner: Channels, url: str) -> _NodeChannel:
+        """Dial the node at ``url`` and read its ``HELLO``, all within ``_OPEN_TIMEOUT_S``; any
+        failure is ``ChannelUnavailable`` naming the node and the cause (nothing was sent).
+
+        No proxy: a route's nodes are dialed directly, as their HTTP steps are."""
+        connection: ClientConnection | None = None
+        failure = "refused its decode channel"
+        try:
+            async with asyncio.timeout(_OPEN_TIMEOUT_S):
+                connection = await connect(ws_url(url), ssl=owner.tls if url.startswith("https:") else None,
+                                           proxy=None, open_timeout=_OPEN_TIMEOUT_S, compression=None,
+                                           max_size=_MAX_FRAME_BYTES, close_timeout=2)  # fmt: skip
+                failure = "sent no HELLO on its decode channel"
+                hello = decode_frame(bytes(await connection.recv(decode=False)))
+                if hello.kind is not Kind.HELLO or not isinstance(hello.header.get("channel"), str):
+                    raise InvalidRequest(f"it opened with {hello.kind.name}, not HELLO")
+        except (OSError, WebSocketException, InvalidRequest) as exc:  # OSError: TimeoutError too
+            if connection is not None:
+                connection.transport.abort()
+            cause = str(exc) or f"not open within {_OPEN_TIMEOUT_S:g} s"
+            raise ChannelUnavailable(f"node {url} {failure}: {type(exc).__name__}: {cause}") from None
+        except BaseException:  # cancelled: the half-open connection must not outlive the dial
+            if connection is not None:
+                connection.transport.abort()
+            raise
+        return cls(owner, url, connection, hello.header["channel"])
+
+    async def send(self, data: bytes) -> None:
+        """Nothing went out when this fails: the caller can still send the step another way."""
+        try:
+            async with self._send_lock:
+                await self.connection.send(data)
+        except (OSError, WebSocketException) as exc:
+            raise ChannelUnavailable(f"node {self.url}: decode channel lost: {exc}") from None
+
+    async def _read(self, owner: Channels) -> None:
+        reason = "closed"
+        try:
+            async for message in self.connection:
+                try:
+                    frame = decode_frame(message if isinstance(message, bytes) else message.encode())
+                except Exception as exc:
+                    log.warning("node %s sent an unreadable channel frame: %s", self.url, exc)
+                    continue
+                owner.deliver(_Report(self.url, frame))
+        except (OSError, WebSocketException) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.closed = True
+            owner.lost(self, reason)
+
+    async def close(self) -> None:
+        """Bounded: a peer that does not finish the closing handshake in time is cut off, and the
+        reader, which ends with the connection, is cancelled if it has not."""
+        try:
+            async with asyncio.timeout(_CLOSE_TIMEOUT_S):
+                await self.connection.close()
+        except Exception:
+            self.connection.transport.abort()
+        self._reader.cancel()
+        await asyncio.wait([self._reader], timeout=1.0)
+
+
+class Channels:
+    """Kept-open decode channels to nodes, by URL; to ``https`` nodes with the member TLS ``tls``.
+
+    Every method runs on the one event loop that owns the channels: no lock guards the tables, and
+    only a dial (which waits on the network) is serialized, per URL."""
+
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
+        self._open: dict[str, _NodeChannel] = {}
+        self._dialing: dict[str, asyncio.Lock] = {}
+        self._waiters: dict[tuple[str, int], _Waiter] = {}
+        self._seq = itertools.count()
+        self._refused: dict[str, float] = {}  # url -> when its channel was refused: HTTP until then + _RETRY_S
+
+    async def _channel(self, url: str) -> _NodeChannel:
+        channel = self._open.get(url)
+        if channel is not None and not channel.closed:
+            return channel
+        if time.monotonic() - self._refused.get(url, -_RETRY_S) < _RETRY_S:
+            raise ChannelUnavailable(f"node {url} refused its decode channel less than {_RETRY_S:.0f} s ago")
+        async with self._dialing.setdefault(url, asyncio.Lock()):
+            channel = self._open.get(url)
+            if channel is not None and not channel.closed:
+                return channel
+            try:
+                channel = await _NodeChannel.open(self, url)
+            except ChannelUnavailable as exc:
+                self._refused[url] = time.monotonic()
+                log.warning("%s; its routes get HTTP decode steps, the channel is tried again in %.0f s", exc, _RETRY_S)
+                raise
+            self._open[url] = channel
+            self._refused.pop(url, None)
+            return channel
+
+    async def step(
+        self,
+        urls: Sequence[str],
+        session: str,
+        *,
+        verb: str,
+        headers: dict[str, str],
+        body: bytes,
+        timeout_s: float,
+        probe: Probe,
+    ) -> HopAnswer:
+        """Send a step to the route of nodes at ``urls`` (head first); the tail's answer.
+
+        Raises ``ChannelUnavailable`` (before anything was sent) when a node takes no channel,
+        ``HopFailed`` naming the hop that failed, ``BadGateway`` for an error of the head's own.
+        ``await probe(url, seq)`` says whether the node at ``url`` has computed step ``seq``
+        (``None``: it cannot say); it locates a failure: a hop whose channel closed is named only
+        once the hop before it has computed the step (else that one's own report is awaited, so a
+        repair always has an upstream that holds the step), and after ``timeout_s`` of silence the
+        first hop that has not computed it is named. The deadline covers sending the step too: a
+        head that takes no more bytes for ``timeout_s`` is located the same way (part of the frame
+        may have gone out, so it is no ``ChannelUnavailable``)."""
+        channels = [await self._channel(url) for url in urls]
+        seq = next(self._seq)
+        waiter = _Waiter(urls)
+        key = (session, seq)
+        frame = step_frame(session, seq, verb=verb, headers=headers, body=body, returns=[c.return_id for c in channels])
+        self._waiters[key] = waiter
+        try:
+            for channel in channels:  # one that closed before the waiter was registered never tells it
+                if channel.closed:
+                    waiter.box.put_nowait(_Closed(channel.url, "closed"))
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await channels[0].send(frame)
+            except TimeoutError:
+                raise await _silent(urls, seq, timeout_s, probe) from None
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        item = await waiter.box.get()
+                except TimeoutError:
+                    raise await _silent(urls, seq, timeout_s, probe) from None
+                if isinstance(item, _Closed):
+                    at = urls.index(item.url)
+                    if at > 0 and await probe(urls[at - 1], seq) is not True:
+                        continue  # the hop before it has not sent the step yet: its report will name the lost one
+                return _answer(item, urls)
+        finally:
+            self._waiters.pop(key, None)
+
+    def deliver(self, report: _Report) -> None:
+        header = report.frame.header
+        key = (header.get("session"), header.get("seq"))
+        waiter = self._waiters.get(key)  # type: ignore[arg-type]
+        if waiter is not None and report.url not in waiter.urls:
+            log.warning("node %s sent a %s for a step of a route it is not on; ignored", report.url,
+                        report.frame.kind.name)  # fmt: skip
+        elif waiter is not None:
+            waiter.box.put_nowait(report)
+        elif report.frame.kind is Kind.ERROR:
+            log.warning("node %s reported an error for no waiting step: %s", report.url, header.get("error"))
+
+    def lost(self, channel: _NodeChannel, reason: str) -> None:
+        if self._open.get(channel.url) is channel:
+            del self._open[channel.url]
+        for waiter in [w for w in self._waiters.values() if channel.url in w.urls]:
+            waiter.box.put_nowait(_Closed(channel.url, reason))
+
+    async def aclose(self) -> None:
+        """Close every channel (their waiting steps fail as for a lost channel); each close is bounded."""
+        channels = list(self._open.values())
+        self._open.clear()
+        await asyncio.gather(*(channel.close() for channel in channels))
+
+
+async def _silent(urls: Sequence[str], seq: int, timeout_s: float, probe: Probe) -> HopFailed:
+    """A step that heard nothing within ``timeout_s``, located: the first hop that has not computed
+    it failed (the tail when every hop says it has: it computed the step and never answered)."""
+    failed = urls[-1]
+    for url in urls:
+        if await probe(url, seq) is not True:
+            failed = url
+            break
+    return HopFailed(f"Timeout: node {failed} did not pass step {seq} on within {timeout_s:.0f} s", failed_hop=failed)
+
+
+def _answer(item: _Report | _Closed, urls: Sequence[str]) -> HopAnswer:
+    """The tail's answer, or the failure as the HTTP binding reports it: an error past the head
+    names the hop that sent it (or the one at or after it that it names), the head's own is the
+    gateway's 502. A token counts only from the tail's channel: a hop that answers for the route
+    (skipping the hops after it) has failed."""
+    if isinstance(item, _Closed):
+        raise HopFailed(f"node {item.url} failed: its decode channel closed ({item.reason})", failed_hop=item.url)
+    frame = item.frame
+    if frame.kind is Kind.TOKEN and item.url != urls[-1]:
+        raise HopFailed(f"node {item.url} sent the step's token, which only the tail {urls[-1]} computes",
+                        failed_hop=item.url)  # fmt: skip
+    if frame.kind is Kind.TOKEN:
+        try:
+            return read_token(frame)
+        except ValueError as exc:
+            raise HopFailed(f"the tail {item.url} sent a TOKEN frame without an answer: {exc}",
+                            failed_hop=item.url) from None  # fmt: skip
+    if frame.kind is not Kind.ERROR:
+        raise BadGateway(f"node {item.url} sent a {frame.kind.name} frame for a step")
+    raw = frame.header.get("error")
+    error: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    status = frame.header.get("status")
+    message = f"route hop answered {status}: {error.get('message', 'no message')}"
+    at = urls.index(item.url)  # deliver() passes on only the route's own reports
+    raise hop_error(message, status=status, failed_hop=error.get("failed_hop"), sender=item.url,
+                    sender_is_head=at == 0, code=error.get("code"), may_name=urls[at:])  # fmt: skip

@@ -1,0 +1,326 @@
+"""The hop client: how a node reaches its next hop and how the gateway reaches every hop of a route.
+
+One interface, ``HopTransport``, for both callers, in two bindings:
+
+- ``HttpTransport``: the HTTP binding of docs/protocol.md over one kept-alive ``httpx`` client, and
+  (the gateway's) decode-channel steps over kept-open WebSockets (``protocol.channel_client``);
+- ``LocalTransport``: hop services in this process, called directly (no sockets, no threads beyond
+  the shards' own). It exists so that pipelining, repair, rewind, snapshots, prefix reuse and every
+  failure path of the node service *and* of the gateway's route engine run in milliseconds over fake
+  shards; its errors go through the same error map (``errors.hop_error``) as an HTTP error answer.
+
+Who asks decides what an error means (``errors.hop_error``). A node asks its next hop
+(``downstream=None``): any error of that hop's own is that hop's failure. The gateway asks a hop of
+a route (``downstream``: that hop and the hops after it to the tail, in order: the ones it may name as failed): an error
+of the head's own is the gateway's 502, and a hop naming one outside ``downstream`` has failed itself.
+
+A transport raises ``HopFailed`` naming the hop when it cannot reach it, and the mapped error when
+the hop answers one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import httpx
+
+from meshnet.errors import HopFailed, MeshnetError, hop_error
+from meshnet.httputil import error_field, error_message
+from meshnet.ids import SessionId
+from meshnet.protocol import headers as H
+from meshnet.protocol import http_binding
+from meshnet.protocol.channel_client import Channels, ChannelUnavailable
+from meshnet.protocol.messages import (
+    HopAnswer,
+    HopRequest,
+    PrefixRequest,
+    RerouteRequest,
+    RestoreRequest,
+    remote_error,
+)
+
+__all__ = ["HopTransport", "HttpTransport", "LocalHop", "LocalTransport", "Sendable", "acknowledged"]
+
+Sendable = HopRequest | PrefixRequest | RerouteRequest | RestoreRequest
+_RETRIED = frozenset({408, 409, 425, 429})
+
+
+def acknowledged(status: int) -> bool | None:
+    """What a ``DELETE``'s status means to whoever must see the session closed: True, closed (or
+    nothing to close: 404, 410); False, retry (409 still computing, 408/425/429, 5xx); None, give
+    up (any other 4xx, a refused ticket: it will not change)."""
+    if status < 300 or status in (404, 410):
+        return True
+    if status in _RETRIED or status >= 500:
+        return False
+    return None
+
+
+class LocalHop(Protocol):
+    """What ``LocalTransport`` calls on a hop of this process: ``node.service.NodeService``'s handlers
+    (a protocol here, so the transport does not import the service that uses it). The caller is one
+    the transport vouches for (``caller=None``)."""
+
+    async def handle(self, request: HopRequest) -> HopAnswer | None: ...
+
+    async def prefix(self, request: PrefixRequest) -> HopAnswer: ...
+
+    async def reroute(self, request: RerouteRequest) -> HopAnswer: ...
+
+    async def restore(self, request: RestoreRequest) -> HopAnswer: ...
+
+    async def delete(self, sid: SessionId, ticket: str | None = None) -> None: ...
+
+    def session_state(self, sid: SessionId) -> dict[str, Any]: ...
+
+    async def snapshot(self, sid: SessionId, ticket: str | None) -> dict[str, Any]: ...
+
+    async def receive_snapshot(self, sid: SessionId, ticket: str | None, body: bytes) -> dict[str, Any]: ...
+
+    async def drop_snapshot(self, sid: SessionId, ticket: str | None) -> None: ...
+
+
+class HopTransport(Protocol):
+    async def send(
+        self, hop: str, request: Sendable, *, timeout_s: float, downstream: Sequence[str] | None = None
+    ) -> HopAnswer:
+        """``request``'s answer from ``hop``. ``downstream``: the caller is the gateway, and these are
+        the hops ``hop`` may name as failed (module docstring)."""
+        ...
+
+    async def step(self, route: Sequence[str], request: HopRequest, *, timeout_s: float) -> HopAnswer | None:
+        """A decode step over the decode channel to the route of nodes at ``route`` (head first): the
+        tail's answer comes straight back. ``None``: a node of the route takes no channel (nothing was
+        sent: ``send`` it instead)."""
+        ...
+
+    async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> bool | None:
+        """Free the session on ``hop`` (and down the chain from it); ``ticket``: the session's route
+        ticket, which a node of a private swarm wants on a ``DELETE``. Whether it was acknowledged
+        (``acknowledged``; an unreachable hop is False)."""
+        ...
+
+    async def state(self, hop: str, session: SessionId, *, timeout_s: float) -> dict[str, Any] | None:
+        """What ``hop`` holds of the session (``GET /v1/sessions/{id}``); None when it cannot say."""
+        ...
+
+    async def take_snapshot(self, hop: str, session: SessionId, ticket: str, *, timeout_s: float) -> dict[str, Any]:
+        """Ask ``hop`` to snapshot its KV of the session to the standby ``ticket`` names; its answer
+        (``{"snapshot": positions, "to": standby}``); raises the error it answered."""
+        ...
+
+    async def push_snapshot(self, hop: str, session: SessionId, ticket: str, body: bytes, *, timeout_s: float) -> None:
+        """Hand a KV snapshot (``node.snapshots``) to the standby at ``hop``; raises ``HopFailed``
+        naming it, or the error it answered."""
+        ...
+
+    async def drop_snapshot(self, hop: str, session: SessionId, ticket: str) -> None:
+        """Tell the standby at ``hop`` that the session ended: its snapshot is of no more use. Failures
+        are ignored (the standby drops it at the session's idle TTL)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+def _prefix(downstream: Sequence[str] | None) -> str:
+    return "next hop" if downstream is None else "node"
+
+
+def _encode(request: Sendable) -> tuple[str, dict[str, str], bytes]:
+    if isinstance(request, HopRequest):
+        return http_binding.encode_request(request)
+    if isinstance(request, PrefixRequest):
+        path, headers = http_binding.encode_prefix(request)
+    elif isinstance(request, RerouteRequest):
+        path, headers = http_binding.encode_reroute(request)
+    else:
+        path, headers = http_binding.encode_restore(request)
+    return path, headers, b""
+
+
+class HttpTransport:
+    """The HTTP binding over ``client``; decode-channel steps over ``channels`` (None: none)."""
+
+    def __init__(self, client: httpx.AsyncClient, channels: Channels | None = None) -> None:
+        self.client = client
+        self.channels = channels
+
+    async def send(
+        self, hop: str, request: Sendable, *, timeout_s: float, downstream: Sequence[str] | None = None
+    ) -> HopAnswer:
+        path, headers, body = _encode(request)
+        timeout = httpx.Timeout(timeout_s, connect=5.0)
+        try:
+            response = await self.client.post(f"{hop}{path}", content=body, headers=headers, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise HopFailed(f"{_prefix(downstream)} {hop} failed: {type(exc).__name__}: {exc}",
+                            failed_hop=hop) from None  # fmt: skip
+        if downstream is None:
+            return http_binding.answer_from_response(response, hop)
+        if response.status_code >= 400:
+            raise hop_error(
+                f"route hop answered {response.status_code}: {error_message(response)}", status=response.status_code,
+                failed_hop=error_field(response, "failed_hop"), sender=hop, sender_is_head=True,
+                code=error_field(response, "code"), may_name={hop, *downstream},
+            )  # fmt: skip
+        try:
+            return HopAnswer.from_json(response.status_code, response.json())
+        except ValueError as exc:  # a bad answer is a failed tail (it alone answers tokens), repaired like a dead one
+            tail = downstream[-1] if downstream else hop
+            raise HopFailed(f"the route's tail {tail} answered a malformed step ({exc})", failed_hop=tail) from None
+
+    async def step(self, route: Sequence[str], request: HopRequest, *, timeout_s: float) -> HopAnswer | None:
+        if self.channels is None:
+            return None
+        headers, body = http_binding.encode_step(request)
+        sid = request.session
+
+        async def probe(url: str, seq: int) -> bool | None:
+            held = await self.state(url, sid, timeout_s=min(5.0, timeout_s))
+            return None if held is None else held.get("seq") == seq
+
+        try:
+            # no hop waits for another here, so no nesting: one hop timeout bounds the walk, as it
+            # bounds the innermost HTTP hop's wait for everything below it
+            return await self.channels.step(list(route), sid, verb=str(request.verb), headers=headers, body=body,
+                                            timeout_s=timeout_s, probe=probe)  # fmt: skip
+        except ChannelUnavailable:
+            return None
+
+    async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> bool | None:
+        headers = {} if ticket is None else {H.TICKET: ticket}
+        try:
+            response = await self.client.delete(f"{hop}/v1/sessions/{session}", headers=headers)
+        except httpx.HTTPError:
+            return False
+        return acknowledged(response.status_code)
+
+    async def state(self, hop: str, session: SessionId, *, timeout_s: float) -> dict[str, Any] | None:
+        try:
+            response = await self.client.get(f"{hop}/v1/sessions/{session}", timeout=timeout_s)
+            held = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        return held if isinstance(held, dict) else None
+
+    async def take_snapshot(self, hop: str, session: SessionId, ticket: str, *, timeout_s: float) -> dict[str, Any]:
+        try:
+            response = await self.client.post(f"{hop}/v1/sessions/{session}/snapshot", headers={H.TICKET: ticket},
+                                              timeout=timeout_s)  # fmt: skip
+        except httpx.HTTPError as exc:
+            raise HopFailed(f"node {hop} failed: {type(exc).__name__}: {exc}", failed_hop=hop) from None
+        if response.status_code >= 400:
+            raise http_binding.error_from_response(response, hop, sender_is_head=True)
+        try:
+            taken = response.json()
+        except ValueError:
+            taken = None
+        return taken if isinstance(taken, dict) else {}
+
+    async def push_snapshot(self, hop: str, session: SessionId, ticket: str, body: bytes, *, timeout_s: float) -> None:
+        headers = {H.TICKET: ticket, "Content-Type": http_binding.OCTETS}
+        try:
+            response = await self.client.post(
+                f"{hop}/v1/snapshots/{session}", content=body, headers=headers, timeout=httpx.Timeout(timeout_s)
+            )
+        except httpx.HTTPError as exc:
+            raise HopFailed(f"standby {hop} failed: {type(exc).__name__}: {exc}", failed_hop=hop) from None
+        if response.status_code >= 400:
+            raise http_binding.error_from_response(response, hop, sender_is_head=False)
+
+    async def drop_snapshot(self, hop: str, session: SessionId, ticket: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self.client.delete(f"{hop}/v1/snapshots/{session}", headers={H.TICKET: ticket})
+
+    async def aclose(self) -> None:
+        if self.channels is not None:
+            await self.channels.aclose()
+        await self.client.aclose()
+
+
+class LocalTransport:
+    """Hop services of this process by URL; a URL with no service is a hop that is down."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, LocalHop] = {}
+
+    def add(self, url: str, service: LocalHop) -> None:
+        self.services[url] = service
+
+    def remove(self, url: str) -> None:
+        """The hop at ``url`` is gone, as after ``kill -9``: every later request to it fails."""
+        self.services.pop(url, None)
+
+    def _service(self, hop: str, role: str = "next hop") -> LocalHop:
+        service = self.services.get(hop)
+        if service is None:
+            raise HopFailed(f"{role} {hop} failed: ConnectError: nothing listens there", failed_hop=hop)
+        return service
+
+    async def send(
+        self, hop: str, request: Sendable, *, timeout_s: float, downstream: Sequence[str] | None = None
+    ) -> HopAnswer:
+        service = self._service(hop, _prefix(downstream))
+        try:
+            if isinstance(request, PrefixRequest):
+                return await service.prefix(request)
+            if isinstance(request, RerouteRequest):
+                return await service.reroute(request)
+            if isinstance(request, RestoreRequest):
+                return await service.restore(request)
+            answer = await service.handle(request)
+        except MeshnetError as exc:
+            if downstream is None:
+                raise remote_error(exc, sender=hop, sender_is_head=False) from None
+            raise hop_error(f"route hop answered {exc.status}: {exc.message}", status=exc.status,
+                            failed_hop=exc.failed_hop, sender=hop, sender_is_head=True, code=exc.code,
+                            may_name={hop, *downstream}) from None  # fmt: skip
+        assert answer is not None  # only a decode-channel step answers nothing
+        return answer
+
+    async def step(self, route: Sequence[str], request: HopRequest, *, timeout_s: float) -> HopAnswer | None:
+        return None  # no channel in process: every step is sent
+
+    async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> bool | None:
+        service = self.services.get(hop)
+        if service is None:
+            return False
+        try:
+            await service.delete(session, ticket)
+        except MeshnetError as exc:
+            return acknowledged(exc.status)
+        return True
+
+    async def state(self, hop: str, session: SessionId, *, timeout_s: float) -> dict[str, Any] | None:
+        service = self.services.get(hop)
+        if service is None:
+            return None
+        try:
+            return service.session_state(session)
+        except MeshnetError:
+            return None
+
+    async def take_snapshot(self, hop: str, session: SessionId, ticket: str, *, timeout_s: float) -> dict[str, Any]:
+        service = self._service(hop, "node")
+        try:
+            return await service.snapshot(session, ticket)
+        except MeshnetError as exc:
+            raise remote_error(exc, sender=hop, sender_is_head=True) from None
+
+    async def push_snapshot(self, hop: str, session: SessionId, ticket: str, body: bytes, *, timeout_s: float) -> None:
+        service = self._service(hop, "standby")
+        try:
+            await service.receive_snapshot(session, ticket, body)
+        except MeshnetError as exc:
+            raise remote_error(exc, sender=hop, sender_is_head=False) from None
+
+    async def drop_snapshot(self, hop: str, session: SessionId, ticket: str) -> None:
+        service = self.services.get(hop)
+        if service is not None:
+            with contextlib.suppress(MeshnetError):
+                await service.drop_snapshot(session, ticket)
+
+    async def aclose(self) -> None:
+        self.services.clear()
