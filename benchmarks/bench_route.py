@@ -23,7 +23,7 @@ from benchmarks.common import Section, median, route_compute_ms
 from meshnet.artifacts.bundled import bundled_gguf
 from meshnet.artifacts.gguf_header import read_header
 from meshnet.layers import LayerRange
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
+from meshnet.protocol.messages import HopEntry, TokenAnswer, answer_from_json
 from meshnet.protocol.signing import HopKey, check_signatures
 from meshnet.routes import Hop
 from meshnet.sampling import Sampler, SamplingParams, _log_z, check_draw
@@ -90,26 +90,24 @@ def _signing_ms(hops: int, repeats: int = 2000) -> float:
     def entry(i: int) -> HopEntry:
         return HopEntry(f"n{i}", f"{i}:{i + 1}", 7.931, 1234, "0c1f" * 8, None if i == hops - 1 else "9a3e" * 8, 1)
 
-    def step() -> HopAnswer:
+    def step() -> TokenAnswer:
         *before, tail = keys
         signed = [k.sign("sess", entry(i)) for i, k in enumerate(before)]
-        answer = HopAnswer(AnswerKind.TOKEN, (tail.sign("sess", entry(hops - 1)),), position=1235, token=4242,
-                           logprob=-0.1734)  # fmt: skip
+        answer = TokenAnswer((tail.sign("sess", entry(hops - 1)),), position=1235, token=4242, logprob=-0.1734)
         return tail.sign_answer("sess", answer).after(*signed)
 
     times = []
     for _ in range(repeats):
         began = time.perf_counter()
-        answer = HopAnswer.from_json(200, step().to_json())
+        answer = answer_from_json(200, step().to_json())
         check_signatures("sess", route, answer)
         times.append(time.perf_counter() - began)
     signing = median(times)
     plain = []  # the same without signing or checking: building and parsing the answer
     for _ in range(repeats):
         began = time.perf_counter()
-        answer = HopAnswer(AnswerKind.TOKEN, tuple(entry(i) for i in range(hops)), position=1235, token=4242,
-                           logprob=-0.1734)  # fmt: skip
-        HopAnswer.from_json(200, answer.to_json())
+        answer = TokenAnswer(tuple(entry(i) for i in range(hops)), position=1235, token=4242, logprob=-0.1734)
+        answer_from_json(200, answer.to_json())
         plain.append(time.perf_counter() - began)
     return 1000 * max(0.0, signing - median(plain))
 

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from meshnet.protocol.messages import HopAnswer
+from meshnet.protocol.messages import answer_from_json
 from meshnet.protocol.signing import HopKey
 from tests.asgi import serve_in_thread
 from tests.procs import Proc, meshnet_process
@@ -68,7 +68,7 @@ class Liar:
             data = data if changed is None else changed
             if self.key is not None and "hops" in data:  # the tail's own entry, signed anew: /v1/sessions/{id}/...
                 session = request.url.path.split("/")[3]
-                data = self.key.sign_answer(session, HopAnswer.from_json(answer.status_code, data)).to_json()
+                data = self.key.sign_answer(session, answer_from_json(answer.status_code, data)).to_json()
             body = json.dumps(data).encode()
         return Response(body, status_code=answer.status_code, media_type=answer.headers.get("content-type"))
 

@@ -28,7 +28,7 @@ from meshnet.protocol.audits import (
     statement_signed_by,
     token_at,
 )
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, TokenAnswer
 from meshnet.protocol.signing import HopKey, claim_of
 from meshnet.protocol.wire import frame_values
 from meshnet.sampling import Draw
@@ -80,7 +80,7 @@ def _answers(answers: list[HopAnswer]) -> dict[int, tuple[HopEntry, dict[str, An
     kept = {}
     for a in answers:
         claim = claim_of(a)
-        assert a.position is not None and claim is not None and a.draw is not None
+        assert isinstance(a, TokenAnswer) and claim is not None and a.draw is not None
         kept[a.position] = (a.hops[-1], claim)
     return kept
 

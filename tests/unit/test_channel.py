@@ -29,7 +29,7 @@ from meshnet.node.channel import Direct
 from meshnet.protocol import channel_client
 from meshnet.protocol.channel import CHANNEL_PATH, Kind, decode_frame, encode_frame, ws_url
 from meshnet.protocol.channel_client import Channels, ChannelUnavailable, _answer, _Report
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
+from meshnet.protocol.messages import HopAnswer, HopEntry, TokenAnswer
 from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_member_key
 from meshnet.security.tls import save_member
 from tests.asgi import serve_in_thread
@@ -130,9 +130,7 @@ def test_a_step_comes_back_as_the_tails_answer_with_every_hops_entry(hop: tuple[
         channels = Channels()
         try:
             answer = await _step(channels, url, "ok-1", verb="verify")
-            assert answer == HopAnswer(
-                AnswerKind.TOKEN, (HopEntry.from_json(TAIL_ENTRY),), position=3, token=7, logprob=-0.5
-            )
+            assert answer == TokenAnswer((HopEntry.from_json(TAIL_ENTRY),), position=3, token=7, logprob=-0.5)
             sid, headers, body, verify, direct = scripted.steps[-1]
             assert (sid, headers["x-meshnet-position"], body, verify) == ("ok-1", "2", b"\x01\x00\x00\x00", True)
             assert direct.returns == tuple(scripted.peers)  # the gateway's own channel is the return address

@@ -3,6 +3,8 @@ and bodies as docs/protocol.md writes them, round trips, and every malformed fie
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import numpy as np
 import pytest
@@ -19,16 +21,25 @@ from meshnet.protocol.http_binding import (
     error_from_response,
 )
 from meshnet.protocol.messages import (
+    Accepted,
     AnswerKind,
+    Cached,
     HopAnswer,
     HopEntry,
     HopRequest,
     Payload,
+    Replayed,
+    Rerouted,
     RerouteRequest,
+    Restored,
+    TokenAnswer,
     Verb,
+    VerifyAnswer,
+    answer_from_json,
     remote_error,
 )
 from meshnet.protocol.wire import encode_tensor
+from meshnet.sampling import Draw
 
 SID = SessionId("abc")
 BIG = 1 << 20
@@ -130,33 +141,68 @@ def test_a_reroute_round_trips_and_bounds_its_replay() -> None:
 ENTRY = HopEntry("n1", "0:10/30", 1.5, 12, "aa" * 16, "bb" * 16, positions=1)
 
 
-@pytest.mark.parametrize(
-    "answer",
-    [
-        HopAnswer(AnswerKind.ACCEPTED, (ENTRY,), count=4),
-        HopAnswer(AnswerKind.REPLAYED, (ENTRY,), count=4),
-        HopAnswer(AnswerKind.TOKEN, (ENTRY, ENTRY), position=13, token=5, logprob=-0.25, top=((5, -0.25), (7, -2.0))),
-        HopAnswer(
-            AnswerKind.TOKENS,
-            (ENTRY,),
-            position=15,
-            tokens=(1, 2, 3),
-            logprobs=(0.0, -1.0, -2.0),
-            drafted=3,
-            accepted=2,
-            tops=(((1, 0.0),), ((2, -1.0),), ((3, -2.0),)),
-        ),
-        HopAnswer(AnswerKind.REROUTED, (ENTRY,), position=12, session=SID, next_hops=("http://b:1",)),
-    ],
-)
+ANSWERS = [
+    Accepted((ENTRY,), count=4),
+    Replayed((ENTRY,), count=4),
+    Cached((ENTRY, ENTRY), count=256),
+    Restored((ENTRY,), count=12),
+    TokenAnswer((ENTRY, ENTRY), position=13, token=5, logprob=-0.25, top=((5, -0.25), (7, -2.0))),
+    TokenAnswer((ENTRY,), position=13, token=42, logprob=-0.125, draw=Draw((42, 7), (0.75, 0.125), 1.0, 100)),
+    VerifyAnswer(
+        (ENTRY,),
+        position=15,
+        tokens=(1, 2, 3),
+        logprobs=(0.0, -1.0, -2.0),
+        drafted=3,
+        accepted=2,
+        tops=(((1, 0.0),), ((2, -1.0),), ((3, -2.0),)),
+    ),
+    VerifyAnswer((ENTRY,), position=13, tokens=(9,), logprobs=(-0.5,), drafted=2),
+    Rerouted((ENTRY,), position=12, session=SID, next_hops=("http://b:1",)),
+]
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
 def test_every_answer_survives_json_and_an_http_response(answer: HopAnswer) -> None:
-    assert HopAnswer.from_json(answer.status, answer.to_json()) == answer
+    assert answer_from_json(answer.status, answer.to_json()) == answer
     response = httpx.Response(answer.status, json=answer.to_json())
     assert answer_from_response(response, "http://b:1") == answer
 
 
+def test_every_kind_round_trips_to_a_record_of_its_own_class() -> None:
+    kinds = {type(answer): answer.kind for answer in ANSWERS}
+    assert sorted(kinds.values()) == sorted(AnswerKind)  # one record class per kind, each tested
+    for answer in ANSWERS:
+        back = answer_from_json(answer.status, answer.to_json())
+        assert type(back) is type(answer) and back.kind is answer.kind and back == answer
+        assert back.to_json() == answer.to_json()
+    assert [a.status for a in ANSWERS if a.status != 200] == [202]  # only a pipelined chunk is accepted
+
+
+def test_a_record_has_its_own_kinds_fields_and_no_others() -> None:
+    accepted, token = Accepted((ENTRY,), count=4), ANSWERS[4]
+    assert accepted.kind is AnswerKind.ACCEPTED and accepted.count == 4
+    for field in ("token", "position", "tokens", "session", "draw"):
+        assert not hasattr(accepted, field)
+    assert isinstance(token, TokenAnswer) and token.token == 5
+    for field in ("count", "tokens", "logprobs", "drafted", "accepted", "next_hops"):
+        assert not hasattr(token, field)
+    assert {f.name for f in dataclasses.fields(Rerouted)} == {"hops", "position", "session", "next_hops"}
+    assert {f.name for f in dataclasses.fields(Cached)} == {"hops", "count"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        accepted.count = 5  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        object.__setattr__(accepted, "token", 5)  # slots: no room for another kind's field
+
+
+def test_an_answer_gains_the_entries_of_the_hops_before_it() -> None:
+    tail = HopEntry("n2", "10:20/30", 1.0, 12, "bb" * 16)
+    answer = Restored((tail,), count=12).after(ENTRY)
+    assert answer == Restored((ENTRY, tail), count=12)
+
+
 def test_a_token_answer_has_the_documented_fields() -> None:
-    answer = HopAnswer(AnswerKind.TOKEN, (ENTRY,), position=13, token=5, logprob=-0.25)
+    answer = TokenAnswer((ENTRY,), position=13, token=5, logprob=-0.25)
     assert answer.to_json() == {
         "token": 5,
         "logprob": -0.25,

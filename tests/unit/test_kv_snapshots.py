@@ -16,7 +16,7 @@ from meshnet.errors import Conflict, HopFailed, InvalidRequest, SessionNotFound,
 from meshnet.ids import RouteId
 from meshnet.node.service import NodeConfig, NodeService
 from meshnet.node.snapshots import SessionSnapshot
-from meshnet.protocol.messages import AnswerKind, RerouteRequest, RestoreRequest
+from meshnet.protocol.messages import AnswerKind, RerouteRequest, RestoreRequest, TokenAnswer
 from meshnet.protocol.tickets import RouteTicket, TicketHop, TicketSigner, TicketVerifier, repair_ticket, route_ticket
 from tests.unit.test_node_service import (
     PROMPT,
@@ -74,7 +74,7 @@ async def opened(swarm: Swarm, signer: TicketSigner, n: int) -> list[int]:
     urls = [url(n) for n in ROUTE]
     first = dataclasses.replace(prefill(PROMPT, 0, route=urls, final=True, first=True), ticket=signer.sign(route()))
     answer = await swarm.send(urls[0], first)
-    assert answer.token is not None
+    assert isinstance(answer, TokenAnswer)
     return await decode(swarm, urls[0], [answer.token], n)
 
 
@@ -119,7 +119,7 @@ def test_a_standby_restores_the_dead_hops_snapshot_and_only_later_positions_are_
         reroute = RerouteRequest(SID, tuple(fixed[dead:]), "r1", model="mix", replay=1, step=position, ticket=repair,
                                  replay_from=restored.count)  # fmt: skip
         answer = await swarm.transport.services[fixed[dead - 1]].reroute(reroute)
-        assert answer.token is not None and [h.held for h in answer.hops][-1] == position + 1
+        assert isinstance(answer, TokenAnswer) and [h.held for h in answer.hops][-1] == position + 1
         for i in range(dead - 2, -1, -1):
             cleared = RerouteRequest(SID, tuple(fixed[i + 1 :]), "r1", step=position, ticket=repair)
             await swarm.transport.services[fixed[i]].reroute(cleared)

@@ -11,6 +11,7 @@ import pytest
 
 from meshnet.errors import SessionGone, SessionNotFound, Unauthorized
 from meshnet.ids import RouteId, SessionId
+from meshnet.protocol.messages import TokenAnswer
 from meshnet.protocol.tickets import TicketSigner, route_ticket
 from tests.unit.test_node_service import PROMPT, SID, prefill, ticket_hops, ticketed_swarm
 
@@ -24,7 +25,7 @@ def test_a_delete_needs_the_sessions_ticket_and_travels_with_it_down_the_chain()
 
     async def main() -> None:
         first = dataclasses.replace(prefill(PROMPT, 0, route=route, final=True, first=True), ticket=token)
-        assert (await swarm.send(route[0], first)).token is not None
+        assert isinstance(await swarm.send(route[0], first), TokenAnswer)
         services = [swarm.transport.services[u] for u in route]
         with pytest.raises(Unauthorized, match="no route ticket"):
             await services[0].delete(SID)

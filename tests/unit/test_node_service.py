@@ -34,7 +34,7 @@ from meshnet.errors import (
 from meshnet.ids import RouteId, SessionId
 from meshnet.node.service import NodeConfig, NodeService
 from meshnet.protocol.hops import LocalTransport
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopRequest, Payload, RerouteRequest, TokenAnswer, Verb
 from meshnet.protocol.tickets import TicketHop, TicketSigner, TicketVerifier, repair_ticket, route_ticket
 from meshnet.protocol.wire import encode_tensor
 
@@ -101,7 +101,7 @@ async def generate(swarm: Swarm, route: Sequence[str], n: int, *, chunk: int = 4
         req = prefill(PROMPT[start : start + chunk], start, route=route, final=final, first=start == 0)
         answer = await swarm.send(head, req)
         assert answer.kind is (AnswerKind.TOKEN if final else AnswerKind.ACCEPTED)
-    assert answer is not None and answer.token is not None
+    assert isinstance(answer, TokenAnswer)
     out = [answer.token]
     return await decode(swarm, head, out, n)
 
@@ -110,7 +110,7 @@ async def decode(swarm: Swarm, head: str, tokens: list[int], n: int) -> list[int
     """Greedy steps after ``PROMPT`` and ``tokens`` until there are ``n`` tokens; ``tokens``, grown."""
     while len(tokens) < n:
         answer = await swarm.send(head, step(tokens[-1], len(PROMPT) + len(tokens) - 1))
-        assert answer.token is not None
+        assert isinstance(answer, TokenAnswer)
         tokens.append(answer.token)
     return tokens
 
@@ -232,7 +232,7 @@ def test_a_reroute_replays_the_seam_log_into_a_replacement_and_the_text_goes_on_
         for i in range(dead - 2, -1, -1):  # the hops above it broke the session too: the gateway clears them
             cleared = RerouteRequest(SID, tuple(fixed[i + 1 :]), "r1", step=position)
             assert (await swarm.transport.services[fixed[i]].reroute(cleared)).kind is AnswerKind.REROUTED
-        assert answer.token is not None
+        assert isinstance(answer, TokenAnswer)
         tokens.append(answer.token)
         return await decode(swarm, route[0], tokens, 10)
 
@@ -272,7 +272,7 @@ def test_a_resent_step_with_rewind_replaces_the_position_every_hop_already_holds
         again = await swarm.send(route[0], step(tokens[3], position, rewind=True))
         assert again.token == tokens[4] and [h.held for h in again.hops] == [position + 1] * 3
         answer = await swarm.send(route[0], step(tokens[4], position + 1))
-        assert answer.token is not None
+        assert isinstance(answer, TokenAnswer)
         return [*tokens, answer.token]
 
     assert asyncio.run(main()) == want
@@ -409,6 +409,32 @@ def test_a_delete_travels_down_the_chain_and_frees_every_hop() -> None:
     asyncio.run(main())
 
 
+def test_a_delete_a_busy_next_hop_refuses_is_passed_on_again_until_it_frees_the_session() -> None:
+    """The gateway closes as soon as the tail's token reaches it over the decode channel, while a hop
+    before the tail may still be handing that step on (409 ``session_busy``): the hop before it asks
+    again, in the background, and the session leaves every hop, not at its idle TTL."""
+    swarm = Swarm()
+    route = chain(swarm)
+
+    async def main() -> None:
+        await generate(swarm, route, 2)
+        head, middle, tail = (swarm.transport.services[u] for u in route)
+        bound = tail._bound(SID)  # type: ignore[attr-defined]
+        assert bound is not None
+        bound.busy = True  # a step still in flight on the tail
+        await head.delete(SID)
+        assert len(head.shard.store) == 0 and len(middle.shard.store) == 0 and len(tail.shard.store) == 1
+        await asyncio.sleep(0.2)
+        bound.busy = False  # the step is done
+        for _ in range(100):
+            if len(tail.shard.store) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert len(tail.shard.store) == 0
+
+    asyncio.run(main())
+
+
 # -- route tickets (a private swarm) -------------------------------------------------------------
 
 
@@ -447,7 +473,7 @@ def test_with_tickets_a_session_opens_only_along_the_trackers_route_and_repairs_
         with pytest.raises(Unauthorized, match="does not trust"):
             await head.handle(dataclasses.replace(first, ticket=forged))
         answer = await swarm.send(route[0], dataclasses.replace(first, ticket=token))
-        assert answer.token is not None
+        assert isinstance(answer, TokenAnswer)
         tokens = [answer.token]
         await decode(swarm, route[0], tokens, 4)
         position = len(PROMPT) + len(tokens) - 1
@@ -461,7 +487,7 @@ def test_with_tickets_a_session_opens_only_along_the_trackers_route_and_repairs_
         repair = signer.sign(repair_ticket(ticket, ticket_hops(fixed), repair_from=2, ttl_s=60))
         answer = await middle.reroute(RerouteRequest(SID, (urls[3],), "r1", replay=1, step=position, ticket=repair))
         await head.reroute(RerouteRequest(SID, tuple(fixed[1:]), "r1", step=position, ticket=repair))
-        assert answer.token is not None
+        assert isinstance(answer, TokenAnswer)
         tokens.append(answer.token)
         return await decode(swarm, route[0], tokens, 8)
 

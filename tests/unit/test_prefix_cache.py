@@ -19,7 +19,15 @@ from meshnet.node.prefix_cache import CachedPrefix, PrefixCache
 from meshnet.node.service import NodeConfig, NodeService
 from meshnet.protocol import http_binding
 from meshnet.protocol.ledger import ChunkLedger, verify_hops
-from meshnet.protocol.messages import AnswerKind, HopRequest, PrefixClaim, PrefixRequest, RerouteRequest, Verb
+from meshnet.protocol.messages import (
+    AnswerKind,
+    HopRequest,
+    PrefixClaim,
+    PrefixRequest,
+    RerouteRequest,
+    TokenAnswer,
+    Verb,
+)
 from meshnet.protocol.prefix import block_hashes
 from meshnet.routes import Hop
 from tests.unit.test_node_service import MixShard, Swarm, every_state_live, ids_payload
@@ -163,14 +171,14 @@ class Gateway:
                 next_hops=tuple(self.route[1:]) if first else None, sample=final, prefix=claim if first else None,
             )  # fmt: skip
             answer = await self.swarm.send(head, req)
-            token = answer.token
+            token = answer.token if isinstance(answer, TokenAnswer) else None
         assert token is not None
         tokens = [token]
         while len(tokens) < n:
             step = HopRequest(Verb.DECODE, sid, len(prompt) + len(tokens) - 1, 1, ids_payload(tokens[-1:]),
                               route_id="r1")  # fmt: skip
             answer = await self.swarm.send(head, step)
-            assert answer.token is not None
+            assert isinstance(answer, TokenAnswer)
             tokens.append(answer.token)
         await self.swarm.services(head).delete(sid)
         return tokens, start

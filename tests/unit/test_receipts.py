@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
+from meshnet.protocol.messages import HopEntry, TokenAnswer
 from meshnet.protocol.signing import COUNTERSIGNATURE, HopKey, claim_of, countersign
 from meshnet.tracker.db import TrackerDB
 from tests.unit.test_tracker_standby import Swarm
@@ -42,7 +42,7 @@ def _receipts(session: str, *, held: int = HELD, tail_input: str = "bb" * 16, si
     """What a gateway sends: each node's latest signed entry, the tail's over its answer."""
     head = KEYS["head"].sign(session, HopEntry("head", "0:15", 3.5, held, "aa" * 16, "bb" * 16, 1))
     tail_entry = HopEntry("tail", "15:30", 4.25, held, tail_input, None, 1)
-    answer = HopAnswer(AnswerKind.TOKEN, (tail_entry,), position=held + 1, token=7, logprob=-0.5)
+    answer = TokenAnswer((tail_entry,), position=held + 1, token=7, logprob=-0.5)
     tail = KEYS[signer].sign(session, tail_entry, answer)
     return [{"entry": head.to_json(), "answer": None}, {"entry": tail.to_json(), "answer": claim_of(answer)}]
 
@@ -121,7 +121,7 @@ def test_a_node_a_repair_replaced_is_billed_on_the_key_it_was_pinned_with(swarm:
     assert fixed.status_code == 200 and [h["node_id"] for h in fixed.json()["hops"]] == ["head", "spare"], fixed.text
     receipts = _receipts(sid)  # the replaced tail's last entry before it failed
     tail_entry = HopEntry("spare", "15:30", 4.0, HELD, "bb" * 16, None, 1)
-    spare = HopAnswer(AnswerKind.TOKEN, (tail_entry,), position=HELD + 1, token=7, logprob=-0.5)
+    spare = TokenAnswer((tail_entry,), position=HELD + 1, token=7, logprob=-0.5)
     receipts.append({"entry": spare_key.sign(sid, tail_entry, spare).to_json(), "answer": claim_of(spare)})
     records = [{"node_id": node, "layers": layers, "prefill_tokens": 30, "decode_tokens": 2}
                for node, layers in (("head", "0:15"), ("tail", "15:30"), ("spare", "15:30"))]  # fmt: skip

@@ -479,7 +479,7 @@ def test_cached_blocks_that_disagree_with_the_prompt_are_refused_and_the_prompt_
 def test_a_tail_answering_a_token_outside_the_vocabulary_is_replaced(swarm: LocalSwarm) -> None:
     """Whatever a tail answers is a claim: a token id the model does not have is a failed tail,
     repaired like a dead one (never handed to the detokenizer)."""
-    from meshnet.protocol.messages import HopAnswer
+    from meshnet.protocol.messages import HopAnswer, TokenAnswer
 
     expected = reference(swarm.tmp_path, 6)
 
@@ -491,7 +491,7 @@ def test_a_tail_answering_a_token_outside_the_vocabulary_is_replaced(swarm: Loca
 
         async def handle(request: Any, **kwargs: Any) -> HopAnswer | None:
             answer = await honest_handle(request, **kwargs)
-            if answer is not None and answer.token is not None and request.start > len(PROMPT) and not lies:
+            if isinstance(answer, TokenAnswer) and request.start > len(PROMPT) and not lies:
                 lies.append(answer.token)  # signed by the liar itself: a lie, not a forgery on the way
                 return liar.config.hop_key.sign_answer(request.session, dataclasses.replace(answer, token=VOCAB + 7))
             return answer

@@ -18,7 +18,7 @@ from meshnet.errors import Forbidden, HopFailed, SessionGone, SessionNotFound, U
 from meshnet.ids import RouteId, SessionId
 from meshnet.node.authority import CODE_NOT_DRIVER, ClosedSessions
 from meshnet.node.service import NodeConfig, NodeService
-from meshnet.protocol.messages import HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.messages import HopRequest, Payload, RerouteRequest, TokenAnswer, Verb
 from meshnet.protocol.tickets import (
     CODE_CLOSED,
     CODE_SUPERSEDED,
@@ -56,7 +56,7 @@ def _open(swarm: Swarm, route: list[str], ticket: RouteTicket, signer: TicketSig
         head = swarm.transport.services[route[0]]
         first = dataclasses.replace(prefill(PROMPT, 0, route=route, final=True, first=True), ticket=token)
         answer = await head.handle(first, caller=GW)
-        assert answer is not None and answer.token is not None
+        assert isinstance(answer, TokenAnswer)
         return await decode(swarm, route[0], [answer.token], 3)
 
     return token, asyncio.run(main())
@@ -137,7 +137,7 @@ def test_a_repair_rebinds_the_hops_after_it_and_supersedes_every_older_ticket() 
         answer = await head.reroute(
             RerouteRequest(SID, tuple(fixed[1:]), "r1", replay=1, step=position, ticket=signer.sign(once)), caller=GW
         )
-        assert answer.token is not None
+        assert isinstance(answer, TokenAnswer)
         tokens.append(answer.token)
         # the tail learned its new upstream from the resent step: the old middle drives nothing now
         with pytest.raises(Forbidden):
@@ -178,7 +178,7 @@ def test_a_closed_sessions_tickets_open_nothing_but_a_later_repair_does() -> Non
         # the tracker signs a later epoch only for a session still open on it (a repair re-adding a node)
         later = repair_ticket(ticket, ticket_hops(route), repair_from=1, ttl_s=60)
         answer = await head.handle(dataclasses.replace(first, ticket=signer.sign(later)), caller=GW)
-        assert answer is not None and answer.token is not None
+        assert isinstance(answer, TokenAnswer)
 
     asyncio.run(main())
 
@@ -207,7 +207,7 @@ def test_an_open_swarm_node_binds_nobody() -> None:
     async def main() -> None:
         head = swarm.transport.services[route[0]]
         answer = await head.handle(prefill(PROMPT, 0, route=route, final=True, first=True), caller="anyone")
-        assert answer is not None and answer.token is not None
+        assert isinstance(answer, TokenAnswer)
         assert head.session_state(SID, "someone")["position"] == len(PROMPT)
         ids = Payload(encode_tensor(np.array([[answer.token]], dtype="int32"), "int32"))
         await head.handle(HopRequest(Verb.DECODE, SID, len(PROMPT), 1, ids, route_id="r1"), caller="else")

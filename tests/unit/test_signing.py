@@ -10,7 +10,7 @@ import pytest
 
 from meshnet.errors import InvalidRequest, RouteInconsistent
 from meshnet.layers import LayerRange
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
+from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, TokenAnswer, VerifyAnswer, answer_from_json
 from meshnet.protocol.signing import HopKey, check_public_key, check_signatures
 from meshnet.routes import Hop
 from meshnet.sampling import Draw
@@ -34,16 +34,17 @@ def honest(kind: AnswerKind = AnswerKind.TOKEN) -> HopAnswer:
     """What the route answers: the head's entry before the tail's, each signed by its own node."""
     head = HEAD.sign(SESSION, _entry("head", "0:6"))
     tail = TAIL.sign(SESSION, _entry("tail", "6:12"))
+    answer: HopAnswer
     if kind is AnswerKind.TOKENS:
-        answer = HopAnswer(kind, (tail,), position=7, tokens=(11, 12), logprobs=(-0.5, -0.25), drafted=2, accepted=1)
+        answer = VerifyAnswer((tail,), position=7, tokens=(11, 12), logprobs=(-0.5, -0.25), drafted=2, accepted=1)
     else:
-        answer = HopAnswer(kind, (tail,), position=5, token=42, logprob=-0.125, top=((42, -0.125), (7, -2.5)))
+        answer = TokenAnswer((tail,), position=5, token=42, logprob=-0.125, top=((42, -0.125), (7, -2.5)))
     return TAIL.sign_answer(SESSION, answer).after(head)
 
 
 def wire(answer: HopAnswer) -> HopAnswer:
     """The answer as the gateway parses it from the JSON a node sent."""
-    return HopAnswer.from_json(answer.status, answer.to_json())
+    return answer_from_json(answer.status, answer.to_json())
 
 
 @pytest.mark.parametrize("kind", [AnswerKind.TOKEN, AnswerKind.TOKENS])
@@ -80,7 +81,7 @@ def test_a_hop_cannot_make_up_another_hops_entry() -> None:
 
 def test_a_hop_that_answers_alone_and_signs_the_token_itself_is_caught_before_the_tail_is_blamed() -> None:
     head = _entry("head", "0:6")
-    alone = HopAnswer(AnswerKind.TOKEN, (head,), position=5, token=42, logprob=-0.125)
+    alone = TokenAnswer((head,), position=5, token=42, logprob=-0.125)
     with pytest.raises(RouteInconsistent, match="answered for nodes"):
         check_signatures(SESSION, ROUTE, wire(HEAD.sign_answer(SESSION, alone)))
 
@@ -126,7 +127,7 @@ def test_a_private_swarm_takes_no_node_that_does_not_sign(tmp_path) -> None:
 def test_the_tails_signature_covers_the_distribution_it_committed_to() -> None:
     draw = Draw((42, 7), (0.75, 0.125), 1.0, 100)
     tail = TAIL.sign(SESSION, _entry("tail", "6:12"))
-    answer = HopAnswer(AnswerKind.TOKEN, (tail,), position=5, token=42, logprob=-0.125, draw=draw)
+    answer = TokenAnswer((tail,), position=5, token=42, logprob=-0.125, draw=draw)
     signed = wire(TAIL.sign_answer(SESSION, answer).after(HEAD.sign(SESSION, _entry("head", "0:6"))))
     assert signed.draw == draw
     check_signatures(SESSION, ROUTE, signed)

@@ -18,7 +18,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from meshnet.protocol.audits import AuditStatement, AuditStep, answer_at, sign_statement
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
+from meshnet.protocol.messages import HopEntry, TokenAnswer
 from meshnet.protocol.signing import HopKey, claim_of
 from meshnet.sampling import Draw
 from meshnet.security.identity import SwarmCA, make_csr, new_member_key
@@ -69,7 +69,7 @@ def report(sid: str, statements: list[Any], *, verdict: str = "fail", **fields: 
 def tail_evidence(sid: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The tail's receipt and its signed answer at position HELD (token 7 drawn from DRAW_7)."""
     entry = HopEntry("tail", "15:30", 2.0, HELD, OUT, None, 1)
-    answer = HopAnswer(AnswerKind.TOKEN, (entry,), position=HELD, token=7, logprob=-0.5, draw=DRAW_7)
+    answer = TokenAnswer((entry,), position=HELD, token=7, logprob=-0.5, draw=DRAW_7)
     signed, claim = key("tail").sign(sid, entry, answer), claim_of(answer)
     assert claim is not None
     return {"entry": signed.to_json(), "answer": claim}, answer_at(HELD, signed, claim)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry
+from meshnet.protocol.messages import HopEntry, TokenAnswer
 from meshnet.protocol.signing import HopKey, claim_of
 from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_member_key
 from meshnet.security.membership import SwarmAuthority
@@ -75,7 +75,7 @@ def node_key(node_id: str) -> HopKey:
 def receipt(node_id: str, layers: str, session_id: str, held: int) -> dict[str, Any]:
     """A lone node's receipt for ``held`` positions of a session (it is head and tail: tracker.receipts)."""
     entry = HopEntry(node_id, layers, 1.0, held, "00" * 16, None, held)
-    answer = HopAnswer(AnswerKind.TOKEN, (entry,), position=held, token=1, logprob=-0.1)
+    answer = TokenAnswer((entry,), position=held, token=1, logprob=-0.1)
     return {"entry": node_key(node_id).sign(session_id, entry, answer).to_json(), "answer": claim_of(answer)}
 
 

@@ -89,7 +89,7 @@ from meshnet.protocol.channel_client import Channels
 from meshnet.protocol.hops import HopTransport, HttpTransport, Sendable, acknowledged
 from meshnet.protocol.ledger import ChunkLedger, pack_chunks, verify_hops
 from meshnet.protocol.messages import (
-    AnswerKind,
+    Cached,
     HopAnswer,
     HopEntry,
     HopRequest,
@@ -97,8 +97,12 @@ from meshnet.protocol.messages import (
     PrefixClaim,
     PrefixRequest,
     RerouteRequest,
+    Restored,
     RestoreRequest,
+    Sampled,
+    TokenAnswer,
     Verb,
+    VerifyAnswer,
 )
 from meshnet.protocol.prefix import block_hashes
 from meshnet.protocol.signing import CLAIMED_KINDS, check_signatures, claim_of
@@ -388,7 +392,7 @@ class RouteEngine:
             answer = await self._prefill_with_retries(run, tokens, cancel)
             while answer is not None and not cancel.is_set():
                 steps = _tokens_of(answer)
-                drafted, accepted = answer.drafted, answer.accepted
+                drafted, accepted = (answer.drafted, answer.accepted) if isinstance(answer, VerifyAnswer) else (0, 0)
                 if drafter is not None and drafted:
                     drafter.record(drafted, accepted)
                 run.streamed = True
@@ -444,7 +448,7 @@ class RouteEngine:
                        rejected=run.ids[held:] if run.surplus else (), timeout_s=CLOSE_WAIT_S * 5,
         )  # fmt: skip
 
-    async def _prefill_with_retries(self, run: _Run, tokens: list[int], cancel: asyncio.Event) -> HopAnswer | None:
+    async def _prefill_with_retries(self, run: _Run, tokens: list[int], cancel: asyncio.Event) -> Sampled | None:
         """Prefill ``tokens``; a failed hop means a fresh route without it, from scratch; a hop without
         room for the session means waiting for room, on a route around it if there is one (``_wait``)."""
         while True:
@@ -541,7 +545,7 @@ class RouteEngine:
 
     async def _decode_with_repair(
         self, run: _Run, tokens: list[int], drafts: Sequence[int], cancel: asyncio.Event
-    ) -> HopAnswer | None:
+    ) -> Sampled | None:
         """One decode step for ``tokens[-1]`` at position ``len(tokens) - 1`` (a verify chunk with
         ``drafts`` after it), repairing the route if a hop fails."""
         position = len(tokens) - 1
@@ -557,11 +561,11 @@ class RouteEngine:
         try:
             # no hop waits for another on the channel, so no nesting: one hop timeout bounds the walk
             route = [h.url for h in run.plan.hops]
-            answer = await self.hops.step(route, request, timeout_s=self.timeout_s)
-            direct = answer is not None
-            if answer is None:
-                answer = await self._send(run.plan, request)
-            self._check_tokens(answer, run)
+            sent = await self.hops.step(route, request, timeout_s=self.timeout_s)
+            direct = sent is not None
+            if sent is None:
+                sent = await self._send(run.plan, request)
+            answer = self._check_tokens(sent, run)
         except (HopFailed, InvalidRequest) as raised:
             failure = _hop_failure(run, raised)
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
@@ -580,7 +584,7 @@ class RouteEngine:
         run.usage.add(run.plan.hops, decode=kept - position)
         return answer
 
-    async def _recover(self, run: _Run, tokens: list[int], error: HopFailed, cancel: asyncio.Event) -> HopAnswer | None:
+    async def _recover(self, run: _Run, tokens: list[int], error: HopFailed, cancel: asyncio.Event) -> Sampled | None:
         """Repair the route after ``error`` (retrying while repairs fail), else re-prefill on a fresh route."""
         while True:
             began = time.monotonic()
@@ -655,9 +659,9 @@ class RouteEngine:
         except MeshnetError as exc:
             _log.info("standby %s restored no snapshot (%s): replaying everything", hop.node, exc.message)
             return 0
-        return answer.count if answer.kind is AnswerKind.RESTORED else 0
+        return answer.count if isinstance(answer, Restored) else 0
 
-    async def _repair(self, run: _Run, failed: Hop, error: HopFailed, tokens: list[int]) -> tuple[HopAnswer, int]:
+    async def _repair(self, run: _Run, failed: Hop, error: HopFailed, tokens: list[int]) -> tuple[Sampled, int]:
         """Ask the tracker for replacement hops, rebuild them from the upstream's seam log (after the
         positions a standby's KV snapshot gives the replacement), resend the step."""
         position = len(tokens) - 1
@@ -678,6 +682,7 @@ class RouteEngine:
         new_hops = run.plan.hops
         sid = run.plan.session_id
         restored = await self._restore(run, new_hops[first]) if data.get("preferred") is True and count == 1 else 0
+        answer: HopAnswer
         if first == 0:  # the head failed: the gateway is the upstream and replays token ids
             answer = await self._replay_tokens(run, tokens, count, start=restored)
         else:
@@ -692,8 +697,8 @@ class RouteEngine:
                 cleared = await self._post(run.plan, new_hops[i].url, reroute, below=len(new_hops) - i)
                 above[:0] = cleared.hops[:1]
             answer = answer.after(*above)
-        self._check_tokens(answer, run)
-        _verified(run, answer)  # the repaired route holds what the old one did
+        sampled = self._check_tokens(answer, run)
+        _verified(run, sampled)  # the repaired route holds what the old one did
         run.usage.add(new_hops[first : first + count], prefill=position - restored)
         run.usage.add(new_hops, decode=1)
         kept = {h.url for h in new_hops}
@@ -701,7 +706,7 @@ class RouteEngine:
             if hop.url not in kept and hop.node != failed.node:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.hops.delete(hop.url, sid, old.ticket), CLOSE_WAIT_S)
-        return answer, position - restored
+        return sampled, position - restored
 
     def _reroute(self, run: _Run, index: int, replay: int, step: int) -> RerouteRequest:
         """A reroute for the step at position ``step``: the hop drops anything past it (drafts) first."""
@@ -744,17 +749,18 @@ class RouteEngine:
         run.failed_nodes.add(hop.node)
         return hop
 
-    def _check_tokens(self, answer: HopAnswer, run: _Run) -> None:
-        """The tokens an answer brings must be ids of this vocabulary with finite logprobs, and a
-        sampled one what the distribution the tail committed to gives with the gateway's seed
-        (``sampling.check_draw``): anything else is a failed tail, repaired like one — never a token
-        id handed to the detokenizer, which aborts on one it lacks. The entries' signatures are
-        checked first: a token a hop changed on its way back stops the generation instead
-        (``RouteInconsistent``), and a tail is blamed only for what it signed."""
+    def _check_tokens(self, answer: HopAnswer, run: _Run) -> Sampled:
+        """``answer`` to a step, as the answer with tokens it must be. Its tokens must be ids of this
+        vocabulary with finite logprobs, and a sampled one what the distribution the tail committed to
+        gives with the gateway's seed (``sampling.check_draw``): anything else (another kind of answer
+        too) is a failed tail, repaired like one — never a token id handed to the detokenizer, which
+        aborts on one it lacks. The entries' signatures are checked first: a token a hop changed on its
+        way back stops the generation instead (``RouteInconsistent``), and a tail is blamed only for
+        what it signed."""
         plan = run.plan
         check_signatures(plan.session_id, plan.hops, answer)
         tail, n_vocab = plan.hops[-1], self.info.n_vocab
-        if answer.kind not in (AnswerKind.TOKEN, AnswerKind.TOKENS):
+        if not isinstance(answer, TokenAnswer | VerifyAnswer):
             raise HopFailed(f"the tail {tail.node} answered a step with {answer.kind}", failed_hop=tail.url)
         for token, logprob, top in _tokens_of(answer):
             for t, lp in ((token, logprob), *top):
@@ -766,13 +772,13 @@ class RouteEngine:
                         f"vocabulary [0, {n_vocab}) with a logprob <= 0",
                         failed_hop=tail.url,
                     )
-        if answer.kind is AnswerKind.TOKEN and tail.key is not None:  # a signing tail commits to its draw
-            assert answer.token is not None and answer.position is not None
+        if isinstance(answer, TokenAnswer) and tail.key is not None:  # a signing tail commits to its draw
             why = check_draw(run.params, answer.draw, answer.token, answer.position)
             if why is not None:
                 run.usage.unpaid.add(tail.node)  # it signed a token its own commitment does not give
                 raise HopFailed(f"the tail {tail.node} answered token {answer.token} at {answer.position}: {why}",
                                 failed_hop=tail.url)  # fmt: skip
+        return answer
 
     async def _report_failure(self, plan: RoutePlan, hop: Hop, reason: str) -> None:
         with contextlib.suppress(MeshnetError):  # reliability bookkeeping only; a new route is what matters
@@ -780,7 +786,7 @@ class RouteEngine:
             await self._tracker("POST", f"/v1/nodes/{hop.node}/failures", json=body)
 
     # -- the wire ----------------------------------------------------------------------------
-    async def _prefill(self, run: _Run, tokens: Sequence[int], cancel: asyncio.Event) -> HopAnswer | None:
+    async def _prefill(self, run: _Run, tokens: Sequence[int], cancel: asyncio.Event) -> Sampled | None:
         """Prefill ``tokens`` on ``run.plan`` in the chunks of ``run.ledger``, after the positions the
         route's prefix caches give it (``_reuse``); the last chunk's answer samples."""
         answer: HopAnswer | None = None
@@ -794,9 +800,7 @@ class RouteEngine:
             request = dataclasses.replace(chunk, sample=True) if end == total else chunk
             answer = await self._send(run.plan, request)
             await run.emit(PrefillProgress(done=end, total=total, cached=run.cached))
-        if answer is not None:
-            self._check_tokens(answer, run)
-        return answer
+        return None if answer is None else self._check_tokens(answer, run)
 
     async def _reuse(self, run: _Run, tokens: Sequence[int]) -> int:
         """Open the session with a prefix request: every hop adopts the KV of as many leading prompt
@@ -813,11 +817,11 @@ class RouteEngine:
                                 next_hops=tuple(h.url for h in plan.hops[1:]), sampling=run.sampling,
                                 ticket=plan.ticket)  # fmt: skip
         answer = await self._post(plan, plan.hops[0].url, request, below=len(plan.hops))
-        held = answer.count
-        if answer.kind is not AnswerKind.CACHED or held % block or held > limit * block:
+        if not isinstance(answer, Cached) or answer.count % block or answer.count > limit * block:
             head = plan.hops[0]
-            raise HopFailed(f"the head {head.node} answered a prefix request with {answer.kind} {held}",
-                            failed_hop=head.url)  # fmt: skip
+            what = f"{answer.kind} {answer.count}" if isinstance(answer, Cached) else answer.kind
+            raise HopFailed(f"the head {head.node} answered a prefix request with {what}", failed_hop=head.url)
+        held = answer.count
         expected = ChunkLedger(False, list(run.ledger.ends), list(run.ledger.inputs))
         expected.rewind(held)
         try:
@@ -901,21 +905,20 @@ def _ids_payload(tokens: Sequence[int]) -> Payload:
     return Payload(encode_tensor(np.asarray([list(tokens)], dtype=np.int32), "int32"))
 
 
-def _tokens_of(answer: HopAnswer) -> list[tuple[int, float, Alternatives]]:
+def _tokens_of(answer: Sampled) -> list[tuple[int, float, Alternatives]]:
     """The tokens an answer brings, in order, with their logprobs and (when asked) the most likely
     tokens at each position: one token, or a verify chunk's."""
-    if answer.kind is AnswerKind.TOKENS:
+    if isinstance(answer, VerifyAnswer):
         tops = answer.tops or ((),) * len(answer.tokens)
         return list(zip(answer.tokens, answer.logprobs, tops, strict=True))
-    assert answer.token is not None and answer.logprob is not None  # HopAnswer.from_json checked them
     return [(answer.token, answer.logprob, answer.top or ())]
 
 
-def _kept(answer: HopAnswer, position: int, n: int) -> int:
+def _kept(answer: Sampled, position: int, n: int) -> int:
     """How many positions the route holds after a step at ``position`` of ``n`` positions."""
     kept = answer.position
-    if kept is None or not position < kept <= position + n or len(_tokens_of(answer)) != kept - position:
-        raise BadGateway(f"the route answered a {n}-position step at {position} with position {kept!r}")
+    if not position < kept <= position + n or len(_tokens_of(answer)) != kept - position:
+        raise BadGateway(f"the route answered a {n}-position step at {position} with position {kept}")
     return kept
 
 
@@ -951,16 +954,16 @@ def _verified(run: _Run, answer: HopAnswer, expected: ChunkLedger | None = None)
     if answer.kind not in CLAIMED_KINDS:
         check_signatures(plan.session_id, plan.hops, answer)
     run.usage.signed(answer)
-    if run.audited and answer.position is not None:
+    if run.audited and isinstance(answer, TokenAnswer | VerifyAnswer):
         _keep_answer(run, answer, answer.position)
 
 
-def _keep_answer(run: _Run, answer: HopAnswer, position: int) -> None:
+def _keep_answer(run: _Run, answer: Sampled, position: int) -> None:
     """An audited generation keeps the tail's signed answers, by the position of each token: those
     that committed a draw, and (greedy: each token is its row's most likely) a verify chunk's."""
-    if answer.kind is AnswerKind.TOKEN and answer.draw is not None:
+    if isinstance(answer, TokenAnswer) and answer.draw is not None:
         positions = [position]
-    elif answer.kind is AnswerKind.TOKENS and run.params.greedy:
+    elif isinstance(answer, VerifyAnswer) and run.params.greedy:
         positions = list(range(position - len(answer.tokens) + 1, position + 1))
     else:
         return

@@ -49,7 +49,7 @@ from meshnet.node.service_base import ChannelSend, NodeConfig
 from meshnet.node.service_tail import TailParts
 from meshnet.node.session import NodeSession
 from meshnet.protocol import headers as H
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, HopRequest, Payload, Verb
+from meshnet.protocol.messages import Accepted, HopAnswer, HopEntry, HopRequest, Payload, Replayed, Verb
 from meshnet.protocol.wire import TensorFrame, encode_tensor
 from meshnet.routes import hop_timeout_s
 
@@ -110,9 +110,9 @@ class NodeService(TailParts):
         me = self._entry(s, compute_ms, positions=n, sign=not answers)
         if self.info.layers.is_tail:
             if request.replay:
-                return HopAnswer(AnswerKind.REPLAYED, (me,), count=n)
+                return Replayed((me,), count=n)
             if not request.final:
-                return HopAnswer(AnswerKind.ACCEPTED, (me,), count=n)
+                return Accepted((me,), count=n)
             assert logits is not None
             answer = await self._sampled(s, request, logits, me, direct=direct is not None)
             if direct is not None:
@@ -132,7 +132,7 @@ class NodeService(TailParts):
         ids = self._ids_onward(s, tokens)
         self.logs.append(s, request.start, frame, ids)
         if request.replay == 1:
-            return HopAnswer(AnswerKind.REPLAYED, (me,), count=request.n)  # the hops after this one already hold it
+            return Replayed((me,), count=request.n)  # the hops after this one already hold it
         onward = request.onward(Payload(frame, ids), s.next_hops, model=self.info.model_id, route_id=s.route_id)
         self.metrics.seam_bytes.inc(len(frame.body) + len(ids or b""))
         previous = s.forward
@@ -162,7 +162,7 @@ class NodeService(TailParts):
         s.forward = task
         if not request.final and not request.replay:
             task.add_done_callback(_consume)
-            return HopAnswer(AnswerKind.ACCEPTED, (me,), count=request.n)
+            return Accepted((me,), count=request.n)
         answer = await task
         if request.drafts:  # the rejected drafts go here too, as the answer passes back up
             await self._drop_rejected(s, answer, start=request.start, n=request.n)

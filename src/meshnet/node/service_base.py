@@ -112,6 +112,7 @@ class ServiceBase:
             self.prefix_cache = PrefixCache(config.prefix_cache_bytes, release=shard.release)
             shard.store.on_evict = self.prefix_cache.evicted
         self._pushes: set[asyncio.Task[None]] = set()  # snapshots on their way to standbys
+        self._closing: set[asyncio.Task[None]] = set()  # deletes a next hop did not acknowledge yet, retried
         self.closed = ClosedSessions()  # a private swarm's ended sessions: no ticket re-opens them (node.authority)
         self.sampling = SamplingLane(config.sample_deadline_s)  # the tail samples off the event loop
         # One record per session: the store's, with this node's binding attached (``_bound``); a

@@ -18,7 +18,7 @@ from meshnet.node.checks import check_model
 from meshnet.node.prefix_cache import CachedPrefix
 from meshnet.node.service_admission import AdmissionParts
 from meshnet.node.session import NodeSession
-from meshnet.protocol.messages import AnswerKind, HopAnswer, PrefixClaim, PrefixRequest
+from meshnet.protocol.messages import Cached, PrefixClaim, PrefixRequest
 
 __all__ = ["PrefixParts"]
 
@@ -28,9 +28,7 @@ _log = logging.getLogger("meshnet.node")
 class PrefixParts(AdmissionParts):
     """Prefix caching: sessions that adopt cached prompt blocks, and blocks kept when one ends."""
 
-    async def prefix(
-        self, request: PrefixRequest, *, client: str | None = None, caller: str | None = None
-    ) -> HopAnswer:
+    async def prefix(self, request: PrefixRequest, *, client: str | None = None, caller: str | None = None) -> Cached:
         """Open a session that adopts the KV of its prompt's leading cached blocks (at most
         ``request.reuse``, and no more than every hop after this one holds): answers ``CACHED``
         with the positions every hop now holds, from 0 (nothing cached) on."""
@@ -45,18 +43,18 @@ class PrefixParts(AdmissionParts):
         try:
             blocks = await self._adopt(s, claim, request.reuse)
             if self.info.layers.is_tail:
-                return HopAnswer(AnswerKind.CACHED, (self._entry(s),), count=blocks * claim.block)
+                return Cached((self._entry(s),), count=blocks * claim.block)
             onward = request.onward(blocks, s.next_hops, model=self.info.model_id)
             answer = await self._forward(s, onward)
-            held = answer.count
-            if answer.kind is not AnswerKind.CACHED or held % claim.block or held > blocks * claim.block:
+            if not isinstance(answer, Cached) or answer.count % claim.block or answer.count > blocks * claim.block:
+                what = f"{answer.kind} {answer.count}" if isinstance(answer, Cached) else answer.kind
                 error = HopFailed(
-                    f"next hop {s.next_hops[0]} answered a prefix request of {blocks} blocks with {answer.kind} {held}",
+                    f"next hop {s.next_hops[0]} answered a prefix request of {blocks} blocks with {what}",
                     failed_hop=s.next_hops[0],
                 )
                 s.break_with(error)
                 raise error
-            await self.rewind(s, held)  # the hops after this one hold fewer blocks: keep what they do
+            await self.rewind(s, answer.count)  # the hops after this one hold fewer blocks: keep what they do
             return answer.after(self._entry(s))
         finally:
             s.busy = False

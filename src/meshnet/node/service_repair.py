@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Coroutine
 from typing import Any
 
@@ -23,9 +24,15 @@ from meshnet.node.service_snapshots import SnapshotParts
 from meshnet.node.session import NodeSession
 from meshnet.protocol.audits import AuditRequest, AuditStatement
 from meshnet.protocol.ledger import pack_chunks
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopRequest, Payload, RerouteRequest, Verb
+from meshnet.protocol.messages import HopAnswer, HopRequest, Payload, Rerouted, RerouteRequest, Verb
 from meshnet.protocol.tickets import REPAIR
 from meshnet.protocol.wire import TensorFrame
+
+_log = logging.getLogger("meshnet.node")
+# A next hop that did not acknowledge a delete passed down the chain (409: still finishing a step)
+# is asked again after this, doubling, for this long in all.
+DELETE_RETRY_FIRST_S = 0.05
+DELETE_RETRY_S = 30.0
 
 __all__ = ["RepairParts"]
 
@@ -76,7 +83,7 @@ class RepairParts(SnapshotParts):
         position = self.shard.store.get(sid).position
         me = self._entry(s)
         if request.replay == 0:
-            return HopAnswer(AnswerKind.REROUTED, (me,), position=position, session=sid, next_hops=hops)
+            return Rerouted((me,), position=position, session=sid, next_hops=hops)
         sizes = s.ledger.sizes()
         if s.log is None or not s.log_dtype or s.ledger.position != position or sizes[-1:] != [1]:
             raise Conflict(
@@ -152,10 +159,35 @@ class RepairParts(SnapshotParts):
 
         ends: list[Coroutine[Any, Any, object]] = [end_here()]
         if s.next_hops:  # the next hops keep theirs meanwhile
-            ends.append(self.transport.delete(s.next_hops[0], sid, ticket))
+            ends.append(self._delete_onward(s.next_hops[0], sid, ticket))
         if s.standby is not None:  # its snapshot is of no more use
             ends.append(self.transport.drop_snapshot(s.standby[0], sid, s.standby[1]))
         await asyncio.gather(*ends)
+
+    async def _delete_onward(self, hop: str, sid: SessionId, ticket: str | None) -> None:
+        """Pass a delete down the chain. A next hop may still be finishing the session's last step
+        when the delete comes (a decode-channel step's token reaches the gateway straight from the
+        tail, and the gateway closes at once, while a middle hop is still handing the step on): it
+        answers 409, and is asked again in the background, backing off (``DELETE_RETRY_FIRST_S``
+        doubling, ``DELETE_RETRY_S`` in all), so no hop after this one keeps the session until its
+        idle TTL. A refusal that will not change (a bad ticket) is not retried."""
+        if await self.transport.delete(hop, sid, ticket) is not False:
+            return
+
+        async def retry() -> None:
+            loop = asyncio.get_running_loop()
+            deadline, delay = loop.time() + DELETE_RETRY_S, DELETE_RETRY_FIRST_S
+            while loop.time() + delay < deadline:
+                await asyncio.sleep(delay)
+                if await self.transport.delete(hop, sid, ticket) is not False:
+                    return
+                delay *= 2
+            _log.warning("next hop %s did not free session %s within %.0f s: its idle TTL frees it", hop, sid,
+                         DELETE_RETRY_S)  # fmt: skip
+
+        task = asyncio.ensure_future(retry())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def session_state(self, sid: SessionId, caller: str | None = None, *, admin: bool = False) -> dict[str, Any]:
         """``GET /v1/sessions/{id}``: what this node holds of a session (a gateway asks it to find

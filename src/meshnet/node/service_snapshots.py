@@ -22,7 +22,7 @@ from meshnet.node.service_prefix import PrefixParts
 from meshnet.node.session import NodeSession
 from meshnet.node.snapshots import SessionSnapshot
 from meshnet.protocol import headers as H
-from meshnet.protocol.messages import AnswerKind, HopAnswer, RestoreRequest
+from meshnet.protocol.messages import Restored, RestoreRequest
 from meshnet.protocol.tickets import CODE_MISMATCH, REPAIR, TicketVerifier
 
 __all__ = ["SnapshotParts"]
@@ -122,7 +122,7 @@ class SnapshotParts(PrefixParts):
 
     async def restore(
         self, request: RestoreRequest, *, client: str | None = None, caller: str | None = None
-    ) -> HopAnswer:
+    ) -> Restored:
         """Open a route repair's session here from the snapshot this node holds as the failed hop's
         standby; the positions it holds (``RESTORED``). The upstream then replays only the rest."""
         verifier = self._snapshot_tickets()
@@ -159,7 +159,7 @@ class SnapshotParts(PrefixParts):
         self._resume(s, taken.ends, taken.inputs, taken.outputs, log=taken.log, log_dtype=taken.log_dtype,
                      ids=taken.ids_log)  # fmt: skip
         s.ids_seen = list(taken.ids_seen)
-        return HopAnswer(AnswerKind.RESTORED, (self._entry(s),), count=taken.position)
+        return Restored((self._entry(s),), count=taken.position)
 
     async def drop_snapshot(self, sid: SessionId, ticket: str | None) -> None:
         """The session ended whole: forget the snapshot this node holds as its standby."""

@@ -18,7 +18,7 @@ from meshnet.errors import HopFailed
 from meshnet.node.sampling_lane import SamplingTooSlow
 from meshnet.node.service_repair import RepairParts
 from meshnet.node.session import NodeSession
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, HopRequest
+from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, Sampled, TokenAnswer, VerifyAnswer
 from meshnet.sampling import Alternatives, Draw, Sampler
 
 __all__ = ["TailParts"]
@@ -29,7 +29,7 @@ class TailParts(RepairParts):
 
     async def _sampled(
         self, s: NodeSession, request: HopRequest, logits: np.ndarray, me: HopEntry, *, direct: bool
-    ) -> HopAnswer:
+    ) -> Sampled:
         """The tail's answer: the token after the chunk; for a verify chunk, the drafts it keeps and one
         token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first. Its
         entry (``me``) says what it held before: after a ``direct`` verify chunk, the hops before
@@ -50,30 +50,28 @@ class TailParts(RepairParts):
         if not drafts:
             (token,), (logprob,) = chosen.tokens, chosen.logprobs
             top = chosen.tops[0] if chosen.tops is not None else None
-            answer = HopAnswer(AnswerKind.TOKEN, (me,), position=start + n, token=token, logprob=logprob, top=top,
-                               draw=chosen.draw)  # fmt: skip
+            answer = TokenAnswer((me,), position=start + n, token=token, logprob=logprob, top=top, draw=chosen.draw)
             return self.config.hop_key.sign_answer(s.session, answer)  # the tail vouches for its token and draw
         tokens, logprobs, tops = list(chosen.tokens), list(chosen.logprobs), chosen.tops
         kept = start + len(tokens)
         await self.rewind(s, kept)
         if not direct:
             me = self._entry(s, me.compute_ms, positions=me.positions, sign=False)
-        answer = HopAnswer(
-            AnswerKind.TOKENS, (me,), position=kept, tokens=tuple(tokens), logprobs=tuple(logprobs), tops=tops,
+        verified = VerifyAnswer(
+            (me,), position=kept, tokens=tuple(tokens), logprobs=tuple(logprobs), tops=tops,
             drafted=len(drafts), accepted=len(tokens) - 1,
         )  # fmt: skip
-        return self.config.hop_key.sign_answer(s.session, answer)
+        return self.config.hop_key.sign_answer(s.session, verified)
 
     async def _drop_rejected(self, s: NodeSession, answer: HopAnswer, *, start: int, n: int) -> None:
         """Keep what the verify ``answer`` kept (up to its ``position``) of the chunk of ``n`` at ``start``."""
-        kept, hop = answer.position, s.next_hops[0]
-        if answer.kind is not AnswerKind.TOKENS or kept is None or not start < kept <= start + n:
-            error = HopFailed(
-                f"next hop {hop} answered a verify chunk at {start} with position {kept!r}", failed_hop=hop
-            )
+        hop = s.next_hops[0]
+        if not isinstance(answer, VerifyAnswer) or not start < answer.position <= start + n:
+            what = f"position {answer.position}" if isinstance(answer, VerifyAnswer) else f"a {answer.kind} answer"
+            error = HopFailed(f"next hop {hop} answered a verify chunk at {start} with {what}", failed_hop=hop)
             s.break_with(error)
             raise error
-        await self.rewind(s, kept)
+        await self.rewind(s, answer.position)
 
 
 @dataclass(frozen=True, slots=True)

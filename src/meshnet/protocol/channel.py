@@ -32,7 +32,7 @@ from typing import Any, TypeGuard
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.httputil import error_body
 from meshnet.protocol import http_binding
-from meshnet.protocol.messages import HopAnswer, HopRequest
+from meshnet.protocol.messages import HopAnswer, HopRequest, answer_from_json
 
 __all__ = [
     "CHANNEL_PATH",
@@ -172,13 +172,13 @@ def _is_seq(value: object) -> TypeGuard[int]:
 
 
 def token_frame(session: str, seq: int, answer: dict[str, Any]) -> bytes:
-    """The tail's answer to a step (``HopAnswer.to_json``), on the gateway's channel to the tail."""
+    """The tail's answer to a step (its answer record's ``to_json``), on the gateway's channel to the tail."""
     return encode_frame(Kind.TOKEN, {"session": session, "seq": seq, "answer": answer})
 
 
 def read_token(frame: ChannelFrame) -> HopAnswer:
     """The answer a ``TOKEN`` frame carries; ``ValueError`` when it carries none."""
-    return HopAnswer.from_json(200, frame.header.get("answer"))
+    return answer_from_json(200, frame.header.get("answer"))
 
 
 def error_frame(session: str | None, seq: int | None, error: MeshnetError) -> bytes:

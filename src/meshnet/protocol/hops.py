@@ -38,6 +38,7 @@ from meshnet.protocol.messages import (
     PrefixRequest,
     RerouteRequest,
     RestoreRequest,
+    answer_from_json,
     remote_error,
 )
 
@@ -166,7 +167,7 @@ class HttpTransport:
                 code=error_field(response, "code"), may_name={hop, *downstream},
             )  # fmt: skip
         try:
-            return HopAnswer.from_json(response.status_code, response.json())
+            return answer_from_json(response.status_code, response.json())
         except ValueError as exc:  # a bad answer is a failed tail (it alone answers tokens), repaired like a dead one
             tail = downstream[-1] if downstream else hop
             raise HopFailed(f"the route's tail {tail} answered a malformed step ({exc})", failed_hop=tail) from None

@@ -3,7 +3,7 @@
 ``encode_request`` / ``decode_request`` map a ``HopRequest`` to ``POST /v1/sessions/{id}/{verb}``
 headers and a raw body and back; ``encode_reroute`` / ``decode_reroute`` do the same for
 ``.../reroute`` and ``encode_prefix`` / ``decode_prefix`` for ``.../prefix``; answers travel as
-JSON (``HopAnswer.to_json`` / ``answer_from_response``), and an error answer becomes the
+JSON (an answer record's ``to_json`` / ``answer_from_response``), and an error answer becomes the
 ``MeshnetError`` it means to the sender (``error_from_response``). The decode channel
 (``node.channel``) carries the same headers and body inside its frames, so this is the only place
 that reads or writes an ``X-Meshnet-*`` hop header.
@@ -29,6 +29,7 @@ from meshnet.protocol.messages import (
     RerouteRequest,
     RestoreRequest,
     Verb,
+    answer_from_json,
 )
 from meshnet.protocol.prefix import format_prefix, parse_prefix
 from meshnet.protocol.wire import format_shape, parse_range, read_frame, split_token_ids
@@ -230,7 +231,7 @@ def answer_from_response(response: httpx.Response, sender: str) -> HopAnswer:
     if response.status_code >= 400:
         raise error_from_response(response, sender, sender_is_head=False)
     try:
-        return HopAnswer.from_json(response.status_code, response.json())
+        return answer_from_json(response.status_code, response.json())
     except ValueError as exc:
         raise HopFailed(
             f"next hop {sender} sent an answer that is not a hop answer: {exc}", failed_hop=sender

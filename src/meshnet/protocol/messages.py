@@ -12,10 +12,14 @@ A gateway or an upstream node sends a *hop request* to the next hop of a session
   every hop after it hold (``node.prefix_cache``), and the prefill starts after them;
 - a delete names only the session.
 
-Every answer is a ``HopAnswer``: the positions taken (a pipelined chunk, a replay), the next token
-(or a verify chunk's kept tokens), or a reroute's outcome — with one ``HopEntry`` per hop that
-computed it, nearest first. A failure is a ``MeshnetError`` (``meshnet.errors``): what it means to
-the sender is ``remote_error``, the one error map every transport uses.
+Every answer is one record per kind, each with exactly its own fields (``HopAnswer`` is their
+union): the positions taken (``Accepted``: a pipelined chunk, ``Replayed``, ``Cached``: a prefix
+request, ``Restored``: a restore), the next token (``TokenAnswer``) or a verify chunk's kept tokens
+(``VerifyAnswer``; both are ``Sampled``), or a reroute's outcome (``Rerouted``) — with one
+``HopEntry`` per hop that computed it, nearest first; each record's ``kind`` (an ``AnswerKind``)
+names it in logs and signatures, and ``answer_from_json`` reads back what its ``to_json`` wrote.
+A failure is a ``MeshnetError`` (``meshnet.errors``): what it means to the sender is
+``remote_error``, the one error map every transport uses.
 
 Transports: ``protocol.http_binding`` (the HTTP binding of docs/protocol.md, byte for byte) and the
 in-process transport of ``protocol.hops``. Records check their own invariants when built, so a
@@ -29,7 +33,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar, Self, TypeAlias
 
 from meshnet.errors import InvalidRequest, MeshnetError, hop_error
 from meshnet.ids import SessionId
@@ -39,16 +43,25 @@ from meshnet.protocol.wire import TensorFrame
 from meshnet.sampling import Alternatives, Draw
 
 __all__ = [
+    "Accepted",
     "AnswerKind",
+    "Cached",
     "HopAnswer",
     "HopEntry",
     "HopRequest",
     "Payload",
     "PrefixClaim",
     "PrefixRequest",
+    "Replayed",
     "RerouteRequest",
+    "Rerouted",
     "RestoreRequest",
+    "Restored",
+    "Sampled",
+    "TokenAnswer",
     "Verb",
+    "VerifyAnswer",
+    "answer_from_json",
     "remote_error",
 ]
 
@@ -282,48 +295,117 @@ class AnswerKind(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class HopAnswer:
-    kind: AnswerKind
+class _Answer:
+    """What every answer has: one ``HopEntry`` per hop that computed it, nearest first."""
+
     hops: tuple[HopEntry, ...]
-    count: int = 0  # ACCEPTED, REPLAYED: positions
-    position: int | None = None  # TOKEN, TOKENS, REROUTED: the position after the answer
-    token: int | None = None
-    logprob: float | None = None
-    top: Alternatives | None = None
-    tokens: tuple[int, ...] = ()
-    logprobs: tuple[float, ...] = ()
-    tops: tuple[Alternatives, ...] | None = None
-    drafted: int = 0
-    accepted: int = 0  # TOKENS: the drafts kept
-    session: SessionId | None = None  # REROUTED
-    next_hops: tuple[str, ...] = ()  # REROUTED
-    draw: Draw | None = None  # TOKEN: the distribution the tail drew it from (sampling.Draw)
+    kind: ClassVar[AnswerKind]
 
     @property
     def status(self) -> int:
-        return 202 if self.kind is AnswerKind.ACCEPTED else 200
+        return 200
 
-    def after(self, *entries: HopEntry) -> HopAnswer:
+    def after(self, *entries: HopEntry) -> Self:
         """The answer with ``entries`` (hops nearer the sender) before its own."""
         return dataclasses.replace(self, hops=(*entries, *self.hops))
 
     def to_json(self) -> dict[str, Any]:
-        hops = [h.to_json() for h in self.hops]
-        kind = self.kind
-        if kind in (AnswerKind.ACCEPTED, AnswerKind.REPLAYED, AnswerKind.CACHED, AnswerKind.RESTORED):
-            return {kind.value: self.count, "hops": hops}
-        if kind is AnswerKind.REROUTED:
-            return {
-                "rerouted": self.session,
-                "position": self.position,
-                "next_hops": list(self.next_hops),
-                "hops": hops,
-            }
-        if kind is AnswerKind.TOKEN:
-            top = {"top": _pairs(self.top)} if self.top is not None else {}
-            draw = {"draw": self.draw.to_json()} if self.draw is not None else {}
-            return {"token": self.token, "logprob": self.logprob, **top, **draw, "position": self.position,
-                    "hops": hops}  # fmt: skip
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class _Counted(_Answer):
+    """An answer that brings no token, only a count of positions."""
+
+    count: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {self.kind.value: self.count, "hops": [h.to_json() for h in self.hops]}
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted(_Counted):
+    """A pipelined prefill chunk's positions, computed here and on their way (202)."""
+
+    kind: ClassVar[AnswerKind] = AnswerKind.ACCEPTED
+
+    @property
+    def status(self) -> int:
+        return 202
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed(_Counted):
+    """A replayed chunk's positions: KV rebuilt, no token."""
+
+    kind: ClassVar[AnswerKind] = AnswerKind.REPLAYED
+
+
+@dataclass(frozen=True, slots=True)
+class Cached(_Counted):
+    """A prefix request's answer: the positions every hop took from its prefix cache."""
+
+    kind: ClassVar[AnswerKind] = AnswerKind.CACHED
+
+
+@dataclass(frozen=True, slots=True)
+class Restored(_Counted):
+    """A restore's answer: the positions a replacement took from a KV snapshot."""
+
+    kind: ClassVar[AnswerKind] = AnswerKind.RESTORED
+
+
+@dataclass(frozen=True, slots=True)
+class Rerouted(_Answer):
+    """A reroute without replay: the session, now pointed at ``next_hops``, at ``position``."""
+
+    position: int
+    session: SessionId
+    next_hops: tuple[str, ...]
+    kind: ClassVar[AnswerKind] = AnswerKind.REROUTED
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rerouted": self.session,
+            "position": self.position,
+            "next_hops": list(self.next_hops),
+            "hops": [h.to_json() for h in self.hops],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TokenAnswer(_Answer):
+    """The next token, at ``position - 1``, with its logprob, the most likely alternatives (when
+    asked) and the distribution the tail drew it from (``sampling.Draw``, when it commits to one)."""
+
+    position: int  # the position after the token
+    token: int
+    logprob: float
+    top: Alternatives | None = None
+    draw: Draw | None = None
+    kind: ClassVar[AnswerKind] = AnswerKind.TOKEN
+
+    def to_json(self) -> dict[str, Any]:
+        top = {"top": _pairs(self.top)} if self.top is not None else {}
+        draw = {"draw": self.draw.to_json()} if self.draw is not None else {}
+        return {"token": self.token, "logprob": self.logprob, **top, **draw, "position": self.position,
+                "hops": [h.to_json() for h in self.hops]}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyAnswer(_Answer):
+    """A verify chunk's answer: the ``accepted`` of its ``drafted`` tokens kept and one token of the
+    tail's own, each with its logprob (and, when asked, the most likely alternatives)."""
+
+    position: int  # the position after the last token
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    tops: tuple[Alternatives, ...] | None = None
+    drafted: int = 0
+    accepted: int = 0  # the drafts kept
+    kind: ClassVar[AnswerKind] = AnswerKind.TOKENS
+
+    def to_json(self) -> dict[str, Any]:
         tops = {"tops": [_pairs(t) for t in self.tops]} if self.tops is not None else {}
         return {
             "tokens": list(self.tokens),
@@ -332,60 +414,63 @@ class HopAnswer:
             "position": self.position,
             "drafted": self.drafted,
             "accepted": self.accepted,
-            "hops": hops,
+            "hops": [h.to_json() for h in self.hops],
         }
 
-    @classmethod
-    def from_json(cls, status: int, raw: object) -> HopAnswer:
-        """Raises ``ValueError`` on anything but an answer ``to_json`` could have written. Token ids
-        and logprobs are checked for their types here; their range is the gateway's to check."""
-        if not isinstance(raw, Mapping):
-            raise ValueError("a hop answer is a JSON object")
-        hops = raw.get("hops")
-        if not isinstance(hops, list):
-            raise ValueError('a hop answer lists its "hops"')
-        entries = tuple(HopEntry.from_json(h) for h in hops)
-        if status == 202:
-            return cls(AnswerKind.ACCEPTED, entries, count=_need_count(raw, "accepted"))
-        if "replayed" in raw:
-            return cls(AnswerKind.REPLAYED, entries, count=_need_count(raw, "replayed"))
-        if "cached" in raw:
-            return cls(AnswerKind.CACHED, entries, count=_need_count(raw, "cached"))
-        if "restored" in raw:
-            return cls(AnswerKind.RESTORED, entries, count=_need_count(raw, "restored"))
-        position = _need_count(raw, "position")
-        if "rerouted" in raw:
-            nxt = raw.get("next_hops")
-            if (
-                not isinstance(raw["rerouted"], str)
-                or not isinstance(nxt, list)
-                or not all(isinstance(h, str) for h in nxt)
-            ):
-                raise ValueError('a reroute answer names the session and its "next_hops"')
-            return cls(AnswerKind.REROUTED, entries, position=position, session=SessionId(raw["rerouted"]),
-                       next_hops=tuple(nxt))  # fmt: skip
-        if "tokens" in raw:
-            tokens, logprobs = raw.get("tokens"), raw.get("logprobs")
-            if not isinstance(tokens, list) or not all(_integer(t) for t in tokens) or not tokens:
-                raise ValueError('a verify answer lists its "tokens"')
-            if not isinstance(logprobs, list) or len(logprobs) != len(tokens) or not all(map(_number, logprobs)):
-                raise ValueError('a verify answer has one logprob per token ("logprobs")')
-            tops = raw.get("tops")
-            if tops is not None and (not isinstance(tops, list) or len(tops) != len(tokens)):
-                raise ValueError('a verify answer\'s "tops" has one list per token')
-            return cls(
-                AnswerKind.TOKENS, entries, position=position, tokens=tuple(tokens),
-                logprobs=tuple(map(float, logprobs)),
-                tops=None if tops is None else tuple(_alternatives(t) for t in tops),
-                drafted=_need_count(raw, "drafted"), accepted=_need_count(raw, "accepted"),
-            )  # fmt: skip
-        token, logprob = raw.get("token"), raw.get("logprob")
-        if not _integer(token) or not _number(logprob):
-            raise ValueError('a hop answer carries "token" (an integer) and "logprob" (a number)')
-        top, draw = raw.get("top"), raw.get("draw")
-        return cls(AnswerKind.TOKEN, entries, position=position, token=int(token), logprob=float(logprob),  # type: ignore[arg-type]
-                   top=None if top is None else _alternatives(top),
-                   draw=None if draw is None else Draw.from_json(draw))  # fmt: skip
+
+HopAnswer: TypeAlias = Accepted | Replayed | Cached | Restored | Rerouted | TokenAnswer | VerifyAnswer
+Sampled: TypeAlias = TokenAnswer | VerifyAnswer  # the answers that bring tokens
+
+
+def answer_from_json(status: int, raw: object) -> HopAnswer:
+    """The answer ``to_json`` wrote, sent with HTTP ``status``. Raises ``ValueError`` on anything
+    else. Token ids and logprobs are checked for their types here; their range is the gateway's
+    to check."""
+    if not isinstance(raw, Mapping):
+        raise ValueError("a hop answer is a JSON object")
+    hops = raw.get("hops")
+    if not isinstance(hops, list):
+        raise ValueError('a hop answer lists its "hops"')
+    entries = tuple(HopEntry.from_json(h) for h in hops)
+    if status == 202:
+        return Accepted(entries, count=_need_count(raw, "accepted"))
+    if "replayed" in raw:
+        return Replayed(entries, count=_need_count(raw, "replayed"))
+    if "cached" in raw:
+        return Cached(entries, count=_need_count(raw, "cached"))
+    if "restored" in raw:
+        return Restored(entries, count=_need_count(raw, "restored"))
+    position = _need_count(raw, "position")
+    if "rerouted" in raw:
+        nxt = raw.get("next_hops")
+        if (
+            not isinstance(raw["rerouted"], str)
+            or not isinstance(nxt, list)
+            or not all(isinstance(h, str) for h in nxt)
+        ):
+            raise ValueError('a reroute answer names the session and its "next_hops"')
+        return Rerouted(entries, position=position, session=SessionId(raw["rerouted"]), next_hops=tuple(nxt))
+    if "tokens" in raw:
+        tokens, logprobs = raw.get("tokens"), raw.get("logprobs")
+        if not isinstance(tokens, list) or not all(_integer(t) for t in tokens) or not tokens:
+            raise ValueError('a verify answer lists its "tokens"')
+        if not isinstance(logprobs, list) or len(logprobs) != len(tokens) or not all(map(_number, logprobs)):
+            raise ValueError('a verify answer has one logprob per token ("logprobs")')
+        tops = raw.get("tops")
+        if tops is not None and (not isinstance(tops, list) or len(tops) != len(tokens)):
+            raise ValueError('a verify answer\'s "tops" has one list per token')
+        return VerifyAnswer(
+            entries, position=position, tokens=tuple(tokens), logprobs=tuple(map(float, logprobs)),
+            tops=None if tops is None else tuple(_alternatives(t) for t in tops),
+            drafted=_need_count(raw, "drafted"), accepted=_need_count(raw, "accepted"),
+        )  # fmt: skip
+    token, logprob = raw.get("token"), raw.get("logprob")
+    if not _integer(token) or not _number(logprob):
+        raise ValueError('a hop answer carries "token" (an integer) and "logprob" (a number)')
+    top, draw = raw.get("top"), raw.get("draw")
+    return TokenAnswer(entries, position=position, token=int(token), logprob=float(logprob),  # type: ignore[arg-type]
+                       top=None if top is None else _alternatives(top),
+                       draw=None if draw is None else Draw.from_json(draw))  # fmt: skip
 
 
 def remote_error(error: MeshnetError, *, sender: str, sender_is_head: bool) -> MeshnetError:

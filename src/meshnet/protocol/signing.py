@@ -22,7 +22,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -56,7 +56,8 @@ _BILLING_DOMAIN = b"meshnet-billing/1\n"
 COUNTERSIGNATURE = "countersignature"  # the billing report's field that carries the gateway's
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
 HOP_KEY_CHARS = 43  # an Ed25519 public key (32 bytes), base64url without padding
-CLAIMED_KINDS = frozenset({AnswerKind.TOKEN, AnswerKind.TOKENS})  # answers whose content the tail signs
+CLAIMED_KINDS = frozenset({AnswerKind.TOKEN, AnswerKind.TOKENS})  # answers whose content the tail signs (Sampled)
+_A = TypeVar("_A", bound=HopAnswer)
 
 
 def b64(data: bytes) -> str:
@@ -106,7 +107,7 @@ class HopKey:
         claim = None if answer is None else claim_of(answer)
         return dataclasses.replace(entry, signature=b64(self._key.sign(signed_bytes(session, entry, claim))))
 
-    def sign_answer(self, session: str, answer: HopAnswer) -> HopAnswer:
+    def sign_answer(self, session: str, answer: _A) -> _A:
         """``answer`` with its last entry (the tail's own) signed over the answer's content too."""
         *before, own = answer.hops
         return dataclasses.replace(answer, hops=(*before, self.sign(session, own, answer)))
