@@ -47,10 +47,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
 
 # The in-process tier (tests/conftest.py): no real processes, llama.cpp, torch, PostgreSQL, browser or
-# namespaces. About a minute on 2 cores.
+# namespaces, on TEST_WORKERS processes too. About half a minute on 2 cores (a minute on one).
 FAST := not real and not slow and not postgres and not browser and not netns and not torch
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "$(FAST)" tests/unit $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "$(FAST)" tests/unit $(ARGS)
 
 # Certify every model family (tests/certify) and write the support table into docs/models.md.
 certify: $(STAMP)
