@@ -541,3 +541,32 @@ def test_in_a_private_swarm_a_dead_hops_standby_restores_its_kv_snapshot_and_onl
     (repair,) = [s for s in steps if isinstance(s, RouteChange)]
     assert repair.kind == "repair" and "standby" in [h.node for h in repair.plan.hops]
     assert repair.replayed == 1  # the snapshot held the prompt; only the first token's position was replayed
+
+
+class AuditRecorder:
+    """Picks every generation for an audit and keeps what the route engine collected for it."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Any] = []
+
+    def chosen(self) -> bool:
+        return True
+
+    def submit(self, job: Any) -> None:
+        self.jobs.append(job)
+
+
+def test_an_audited_generation_collects_every_hops_seam_log_before_the_route_closes(swarm: LocalSwarm) -> None:
+    """Through the engine's own hop client: each hop before the tail hands over what it sent on,
+    checked against the output digest it signed; the tail's signed answers are kept."""
+    audits = AuditRecorder()
+
+    async def run() -> tuple[list[int], list[EngineStep]]:
+        await swarm.layout()
+        return await generate(swarm.engine(audits=audits), 6)
+
+    swarm.run(run)
+    (job,) = audits.jobs
+    assert job is not None and sorted(job.logs) == ["a", "b"] and job.withheld == {}
+    assert sum(job.chunks) == len(PROMPT) + 5  # the last token's position was never sent
+    assert job.answers and all(entry.node == "c" for entry, _ in job.answers.values())

@@ -16,7 +16,8 @@ A hop whose seam log was not handed over (or does not match what it signed) cann
 past itself: it is failed as ``withheld``; a hop with no auditor of its layers is skipped and
 counted (``meshnet_gateway_audits_skipped``), never passed.
 
-Threading: ``collect`` runs on the generation's worker thread; the audits on one daemon thread
+Concurrency: ``collect`` runs on the gateway's loop, reading the seam logs through the route
+engine's own hop client (``protocol.hops``); the audits on one daemon thread
 fed by a bounded queue (a full queue skips the audit and counts it); the book is locked.
 """
 
@@ -38,12 +39,14 @@ from typing import Any
 import httpx
 import numpy as np
 
+from meshnet.errors import HopFailed, MeshnetError
 from meshnet.httputil import error_message
-from meshnet.protocol import headers as H
+from meshnet.ids import SessionId
 from meshnet.protocol.audits import AuditRequest, AuditStatement, Finding, answer_at, judge, statement_signed_by
-from meshnet.protocol.ledger import EMPTY_DIGEST, extend_digest, parse_chunks
+from meshnet.protocol.hops import HopTransport
+from meshnet.protocol.ledger import EMPTY_DIGEST, extend_digest
 from meshnet.protocol.messages import HopEntry
-from meshnet.protocol.wire import TensorFrame, frame_values, parse_shape
+from meshnet.protocol.wire import frame_values
 from meshnet.routes import Hop
 
 __all__ = ["AuditJob", "AuditRecord", "Audits", "collect"]
@@ -96,8 +99,8 @@ class AuditRecord:
                 "deviation": self.deviation}  # fmt: skip
 
 
-def collect(
-    client: httpx.Client,
+async def collect(
+    hops_client: HopTransport,
     *,
     session: str,
     model: str,
@@ -126,7 +129,7 @@ def collect(
         receipt = receipts[hop.node]
         own_chunks = (*chunks, *(1,) * (receipt.held - held))
         try:
-            logs[hop.node] = _seam_log(client, hop, session, own_chunks, receipt, timeout_s=timeout_s)
+            logs[hop.node] = await _seam_log(hops_client, hop, session, own_chunks, receipt, timeout_s=timeout_s)
         except _Withheld as exc:
             withheld[hop.node] = str(exc)
     tail = hops[-1].node
@@ -150,23 +153,24 @@ class _Withheld(Exception):
     pass
 
 
-def _seam_log(
-    client: httpx.Client, hop: Hop, session: str, chunks: tuple[int, ...], receipt: HopEntry, *, timeout_s: float
-) -> tuple[str, bytes]:
+async def _seam_log(
+    hops_client: HopTransport, hop: Hop, session: str, chunks: tuple[int, ...], receipt: HopEntry, *,
+    timeout_s: float,
+) -> tuple[str, bytes]:  # fmt: skip
     """``hop``'s seam log, checked against the output digest it signed (``_Withheld`` otherwise)."""
     held = sum(chunks)
     try:
-        response = client.get(f"{hop.url}/v1/sessions/{session}/seam", timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise _Withheld(f"its seam log could not be fetched: {exc}") from None
-    if response.status_code != 200:
-        raise _Withheld(f"it did not hand over its seam log ({response.status_code}: {error_message(response)})")
-    try:
-        shape = parse_shape(response.headers.get(H.SHAPE))
-        dtype = response.headers.get(H.DTYPE, "")
-        served = parse_chunks(response.headers.get(H.CHUNKS), held)
-        values = frame_values(TensorFrame(shape, dtype, response.content)).reshape(held, -1)
+        frame, served = await hops_client.seam_log(hop.url, SessionId(session), timeout_s=timeout_s)
+    except HopFailed as exc:
+        raise _Withheld(f"its seam log could not be fetched: {exc.message}") from None
+    except MeshnetError as exc:
+        raise _Withheld(f"it did not hand over its seam log ({exc.status}: {exc.message})") from None
     except Exception as exc:  # any malformed log is the node's: its digest cannot be checked
+        raise _Withheld(f"it handed over a malformed seam log: {exc}") from None
+    shape, dtype = frame.shape, frame.dtype
+    try:
+        values = frame_values(frame).reshape(held, -1)
+    except Exception as exc:
         raise _Withheld(f"it handed over a malformed seam log: {exc}") from None
     if served != chunks or shape[:2] != (1, held):
         raise _Withheld(f"its seam log covers chunks {served} of shape {shape}; the session's are {chunks}")
@@ -176,7 +180,7 @@ def _seam_log(
         at += size
     if digest.hex() != receipt.output_digest:
         raise _Withheld("the seam log it handed over is not what it signed for sending on")
-    return dtype, response.content
+    return dtype, frame.body
 
 
 class Audits:

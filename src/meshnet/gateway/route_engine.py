@@ -44,7 +44,7 @@ its own (``generate``; its steps go to the caller's ``emit``). It reaches the ho
 ``protocol.hops.HopTransport`` — the nodes' own hop client: HTTP over one kept-alive connection pool
 with decode-channel steps, or the in-process ``LocalTransport`` the route-engine tests drive a swarm
 of real node services with — and the tracker through one ``httpx.AsyncClient``. Only a draft
-model's drafting and an audit's seam-log fetch leave the loop, for a thread.
+model's drafting and the billing outbox's spooling leave the loop, for a thread.
 """
 
 from __future__ import annotations
@@ -246,7 +246,6 @@ class RouteEngine:
         self.outbox = outbox if outbox is not None else BillingOutbox(self.tracker_url, tls=client_tls)
         self.decode_channel = decode_channel
         self._hops_client, self._tracker_client = hops, tracker
-        self._audit_client: httpx.Client | None = None  # an audit's seam-log reads, on a thread
         self.closer = SessionCloser()  # every close retried until acknowledged
         self.room_wait_s = room_wait_s  # how long a generation waits for a hop with room (HopFull)
         self.audits = audits  # audit sampling (--audit-rate); None: no audits
@@ -439,13 +438,10 @@ class RouteEngine:
         answers = run.answers if run.answers_of == plan.session_id else {}
         receipts = {node: entry for node, (entry, _) in run.usage.receipts.items()}
         signed = {node: r for node in receipts if (r := run.usage.receipt(node)) is not None}
-        if self._audit_client is None:
-            self._audit_client = httpx.Client(timeout=self._timeout, verify=self.client_tls or True)
-        return await asyncio.to_thread(
-            collect, self._audit_client, session=plan.session_id, model=self.info.model_id, hops=plan.hops,
-                       chunks=run.ledger.sizes(), tokens=run.ids[:held], sampling=dataclasses.asdict(run.params),
-                       receipts=receipts, signed=signed, answers=answers,
-                       rejected=run.ids[held:] if run.surplus else (), timeout_s=CLOSE_WAIT_S * 5,
+        return await collect(
+            self.hops, session=plan.session_id, model=self.info.model_id, hops=plan.hops, chunks=run.ledger.sizes(),
+            tokens=run.ids[:held], sampling=dataclasses.asdict(run.params), receipts=receipts, signed=signed,
+            answers=answers, rejected=run.ids[held:] if run.surplus else (), timeout_s=CLOSE_WAIT_S * 5,
         )  # fmt: skip
 
     async def _prefill_with_retries(self, run: _Run, tokens: list[int], cancel: asyncio.Event) -> Sampled | None:
@@ -895,10 +891,8 @@ class RouteEngine:
             await self._tracker_client.aclose()
 
     def close(self) -> None:
-        """What does not need the loop: the billing outbox's and the audit reads' own threads."""
+        """What does not need the loop: the billing outbox's thread."""
         self.outbox.close()
-        if self._audit_client is not None:
-            self._audit_client.close()
 
 
 def _ids_payload(tokens: Sequence[int]) -> Payload:

@@ -32,6 +32,7 @@ from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
 from meshnet.protocol.channel_client import Channels, ChannelUnavailable
+from meshnet.protocol.ledger import parse_chunks
 from meshnet.protocol.messages import (
     HopAnswer,
     HopRequest,
@@ -41,6 +42,7 @@ from meshnet.protocol.messages import (
     answer_from_json,
     remote_error,
 )
+from meshnet.protocol.wire import TensorFrame, parse_shape
 
 __all__ = ["HopTransport", "HttpTransport", "LocalHop", "LocalTransport", "Sendable", "acknowledged"]
 
@@ -76,6 +78,8 @@ class LocalHop(Protocol):
 
     def session_state(self, sid: SessionId) -> dict[str, Any]: ...
 
+    def seam_log(self, sid: SessionId) -> tuple[TensorFrame, tuple[int, ...]]: ...
+
     async def snapshot(self, sid: SessionId, ticket: str | None) -> dict[str, Any]: ...
 
     async def receive_snapshot(self, sid: SessionId, ticket: str | None, body: bytes) -> dict[str, Any]: ...
@@ -105,6 +109,12 @@ class HopTransport(Protocol):
 
     async def state(self, hop: str, session: SessionId, *, timeout_s: float) -> dict[str, Any] | None:
         """What ``hop`` holds of the session (``GET /v1/sessions/{id}``); None when it cannot say."""
+        ...
+
+    async def seam_log(self, hop: str, session: SessionId, *, timeout_s: float) -> tuple[TensorFrame, tuple[int, ...]]:
+        """What ``hop`` sent on of the session (its seam log) and the chunks it computed them in, for an
+        audit (``GET /v1/sessions/{id}/seam``). Raises ``HopFailed`` when it cannot be reached, the
+        error it answered, or ``ValueError`` for a log that is not one."""
         ...
 
     async def take_snapshot(self, hop: str, session: SessionId, ticket: str, *, timeout_s: float) -> dict[str, Any]:
@@ -206,6 +216,19 @@ class HttpTransport:
             return None
         return held if isinstance(held, dict) else None
 
+    async def seam_log(self, hop: str, session: SessionId, *, timeout_s: float) -> tuple[TensorFrame, tuple[int, ...]]:
+        try:
+            response = await self.client.get(f"{hop}/v1/sessions/{session}/seam", timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise HopFailed(f"node {hop} failed: {type(exc).__name__}: {exc}", failed_hop=hop) from None
+        if response.status_code != 200:
+            raise http_binding.error_from_response(response, hop, sender_is_head=True)
+        shape = parse_shape(response.headers.get(H.SHAPE))
+        if len(shape) < 2:
+            raise ValueError(f"a seam log of shape {shape} has no positions")
+        chunks = parse_chunks(response.headers.get(H.CHUNKS), shape[1])
+        return TensorFrame(shape, response.headers.get(H.DTYPE, ""), response.content), chunks
+
     async def take_snapshot(self, hop: str, session: SessionId, ticket: str, *, timeout_s: float) -> dict[str, Any]:
         try:
             response = await self.client.post(f"{hop}/v1/sessions/{session}/snapshot", headers={H.TICKET: ticket},
@@ -302,6 +325,13 @@ class LocalTransport:
             return service.session_state(session)
         except MeshnetError:
             return None
+
+    async def seam_log(self, hop: str, session: SessionId, *, timeout_s: float) -> tuple[TensorFrame, tuple[int, ...]]:
+        service = self._service(hop, "node")
+        try:
+            return service.seam_log(session)
+        except MeshnetError as exc:
+            raise remote_error(exc, sender=hop, sender_is_head=True) from None
 
     async def take_snapshot(self, hop: str, session: SessionId, ticket: str, *, timeout_s: float) -> dict[str, Any]:
         service = self._service(hop, "node")
