@@ -123,6 +123,18 @@ def test_protocol_imports_no_backend():
     assert offenders == []
 
 
+@pytest.mark.parametrize("framework", ["starlette", "fastapi", "uvicorn"])
+def test_protocol_imports_no_web_framework(framework: str):
+    """The wire (records, bindings, the hop client) is the same for a node, a gateway and a test in
+    one process: no server framework in it (httpx and websockets are clients)."""
+    offenders = [
+        f"{imp.module}:{imp.line} imports {imp.target}"
+        for imp in _all_imports()
+        if _in(imp.module, "meshnet.protocol") and _is(imp.target, framework)
+    ]
+    assert offenders == []
+
+
 def test_tracker_never_imports_torch():
     offenders = [
         f"{imp.module}:{imp.line} imports {imp.target}"

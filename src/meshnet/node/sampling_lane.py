@@ -10,11 +10,14 @@ generation with a clear error — the node goes on.
 A thread cannot be stopped from outside: a step past its deadline is told to stop (a grammar's
 check of the vocabulary runs in chunks and stops at the next one: ``TokenGrammar.cancel``), and
 whatever it still does runs on in the background with its result dropped (the caller breaks the
-session, so nothing uses its sampler again). Grammar
-steps run on a lane of their own, a few threads, so runaway ones never hold up the sampling of
-sessions without a grammar (bounded by the vocabulary size, on the shared executor); when every
-grammar thread is still busy with runaway steps, another grammar step is refused at once (503)
-rather than queued behind them.
+session, so nothing uses its sampler again). Grammar steps run on a lane of their own, a few
+threads; when every grammar thread is still busy with runaway steps, another grammar step is
+refused at once (503) rather than queued behind them.
+
+Sampling without a grammar is bounded by the vocabulary (a softmax, the top alternatives, the
+penalties over the generation so far: about 0.1 ms for 49K tokens here, a few tenths for 256K) and
+runs on the event loop itself: a hand-off to a worker thread and back cost more than that on every
+decode step of a busy 2-core machine (``make bench --only route``, the tail's time beyond compute).
 """
 
 from __future__ import annotations
@@ -54,17 +57,20 @@ class SamplingLane:
     async def run(
         self, step: Callable[[], T], *, tokens: int = 1, grammar: bool, cancel: Callable[[], None] | None = None
     ) -> T:
-        """``step()`` on a worker thread; ``SamplingTooSlow`` when it takes longer than ``deadline_s``
-        per token it decides (``tokens``), after telling the step to stop (``cancel``: a grammar's
-        check of the vocabulary stops within one chunk of it)."""
-        if grammar and self.running_late >= self._threads:
+        """``step()`` — a grammar's on a worker thread of its lane, ``SamplingTooSlow`` when it takes
+        longer than ``deadline_s`` per token it decides (``tokens``), after telling the step to stop
+        (``cancel``: a grammar's check of the vocabulary stops within one chunk of it); any other at
+        once, here (module docstring)."""
+        if not grammar:
+            return step()
+        if self.running_late >= self._threads:
             raise Overloaded(
                 f"this tail's {self._threads} grammar threads are all still running steps that passed their "
                 "deadline; retry in a few seconds",
                 retry_after_s=5,
             )
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._grammar if grammar else None, step)
+        future = loop.run_in_executor(self._grammar, step)
         limit = self.deadline_s * max(1, tokens)
         try:
             # shield: a timeout must not cancel the future before its thread is done with the sampler
@@ -72,11 +78,8 @@ class SamplingLane:
         except TimeoutError:
             if cancel is not None:
                 cancel()
-            if grammar:
-                self.running_late += 1
-                future.add_done_callback(self._finished_late)
-            else:
-                future.add_done_callback(_consume)
+            self.running_late += 1
+            future.add_done_callback(self._finished_late)
             raise SamplingTooSlow(
                 f"sampling {tokens} token(s) took longer than this tail's deadline of {limit:.1f} s "
                 f"({self.deadline_s:.1f} s a token): the request's grammar is too costly to sample; simplify it",

@@ -26,9 +26,9 @@ ids travel beside the activations to the tail, which counts them. Decode channel
 without waiting, and the tail sends its answer straight to the gateway.
 
 Concurrency: one request per session at a time (a second gets 409); compute is serialized by
-the shard backend; the tail's sampling runs on worker threads under a per-token deadline
-(``node.sampling_lane``: a costly grammar fails its generation, never the node's loop); everything
-else runs on the event loop.
+the shard backend; the tail's sampling under a grammar runs on worker threads under a per-token
+deadline (``node.sampling_lane``: a costly grammar fails its generation, never the node's loop);
+everything else runs on the event loop.
 """
 
 from __future__ import annotations

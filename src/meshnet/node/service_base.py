@@ -114,7 +114,7 @@ class ServiceBase:
         self._pushes: set[asyncio.Task[None]] = set()  # snapshots on their way to standbys
         self._closing: set[asyncio.Task[None]] = set()  # deletes a next hop did not acknowledge yet, retried
         self.closed = ClosedSessions()  # a private swarm's ended sessions: no ticket re-opens them (node.authority)
-        self.sampling = SamplingLane(config.sample_deadline_s)  # the tail samples off the event loop
+        self.sampling = SamplingLane(config.sample_deadline_s)  # the tail's grammars sample off the event loop
         # One record per session: the store's, with this node's binding attached (``_bound``); a
         # session that ends in the store (closed, expired) gives back its seam log with it.
         shard.store.on_end = self._ended

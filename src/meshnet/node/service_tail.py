@@ -1,8 +1,8 @@
 """The tail's part of ``NodeService``: the answer to a final chunk.
 
-The tail samples the next token (``meshnet.sampling``) off the event loop, under a per-token
-deadline (``node.sampling_lane``: a costly grammar fails its generation, never the node's loop),
-and signs its answer with its draw (protocol.signing). After a verify chunk (speculative decoding)
+The tail samples the next token (``meshnet.sampling``; under a grammar off the event loop, under a
+per-token deadline: ``node.sampling_lane``, a costly grammar fails its generation, never the node's
+loop), and signs its answer with its draw (protocol.signing). After a verify chunk (speculative decoding)
 it keeps the drafts its sampler agrees with plus one token of its own, and every hop drops the
 rejected positions as the answer passes it back (``_drop_rejected``).
 """
@@ -38,7 +38,7 @@ class TailParts(RepairParts):
         assert s.sampler is not None
         sampler, start, n, drafts = s.sampler, request.start, request.n, request.drafts
         history = s.ids_seen[sampler.params.generated_from : start + n - len(drafts)] if s.carry_ids else None
-        try:  # off the event loop, under a deadline: a costly grammar fails this generation, not the node
+        try:  # a grammar's off the event loop, under a deadline: a costly one fails this generation, not the node
             chosen = await self.sampling.run(
                 lambda: _choose(sampler, logits, history, drafts, at=start + n if not drafts else start + 1),
                 tokens=1 + len(drafts), grammar=sampler.grammar is not None,
