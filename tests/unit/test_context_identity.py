@@ -20,10 +20,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from meshnet.artifacts.identity import gguf_identity
+from meshnet.backends.gpu import GpuDevice
 from meshnet.config import PRODUCT_CONTEXT_CAP
 from meshnet.errors import InvalidRequest, Overloaded
 from meshnet.layers import LayerRange
-from meshnet.node.context import CONTEXT_ALIGN, choose_context
+from meshnet.node.context import CONTEXT_ALIGN, choose_context, kv_budget
 from meshnet.tracker.app import create_tracker_app
 from meshnet.tracker.db import TrackerDB
 from meshnet.tracker.repair import PinnedHop, equivalent_nodes, plan_repair
@@ -55,6 +56,41 @@ def test_the_default_context_is_lowered_to_what_the_kv_budget_holds_for_the_node
     assert "1,000 KV bytes/token" in choice.reason
     with pytest.raises(InvalidRequest, match="holds only 10 positions per session"):
         choose_context(trained=32_768, kv_bytes_per_token=1000, max_sessions=4, budget_bytes=40_000)
+
+
+GIB = 2**30
+
+
+def _gpu(free_gib: float, *, integrated: bool = False) -> GpuDevice:
+    return GpuDevice("CUDA0", "NVIDIA H200", 141 * GIB, int(free_gib * GIB), integrated)
+
+
+def test_without_offload_the_kv_budget_is_half_the_host_memory_available():
+    assert kv_budget(10 * GIB) == (5 * GIB, "50% of the memory available now")
+    assert kv_budget(None) == (None, "50% of the memory available now")
+    # a GPU present but no layer offloaded, or only an integrated GPU (host memory): the host's share
+    weights = [GIB] * 4
+    assert kv_budget(10 * GIB, [_gpu(100)], gpu_layers=0, layer_weights=weights)[0] == 5 * GIB
+    assert kv_budget(10 * GIB, [_gpu(100, integrated=True)], gpu_layers=-1, layer_weights=weights)[0] == 5 * GIB
+
+
+def test_every_layer_offloaded_puts_the_kv_budget_in_the_gpus_free_memory_after_their_weights():
+    budget, source = kv_budget(4 * GIB, [_gpu(20)], gpu_layers=-1, layer_weights=[GIB] * 4)
+    assert budget == 8 * GIB  # half of the 16 GiB left after 4 GiB of weights: the host's 4 GiB does not count
+    assert "NVIDIA H200" in source and "after 4 layers' weights" in source
+    two = kv_budget(4 * GIB, [_gpu(10), _gpu(10)], gpu_layers=-1, layer_weights=[GIB] * 4)[0]
+    assert two == 8 * GIB  # llama.cpp splits the layers over both
+    assert kv_budget(4 * GIB, [_gpu(3)], gpu_layers=-1, layer_weights=[GIB] * 4)[0] == 0  # weights do not fit
+
+
+def test_some_layers_offloaded_split_the_kv_and_the_scarcer_memory_bounds_it():
+    # the last 2 of 4 layers on the GPU: half of the KV there, half in host memory
+    weights = [GIB, GIB, 3 * GIB, 3 * GIB]
+    budget, source = kv_budget(4 * GIB, [_gpu(26)], gpu_layers=2, layer_weights=weights)
+    assert budget == 4 * GIB  # the host's 2 GiB is half of it; the GPU's (26 - 6) / 2 = 10 GiB allows 20
+    assert "2 of 4 layers' KV" in source and "the other 2" in source
+    assert kv_budget(100 * GIB, [_gpu(26)], gpu_layers=2, layer_weights=weights)[0] == 20 * GIB  # the GPU bounds it
+    assert kv_budget(4 * GIB, [_gpu(26)], gpu_layers=9, layer_weights=weights)[0] == 9 * GIB  # more than it has: all
 
 
 def test_an_explicit_ctx_is_taken_but_never_past_the_trained_context():

@@ -93,3 +93,22 @@ def test_a_move_to_a_range_the_node_cannot_hold_is_refused() -> None:
         return placement.target
 
     assert asyncio.run(scenario()) is None
+
+
+def test_the_default_budget_counts_the_gpus_free_memory_where_the_layers_will_live(monkeypatch) -> None:
+    """--layers auto without --memory-gb: the host's memory on the CPU; with --gpu-layers all the
+    discrete GPUs' free memory; with --gpu-layers N both. An integrated GPU adds nothing."""
+    from meshnet.backends import gpu
+    from meshnet.node import advert, placement
+
+    gib = 2**30
+    devices = [gpu.GpuDevice("CUDA0", "NVIDIA H200", 141 * gib, 100 * gib, False),
+               gpu.GpuDevice("Vulkan1", "Intel UHD", 8 * gib, 8 * gib, True)]  # fmt: skip
+    monkeypatch.setattr(gpu, "gpu_devices", lambda: devices)
+    monkeypatch.setattr(advert, "host_hardware", lambda threads=None: {"ram_available_bytes": 20 * gib,
+                                                                       "ram_total_bytes": 32 * gib})  # fmt: skip
+    assert placement.default_budget_bytes() == int(0.9 * 20 * gib)
+    assert placement.default_budget_bytes(-1) == int(0.9 * 100 * gib)
+    assert placement.default_budget_bytes(8) == int(0.9 * 120 * gib)
+    monkeypatch.setattr(gpu, "gpu_devices", lambda: devices[1:])  # only the integrated one: the host's memory
+    assert placement.default_budget_bytes(-1) == int(0.9 * 20 * gib)

@@ -240,7 +240,16 @@ def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]
         path, embeddings = assemble(manifest, dest, layers, args.cache_dir or default_cache_dir())
         threads = args.threads or os.cpu_count() or 1
         per_token = shape_from_manifest(manifest).kv_bytes_per_token_per_layer * len(layers)
-        per_session = node_context(args, trained=manifest.context_cap, kv_bytes_per_token=per_token)
+
+        def layer_weights() -> list[int]:
+            from meshnet.node.placement import ask_from_manifest
+
+            sizes: list[int] = ask_from_manifest(manifest, kv_tokens=0, budget_bytes=0, max_layers=None)["layer_bytes"]
+            return sizes[layers.start : layers.stop]
+
+        per_session = node_context(
+            args, trained=manifest.context_cap, kv_bytes_per_token=per_token, layer_weights=layer_weights
+        )
         config = LlamaShardConfig(
             n_ctx=per_session * args.max_sessions,
             max_sessions=args.max_sessions,

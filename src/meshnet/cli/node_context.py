@@ -7,12 +7,13 @@ from the command line and the machine (the memory available now) and says the re
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from meshnet.cli.serve import usage_error
 from meshnet.errors import InvalidRequest
 from meshnet.node.advert import host_hardware
-from meshnet.node.context import DEFAULT_MEMORY_SHARE, PRODUCT_CONTEXT_CAP, choose_context
+from meshnet.node.context import DEFAULT_MEMORY_SHARE, PRODUCT_CONTEXT_CAP, choose_context, kv_budget
 
 __all__ = ["add_context_arguments", "node_context"]
 
@@ -30,13 +31,18 @@ def add_context_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help=f"memory for the KV of all sessions on this node, in MiB (default: {DEFAULT_MEMORY_SHARE * 100:.0f}%% "
-        "of the memory available at start-up); the default context is lowered to fit it",
+        "of the memory available at start-up, and of the GPUs' free memory after their layers' weights for the "
+        "KV of layers offloaded with --gpu-layers); the default context is lowered to fit it",
     )
 
 
-def node_context(args: argparse.Namespace, *, trained: int, kv_bytes_per_token: int) -> int:
+def node_context(
+    args: argparse.Namespace, *, trained: int, kv_bytes_per_token: int, layer_weights: Callable[[], Sequence[int]]
+) -> int:
     """The per-session context this node runs with; prints what bounded it (a usage error, exit 2,
-    when ``--ctx`` exceeds the cap or the budget holds no usable session)."""
+    when ``--ctx`` exceeds the cap or the budget holds no usable session). ``layer_weights``: the
+    weight bytes of each layer of the range, read only when layers are offloaded to a GPU (whose
+    free memory then bounds the KV: ``node.context.kv_budget``)."""
     budget_mb = getattr(args, "kv_budget_mb", None)
     if budget_mb is not None and not budget_mb > 0:
         usage_error(f"meshnet node: --kv-budget-mb is a size in MiB, more than 0, not {budget_mb:g}")
@@ -45,8 +51,13 @@ def node_context(args: argparse.Namespace, *, trained: int, kv_bytes_per_token: 
         budget, source = int(budget_mb * 2**20), "--kv-budget-mb"
     else:
         available = host_hardware().get("ram_available_bytes")
-        budget = None if available is None else int(available * DEFAULT_MEMORY_SHARE)
-        source = f"{DEFAULT_MEMORY_SHARE:.0%} of the memory available now"
+        gpu_layers = getattr(args, "gpu_layers", 0)
+        if gpu_layers:
+            from meshnet.backends.gpu import gpu_devices
+
+            budget, source = kv_budget(available, gpu_devices(), gpu_layers=gpu_layers, layer_weights=layer_weights())
+        else:
+            budget, source = kv_budget(available)
     try:
         choice = choose_context(
             trained=trained,

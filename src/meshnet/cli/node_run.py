@@ -168,7 +168,13 @@ def load_shard(args: argparse.Namespace, gguf: Path) -> tuple[Any, dict[str, Any
         return shard, advert
     from meshnet.backends.llama_shard import LlamaShard, LlamaShardConfig
 
-    per_session = node_context(args, trained=trained, kv_bytes_per_token=kv_per_token)
+    def layer_weights() -> list[int]:
+        from meshnet.node.placement import ask_from_gguf
+
+        sizes: list[int] = ask_from_gguf(gguf, kv_tokens=0, budget_bytes=0, max_layers=None)["layer_bytes"]
+        return sizes[layers.start : layers.stop]
+
+    per_session = node_context(args, trained=trained, kv_bytes_per_token=kv_per_token, layer_weights=layer_weights)
     config = LlamaShardConfig(
         n_ctx=per_session * args.max_sessions,
         max_sessions=args.max_sessions,

@@ -30,7 +30,8 @@ def add_placement_arguments(node: argparse.ArgumentParser) -> None:
         "--memory-gb",
         type=float,
         help="with --layers auto: memory for this node's layers and the KV of its sessions (GiB; default 90%% of "
-        "the memory available at start); the tracker sizes the range to it",
+        "the memory available at start: with --gpu-layers all the GPUs' free memory, with --gpu-layers N the host's "
+        "and the GPUs'); the tracker sizes the range to it",
     )
     node.add_argument(
         "--max-layers",
@@ -73,7 +74,8 @@ def _ask(args: argparse.Namespace, gguf: Path | None) -> tuple[str, dict[str, An
     """The model id and this node's ask."""
     from meshnet.node.placement import ask_from_gguf, ask_from_manifest, default_budget_bytes
 
-    budget = int(args.memory_gb * GIB) if args.memory_gb is not None else default_budget_bytes()
+    gpu_layers = getattr(args, "gpu_layers", 0)
+    budget = int(args.memory_gb * GIB) if args.memory_gb is not None else default_budget_bytes(gpu_layers)
     kv_tokens = (args.ctx or _SIZING_CTX) * args.max_sessions
     sizing = {"kv_tokens": kv_tokens, "budget_bytes": budget, "max_layers": args.max_layers}
     if gguf is None:

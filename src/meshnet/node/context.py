@@ -10,8 +10,10 @@ context give garbage, not an error). The node says what it chose and why (``Cont
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from meshnet.backends.gpu import GpuDevice, gpu_label
 from meshnet.config import PRODUCT_CONTEXT_CAP
 from meshnet.errors import InvalidRequest
 
@@ -22,6 +24,7 @@ __all__ = [
     "PRODUCT_CONTEXT_CAP",
     "ContextChoice",
     "choose_context",
+    "kv_budget",
 ]
 
 MIN_CONTEXT = 16  # fewer than this is no usable session (the --ctx floor of meshnet serve)
@@ -89,3 +92,40 @@ def choose_context(
         f"lowered from {cap:,} ({bounded_by}) to fit {budget_source} of {budget_bytes / 2**20:,.0f} MiB at "
         f"--max-sessions {max_sessions} ({kv_bytes_per_token:,} KV bytes/token for these layers)",
     )
+
+
+def kv_budget(
+    host_available: int | None,
+    devices: Sequence[GpuDevice] = (),
+    *,
+    gpu_layers: int = 0,
+    layer_weights: Sequence[int] = (),
+) -> tuple[int | None, str]:
+    """The KV budget of a node without ``--kv-budget-mb``, and what it is, for the start-up log.
+
+    On the CPU: ``DEFAULT_MEMORY_SHARE`` of the host memory available now (``None``: unknown). With
+    ``gpu_layers`` of the range's ``len(layer_weights)`` layers offloaded (the last ones; -1: all)
+    to discrete GPUs, llama.cpp keeps an offloaded layer's KV on the device beside its weights and
+    the other layers' in host memory: the devices give the same share of their free memory after
+    the offloaded layers' weights (``layer_weights``, bytes per layer of the range, in order), and
+    the budget is the largest KV whose split between the two (by layers) fits both. An integrated
+    GPU's memory is the host's, so it adds nothing."""
+    host = None if host_available is None else int(host_available * DEFAULT_MEMORY_SHARE)
+    host_source = f"{DEFAULT_MEMORY_SHARE:.0%} of the memory available now"
+    discrete = [d for d in devices if not d.integrated]
+    layers = len(layer_weights)
+    if gpu_layers == 0 or not discrete or layers == 0:
+        return host, host_source
+    offloaded = layers if gpu_layers < 0 else min(gpu_layers, layers)
+    on_device = offloaded / layers
+    weights = sum(layer_weights[layers - offloaded :])
+    free = sum(d.memory_free_bytes for d in discrete)
+    device = max(0, int((free - weights) * DEFAULT_MEMORY_SHARE))
+    label = gpu_label(discrete)
+    device_source = f"{DEFAULT_MEMORY_SHARE:.0%} of {label}'s free memory after {offloaded} layers' weights"
+    if offloaded == layers or host is None:  # all of the KV on the devices (or the host's share unknown)
+        return int(device / on_device), device_source
+    by_host = int(host / (1 - on_device))
+    by_device = int(device / on_device)
+    source = f"{device_source} ({offloaded} of {layers} layers' KV) and {host_source} (the other {layers - offloaded})"
+    return min(by_host, by_device), source

@@ -52,15 +52,22 @@ _DRAIN_POLL_S = 0.5
 log = logging.getLogger("meshnet.node")
 
 
-def default_budget_bytes() -> int:
-    """``BUDGET_SHARE`` of this host's available memory (``/proc/meminfo``)."""
+def default_budget_bytes(gpu_layers: int = 0) -> int:
+    """``BUDGET_SHARE`` of the memory the range's layers and KV will live in: this host's available
+    memory (``/proc/meminfo``); with every layer offloaded (``gpu_layers`` -1), the discrete GPUs'
+    free memory instead; with some (``gpu_layers`` N), both, as llama.cpp splits the layers between
+    them. An integrated GPU's memory is the host's."""
+    from meshnet.backends.gpu import gpu_devices
     from meshnet.node.advert import host_hardware
 
     hardware = host_hardware()
     available = hardware["ram_available_bytes"] or hardware["ram_total_bytes"]
+    device = sum(d.memory_free_bytes for d in gpu_devices() if not d.integrated) if gpu_layers else 0
+    if gpu_layers < 0 and device:
+        return int(BUDGET_SHARE * device)
     if not available:
         raise InvalidRequest("cannot read this host's memory: give --memory-gb", param="memory_gb")
-    return int(BUDGET_SHARE * available)
+    return int(BUDGET_SHARE * (available + device))
 
 
 def ask_from_manifest(
