@@ -249,3 +249,70 @@ def test_engine_is_released_after_each_generation():
     for _ in range(3):
         assert _finished(_run(engine, max_tokens=2)).finish_reason == "length"
     assert engine.prefill_calls == 3
+
+
+# -- run_async_worker: an async engine (the route engine's shape) -------------------------------
+class AsyncFake:
+    """FakeEngine's steps handed to ``emit`` from a coroutine, as the route engine hands its own;
+    records how each generation ended."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine, self.info, self.ended = engine, engine.info, []
+
+    def grammar(self, text: str, *, param: str = "grammar"):
+        return self.engine.grammar(text, param=param)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return self.engine.is_end_of_generation(token)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.engine.token_bytes(token)
+
+    async def generate(self, prompt, sampler, cancel, plan, emit) -> None:
+        from meshnet.backends.base import Stop
+
+        steps = self.engine.generate(prompt, sampler, threading.Event(), plan)
+        try:
+            for step in steps:
+                if cancel.is_set():
+                    break
+                await emit(step)
+            self.ended.append("ran out")
+        except Stop:
+            self.ended.append("stopped")  # the consumer stopped it: the route engine closes the route here
+        finally:
+            steps.close()
+
+
+def _run_async(engine: AsyncFake, *, prompt: str = "hi", max_tokens: int = 100, stop: tuple[str, ...] = ()):
+    import asyncio
+
+    from meshnet.gateway.generation import run_async_worker
+
+    reports: list[object] = []
+    request = GenerationRequest(prompt_tokens=tuple(engine.engine.tokenize(prompt, add_special=True)),
+                                sampling=GREEDY, max_tokens=max_tokens, stop=stop)  # fmt: skip
+    asyncio.run(run_async_worker(engine, request, asyncio.Event(), reports.append))  # type: ignore[arg-type]
+    return reports
+
+
+def test_an_async_engine_is_driven_on_the_loop_and_stopped_by_the_consumer_as_a_sync_one_is() -> None:
+    for kwargs in ({"max_tokens": 4}, {"stop": ("l",)}, {}):
+        sync, fake = _run(FakeEngine(reply="hello world"), **kwargs), AsyncFake(FakeEngine(reply="hello world"))
+        reports = _run_async(fake, **kwargs)
+        assert _text(reports) == _text(sync)
+        assert [type(r) for r in reports] == [type(r) for r in sync]
+        (finished,) = [r for r in reports if isinstance(r, Finished)]
+        assert finished == next(r for r in sync if isinstance(r, Finished))
+        # the consumer's stop (max_tokens, a stop string, the end-of-generation token) reaches the
+        # engine as Stop, which ends it as completed
+        assert fake.ended == ["stopped"]
+
+
+def test_an_async_engines_error_is_one_failed_report() -> None:
+    class Broken(AsyncFake):
+        async def generate(self, prompt, sampler, cancel, plan, emit) -> None:
+            raise RuntimeError("boom")
+
+    (failed,) = _run_async(Broken(FakeEngine()))
+    assert isinstance(failed, Failed) and "RuntimeError: boom" in failed.error.message
