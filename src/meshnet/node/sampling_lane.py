@@ -15,9 +15,10 @@ threads; when every grammar thread is still busy with runaway steps, another gra
 refused at once (503) rather than queued behind them.
 
 Sampling without a grammar is bounded by the vocabulary (a softmax, the top alternatives, the
-penalties over the generation so far: about 0.1 ms for 49K tokens here, a few tenths for 256K) and
-runs on the event loop itself: a hand-off to a worker thread and back cost more than that on every
-decode step of a busy 2-core machine (``make bench --only route``, the tail's time beyond compute).
+penalties over the generation so far: under 0.1 ms for 49K tokens here, in proportion for larger
+vocabularies) and runs on the event loop itself: the hand-off to a worker thread and back cost
+about 0.2 ms of every decode step on a busy 2-core machine (``make bench --only route``: the tail's
+time beyond compute went from 0.95 to 0.74 ms).
 """
 
 from __future__ import annotations
