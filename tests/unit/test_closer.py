@@ -1,4 +1,4 @@
-"""gateway.closer: a session's close is retried off the request path until acknowledged (issue 28:
+"""protocol.closer: a session's close is retried off the request path until acknowledged (issue 28:
 zombies), and a hop without room is a ``HopFull``, not a failure. A fake hop on loopback, reached
 through the gateway's own hop client."""
 
@@ -17,8 +17,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet.errors import BadGateway, HopFailed, HopFull, InvalidRequest, Overloaded, hop_error
-from meshnet.gateway.closer import SessionCloser
 from meshnet.ids import SessionId
+from meshnet.protocol.closer import SessionCloser
 from meshnet.protocol.hops import HttpTransport, acknowledged
 from meshnet.sampling import SamplingParams
 from tests.asgi import serve_in_thread

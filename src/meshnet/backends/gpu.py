@@ -29,6 +29,7 @@ from meshnet.errors import InvalidRequest
 __all__ = [
     "ALL_LAYERS",
     "GpuDevice",
+    "discrete_gpus",
     "gpu_devices",
     "gpu_label",
     "gpu_layers_flag",
@@ -94,6 +95,12 @@ def offload_numerics(gpu_layers: int) -> str:
     if gpu_layers == 0:
         return ""
     return f"; gpu_layers {gpu_layers_flag(gpu_layers)} on {gpu_label(gpu_devices()) or 'no GPU found'}"
+
+
+def discrete_gpus(devices: Sequence[GpuDevice]) -> list[GpuDevice]:
+    """The GPUs with memory of their own: an integrated GPU's memory is the host's, so it adds
+    nothing to a memory budget."""
+    return [d for d in devices if not d.integrated]
 
 
 def gpu_label(devices: Sequence[GpuDevice]) -> str:

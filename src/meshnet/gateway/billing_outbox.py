@@ -134,11 +134,9 @@ class BillingOutbox:
         ``tls``; tests hand it an in-process tracker's)."""
         self._client = client or (lambda: httpx.Client(timeout=timeout_s, verify=tls or True))
         self.tracker_url = tracker_url.rstrip("/")
-        self.tls = tls  # the member TLS of a private swarm's gateway
         # The gateway's key: it countersigns every report (the key pinned with the session's route)
         self.key = key if key is not None else HopKey.generate()
         self.give_up_s = give_up_s
-        self._timeout = timeout_s
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()

@@ -17,7 +17,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -157,6 +157,21 @@ class _Consumer:
         self.produced = 0
         self.finished: Finished | None = None
 
+    def sampler(self) -> Sampler:
+        """The request's sampler, its grammar compiled against the engine's vocabulary."""
+        sampling = self.request.sampling
+        return Sampler(sampling, self.engine.grammar(sampling.grammar) if sampling.grammar else None)
+
+    @contextlib.contextmanager
+    def failures_reported(self) -> Iterator[None]:
+        """Every outcome, errors included, ends in a report: an error in the block is one ``Failed``."""
+        try:
+            yield
+        except MeshnetError as exc:
+            self.report(Failed(exc))
+        except Exception as exc:  # an engine bug must still end the generation visibly
+            self.report(Failed(EngineError(f"{type(exc).__name__}: {exc}")))
+
     def take(self, step: EngineStep) -> bool:
         """Report ``step``; whether the generation goes on."""
         if isinstance(step, PrefillProgress | RouteChange):
@@ -193,18 +208,13 @@ def run_worker(
 ) -> None:
     """Drive a local ``engine`` for one generation; every outcome, errors included, ends in a report."""
     consumer = _Consumer(engine, request, report)
-    try:
-        grammar = engine.grammar(request.sampling.grammar) if request.sampling.grammar else None
-        steps = engine.generate(request.prompt_tokens, Sampler(request.sampling, grammar), cancel, request.plan)
+    with consumer.failures_reported():
+        steps = engine.generate(request.prompt_tokens, consumer.sampler(), cancel, request.plan)
         with contextlib.closing(steps):
             for step in steps:
                 if not consumer.take(step):
                     break
         consumer.end(cancel.is_set())
-    except MeshnetError as exc:
-        report(Failed(exc))
-    except Exception as exc:  # a backend bug must still end the generation visibly
-        report(Failed(EngineError(f"{type(exc).__name__}: {exc}")))
 
 
 async def run_async_worker(
@@ -220,14 +230,9 @@ async def run_async_worker(
         if not consumer.take(step):
             raise Stop
 
-    try:
-        grammar = engine.grammar(request.sampling.grammar) if request.sampling.grammar else None
-        await engine.generate(request.prompt_tokens, Sampler(request.sampling, grammar), cancel, request.plan, emit)
+    with consumer.failures_reported():
+        await engine.generate(request.prompt_tokens, consumer.sampler(), cancel, request.plan, emit)
         consumer.end(cancel.is_set())
-    except MeshnetError as exc:
-        report(Failed(exc))
-    except Exception as exc:  # an engine bug must still end the generation visibly
-        report(Failed(EngineError(f"{type(exc).__name__}: {exc}")))
 
 
 class GenerationService:

@@ -80,12 +80,12 @@ from meshnet.errors import (
 )
 from meshnet.gateway.audits import AuditJob, Audits, collect
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
-from meshnet.gateway.closer import SessionCloser
 from meshnet.gateway.speculative import SPECULATIVE_MODES, Drafter, DraftSource, ModelDraft, PromptLookup, WalkCosts
 from meshnet.httputil import CLIENT_KEEP_ALIVE_S, error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
 from meshnet.protocol.channel_client import Channels
+from meshnet.protocol.closer import SessionCloser
 from meshnet.protocol.hops import HopTransport, HttpTransport, Sendable, acknowledged
 from meshnet.protocol.ledger import ChunkLedger, pack_chunks, verify_hops
 from meshnet.protocol.messages import (
@@ -354,7 +354,7 @@ class RouteEngine:
         return min(self.n_ctx, plan.max_positions) if plan.max_positions else self.n_ctx
 
     async def release(self, plan: RoutePlan) -> None:
-        """Free the session on the tracker: retried until it is acknowledged (gateway.closer)."""
+        """Free the session on the tracker: retried until it is acknowledged (protocol.closer)."""
         path = f"/v1/sessions/{plan.session_id}"
 
         async def attempt() -> bool | None:
@@ -873,7 +873,7 @@ class RouteEngine:
         blocks first) and on the tracker. The stream ends only after the first attempt
         (``run_worker``), so its wait is short (``CLOSE_WAIT_S``); one that is not acknowledged (a hop
         still computing for the session, or unreachable for a moment) is retried by the closer until
-        it is (gateway.closer): no zombie holds a slot of the route until its TTL."""
+        it is (protocol.closer): no zombie holds a slot of the route until its TTL."""
         head, sid, ticket = plan.hops[0].url, plan.session_id, plan.ticket
 
         async def attempt() -> bool | None:

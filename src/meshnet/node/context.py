@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshnet.backends.gpu import GpuDevice, gpu_label
+from meshnet.backends.gpu import GpuDevice, discrete_gpus, gpu_label
 from meshnet.config import PRODUCT_CONTEXT_CAP
 from meshnet.errors import InvalidRequest
 
@@ -112,7 +112,7 @@ def kv_budget(
     GPU's memory is the host's, so it adds nothing."""
     host = None if host_available is None else int(host_available * DEFAULT_MEMORY_SHARE)
     host_source = f"{DEFAULT_MEMORY_SHARE:.0%} of the memory available now"
-    discrete = [d for d in devices if not d.integrated]
+    discrete = discrete_gpus(devices)
     layers = len(layer_weights)
     if gpu_layers == 0 or not discrete or layers == 0:
         return host, host_source

@@ -57,12 +57,12 @@ def default_budget_bytes(gpu_layers: int = 0) -> int:
     memory (``/proc/meminfo``); with every layer offloaded (``gpu_layers`` -1), the discrete GPUs'
     free memory instead; with some (``gpu_layers`` N), both, as llama.cpp splits the layers between
     them. An integrated GPU's memory is the host's."""
-    from meshnet.backends.gpu import gpu_devices
+    from meshnet.backends.gpu import discrete_gpus, gpu_devices
     from meshnet.node.advert import host_hardware
 
     hardware = host_hardware()
     available = hardware["ram_available_bytes"] or hardware["ram_total_bytes"]
-    device = sum(d.memory_free_bytes for d in gpu_devices() if not d.integrated) if gpu_layers else 0
+    device = sum(d.memory_free_bytes for d in discrete_gpus(gpu_devices())) if gpu_layers else 0
     if gpu_layers < 0 and device:
         return int(BUDGET_SHARE * device)
     if not available:

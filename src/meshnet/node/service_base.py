@@ -31,6 +31,7 @@ from meshnet.node.metrics import NodeMetrics
 from meshnet.node.prefix_cache import PrefixCache
 from meshnet.node.sampling_lane import DEFAULT_SAMPLE_DEADLINE_S, SamplingLane
 from meshnet.node.session import NodeSession, SeamLogs
+from meshnet.protocol.closer import SessionCloser
 from meshnet.protocol.hops import HopTransport
 from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, PrefixRequest
 from meshnet.protocol.signing import HopKey
@@ -112,7 +113,9 @@ class ServiceBase:
             self.prefix_cache = PrefixCache(config.prefix_cache_bytes, release=shard.release)
             shard.store.on_evict = self.prefix_cache.evicted
         self._pushes: set[asyncio.Task[None]] = set()  # snapshots on their way to standbys
-        self._closing: set[asyncio.Task[None]] = set()  # deletes a next hop did not acknowledge yet, retried
+        # deletes a next hop did not acknowledge yet (still finishing a step), asked again: 50 ms
+        # doubling, 10 attempts (about 26 s in all)
+        self.closer = SessionCloser(first_retry_s=0.05, attempts=10, timeout_s=config.hop_timeout_s, log="meshnet.node")
         self.closed = ClosedSessions()  # a private swarm's ended sessions: no ticket re-opens them (node.authority)
         self.sampling = SamplingLane(config.sample_deadline_s)  # the tail's grammars sample off the event loop
         # One record per session: the store's, with this node's binding attached (``_bound``); a

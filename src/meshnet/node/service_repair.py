@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Coroutine
 from typing import Any
 
@@ -27,12 +26,6 @@ from meshnet.protocol.ledger import pack_chunks
 from meshnet.protocol.messages import HopAnswer, HopRequest, Payload, Rerouted, RerouteRequest, Verb
 from meshnet.protocol.tickets import REPAIR
 from meshnet.protocol.wire import TensorFrame
-
-_log = logging.getLogger("meshnet.node")
-# A next hop that did not acknowledge a delete passed down the chain (409: still finishing a step)
-# is asked again after this, doubling, for this long in all.
-DELETE_RETRY_FIRST_S = 0.05
-DELETE_RETRY_S = 30.0
 
 __all__ = ["RepairParts"]
 
@@ -168,26 +161,14 @@ class RepairParts(SnapshotParts):
         """Pass a delete down the chain. A next hop may still be finishing the session's last step
         when the delete comes (a decode-channel step's token reaches the gateway straight from the
         tail, and the gateway closes at once, while a middle hop is still handing the step on): it
-        answers 409, and is asked again in the background, backing off (``DELETE_RETRY_FIRST_S``
-        doubling, ``DELETE_RETRY_S`` in all), so no hop after this one keeps the session until its
-        idle TTL. A refusal that will not change (a bad ticket) is not retried."""
-        if await self.transport.delete(hop, sid, ticket) is not False:
-            return
+        answers 409, and the node's closer (``protocol.closer``) asks it again in the background,
+        so no hop after this one keeps the session until its idle TTL. A refusal that will not
+        change (a bad ticket) is not retried."""
 
-        async def retry() -> None:
-            loop = asyncio.get_running_loop()
-            deadline, delay = loop.time() + DELETE_RETRY_S, DELETE_RETRY_FIRST_S
-            while loop.time() + delay < deadline:
-                await asyncio.sleep(delay)
-                if await self.transport.delete(hop, sid, ticket) is not False:
-                    return
-                delay *= 2
-            _log.warning("next hop %s did not free session %s within %.0f s: its idle TTL frees it", hop, sid,
-                         DELETE_RETRY_S)  # fmt: skip
+        async def attempt() -> bool | None:
+            return await self.transport.delete(hop, sid, ticket)
 
-        task = asyncio.ensure_future(retry())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        await self.closer.close(attempt, f"{hop}/v1/sessions/{sid}", timeout_s=self.config.hop_timeout_s)
 
     def session_state(self, sid: SessionId, caller: str | None = None, *, admin: bool = False) -> dict[str, Any]:
         """``GET /v1/sessions/{id}``: what this node holds of a session (a gateway asks it to find

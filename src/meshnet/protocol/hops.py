@@ -139,6 +139,15 @@ def _prefix(downstream: Sequence[str] | None) -> str:
     return "next hop" if downstream is None else "node"
 
 
+def _route_error(
+    status: object, message: str, failed_hop: object, code: object, *, hop: str, downstream: Sequence[str]
+) -> MeshnetError:
+    """What an error answer from ``hop``, a hop of a route, means to the gateway (module docstring):
+    ``downstream`` is it and the hops after it, the only ones it may name as failed."""
+    return hop_error(f"route hop answered {status}: {message}", status=status, failed_hop=failed_hop, sender=hop,
+                     sender_is_head=True, code=code, may_name={hop, *downstream})  # fmt: skip
+
+
 def _encode(request: Sendable) -> tuple[str, dict[str, str], bytes]:
     if isinstance(request, HopRequest):
         return http_binding.encode_request(request)
@@ -171,11 +180,8 @@ class HttpTransport:
         if downstream is None:
             return http_binding.answer_from_response(response, hop)
         if response.status_code >= 400:
-            raise hop_error(
-                f"route hop answered {response.status_code}: {error_message(response)}", status=response.status_code,
-                failed_hop=error_field(response, "failed_hop"), sender=hop, sender_is_head=True,
-                code=error_field(response, "code"), may_name={hop, *downstream},
-            )  # fmt: skip
+            raise _route_error(response.status_code, error_message(response), error_field(response, "failed_hop"),
+                               error_field(response, "code"), hop=hop, downstream=downstream)  # fmt: skip
         try:
             return answer_from_json(response.status_code, response.json())
         except ValueError as exc:  # a bad answer is a failed tail (it alone answers tokens), repaired like a dead one
@@ -298,9 +304,8 @@ class LocalTransport:
         except MeshnetError as exc:
             if downstream is None:
                 raise remote_error(exc, sender=hop, sender_is_head=False) from None
-            raise hop_error(f"route hop answered {exc.status}: {exc.message}", status=exc.status,
-                            failed_hop=exc.failed_hop, sender=hop, sender_is_head=True, code=exc.code,
-                            may_name={hop, *downstream}) from None  # fmt: skip
+            raise _route_error(exc.status, exc.message, exc.failed_hop, exc.code, hop=hop,
+                               downstream=downstream) from None  # fmt: skip
         assert answer is not None  # only a decode-channel step answers nothing
         return answer
 

@@ -1,5 +1,6 @@
 """Closing a session until it is closed: the gateway's ``DELETE``s on a route's head and on the
-tracker, retried off the request path until acknowledged (issue 28).
+tracker, and a node's ``DELETE`` passed on to its next hop, retried off the request path until
+acknowledged (issue 28).
 
 A close that is lost leaves a zombie: the session holds its slot on every hop (and its count on
 the tracker) until its idle TTL, and concurrent users find the nodes full. A close is lost when
@@ -15,10 +16,12 @@ briefly unreachable, or answers after the gateway stopped waiting. So:
   are retried; any other 4xx (e.g. a refused ticket) will not change and is given up at once
   (``protocol.hops.acknowledged``).
 
-An attempt is any coroutine function saying whether it was acknowledged (the route engine's: a
-``DELETE`` through its hop client, or on the tracker), so a close goes the way every other request
-of the route goes. Concurrency: every call on the event loop of the engine that owns the closer. At
-most ``MAX_PENDING`` closes wait (the oldest is dropped, with a warning).
+An attempt is any coroutine function saying whether it was acknowledged (a ``DELETE`` through the
+hop client, ``protocol.hops``, or on the tracker), so a close goes the way every other request of
+the route goes. The gateway's route engine keeps one closer with the defaults; a node keeps one that
+asks its next hop again sooner (50 ms doubling: a next hop is only still finishing a step). Concurrency:
+every call on the event loop of the closer's owner. At most ``MAX_PENDING`` closes wait (the oldest
+is dropped, with a warning).
 """
 
 from __future__ import annotations
@@ -29,8 +32,6 @@ import logging
 from collections.abc import Awaitable, Callable
 
 __all__ = ["ATTEMPTS", "Attempt", "SessionCloser"]
-
-_log = logging.getLogger("meshnet.gateway")
 
 ATTEMPTS = 8  # the first one included
 FIRST_RETRY_S = 0.5
@@ -49,7 +50,10 @@ class SessionCloser:
         first_retry_s: float = FIRST_RETRY_S,
         max_retry_s: float = MAX_RETRY_S,
         timeout_s: float = 5.0,
+        log: str = "meshnet.gateway",
     ) -> None:
+        """``log``: the logger its retries are told in (its owner's)."""
+        self._log = logging.getLogger(log)
         self.attempts = attempts
         self.first_retry_s = first_retry_s
         self.max_retry_s = max_retry_s
@@ -93,7 +97,7 @@ class SessionCloser:
         if len(self._pending) >= MAX_PENDING:
             self._pending.popleft().cancel()
             self.given_up += 1
-            _log.warning("too many sessions left to close; no more retries for the oldest")
+            self._log.warning("too many sessions left to close; no more retries for the oldest")
         self._pending.append(asyncio.ensure_future(self._retry(attempt, what)))
 
     async def _retry(self, attempt: Attempt, what: str) -> None:
@@ -103,19 +107,18 @@ class SessionCloser:
             done = await self._try(attempt, self.timeout_s, what)
             attempts += 1
             if done:
-                _log.info("closed %s after %d attempts", what, attempts)
+                self._log.info("closed %s after %d attempts", what, attempts)
                 return
             if done is None or attempts >= self.attempts:
                 self.given_up += 1
-                _log.warning("gave up closing %s after %d attempts: its idle TTL frees it", what, attempts)
+                self._log.warning("gave up closing %s after %d attempts: its idle TTL frees it", what, attempts)
                 return
 
-    @staticmethod
-    async def _try(attempt: Attempt, timeout_s: float, what: str) -> bool | None:
+    async def _try(self, attempt: Attempt, timeout_s: float, what: str) -> bool | None:
         try:
             return await asyncio.wait_for(attempt(), timeout_s)
         except TimeoutError:
             return False
         except Exception as exc:  # an attempt's own bug must not end the retries silently
-            _log.warning("closing %s failed: %s: %s", what, type(exc).__name__, exc)
+            self._log.warning("closing %s failed: %s: %s", what, type(exc).__name__, exc)
             return False
