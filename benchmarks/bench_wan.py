@@ -1,15 +1,26 @@
-"""A route over emulated WAN links (3 seams at 20 ms round trip): HTTP per hop vs the decode channel.
+"""Routes over emulated WAN links: a sweep of 5, 20 and 50 ms round trip per seam x 3 and 5 seams.
 
-Three llama.cpp node processes, each reachable only through a user-space delay proxy
-(``tests/wan.py``: 10 ms each way, every byte) and advertised at it (``--public-url``): the gateway
-reaches the head, the head the middle and the middle the tail over one emulated link each (and the
-tail's token comes back to the gateway over the tail's link). The gateways are measured in
-alternating rounds on a copy-heavy request.
+Each node is a llama.cpp process reachable only through a user-space delay proxy (``tests/wan.py``:
+half the round trip each way, every byte) and advertised at it (``--public-url``): the gateway
+reaches the head, each node the next one over one emulated link each, and the tail's token comes
+back to the gateway over the tail's link. 3 seams: three nodes of the bundled 30-layer model
+(``0:10``, ``10:20``, ``20:30``); 5 seams: five nodes of 6 layers each. The nodes and their proxies
+are started once per cell (round trip x seams), and stopped before the next.
+
+The gateways of a cell, measured in alternating rounds, each on an open-ended prompt (its text
+copies nothing) and a copy-heavy one (rewrite a given text), greedy:
+
+- ``off``: the decode channel without drafts (autoregressive);
+- ``ngram``: the decode channel with prompt-lookup drafts, verify rounds pipelined (the default);
+- ``ngram-sync``: the same with ``--pipeline-rounds 1`` (one verify round in flight at a time),
+  only where ``meshnet gateway`` has that flag;
+- ``http``: HTTP per hop, no drafts (``--decode-channel off``, every answer walks back through
+  every hop), the old baseline, only in the 20 ms x 3 seams cell (it is slow).
 
 The floor a route could reach per token: the nodes' own compute (``compute_ms_per_token`` from the
-route's telemetry) + one one-way leg per seam + the leg back to the gateway. Three gateways on the
-swarm: HTTP per hop (``--decode-channel off``, every answer walks back through every hop), the
-decode channel without drafts, and the decode channel with prompt-lookup drafts.
+route's telemetry) + the round trip the token's loop through the route pays, one one-way leg per
+seam + the leg back to the gateway. ``MESHNET_WAN_QUICK=1`` runs only the 5 ms x 3 seams cell,
+briefly (a smoke test of the harness, not a measurement).
 """
 
 from __future__ import annotations
@@ -20,23 +31,35 @@ import socket
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 
+from tests.procs import meshnet_cli
 from tests.wan import delay_proxy
 
-from benchmarks.bench_serve import stream_text
+from benchmarks.bench_serve import DECODE_PROMPT, stream_text
 from benchmarks.bench_speculative import COPY_PROMPT, gateway_swarm
 from benchmarks.common import Section, median, route_compute_ms
 
 CORES = os.cpu_count() or 2
-ONE_WAY_S = 0.010  # 20 ms round trip per seam
-TOKENS = 64
-ROUNDS = 3
-LAYOUT = ("0:10", "10:20", "20:30")
+RTTS_MS = (5, 20, 50)  # round trip per seam
+LAYOUTS = {  # seams: the nodes' layer ranges of the bundled 30-layer model
+    3: ("0:10", "10:20", "20:30"),
+    5: tuple(f"{start}:{start + 6}" for start in range(0, 30, 6)),
+}
+BASELINE = (20, 3)  # (ms round trip, seams): the cell the goals are for, and the only one with HTTP per hop
+TOKENS = 48
+ROUNDS = 2  # measured rounds per cell (after one warm-up round)
+BASELINE_ROUNDS = 3
+QUICK_CELL, QUICK_TOKENS, QUICK_ROUNDS = (5, 3), 16, 1  # MESHNET_WAN_QUICK=1: (ms round trip, seams)
+PROMPTS = {"open-ended": DECODE_PROMPT, "copy-heavy": COPY_PROMPT}
+PIPELINE_FLAG = "--pipeline-rounds"
 GATEWAYS = {  # name: gateway flags
-    "http": ("--speculative", "off", "--decode-channel", "off"),
     "off": ("--speculative", "off"),
     "ngram": ("--speculative", "ngram"),
+    "ngram-sync": ("--speculative", "ngram", PIPELINE_FLAG, "1"),
+    "http": ("--speculative", "off", "--decode-channel", "off"),
 }
+GOALS = {"autoregressive": 1.05, "open-ended": 2.0, "copy-heavy": 6.0}  # for the BASELINE cell
 
 
 def _free_port() -> int:
@@ -45,7 +68,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _measured_leg_ms(samples: int = 40) -> float:
+def _measured_leg_ms(one_way_s: float, samples: int = 40) -> float:
     """One one-way leg through a delay proxy as it really is on this machine: half the median round
     trip of a small message to a loopback echo server behind one (the proxy's own cost included)."""
 
@@ -59,7 +82,7 @@ def _measured_leg_ms(samples: int = 40) -> float:
         thread = threading.Thread(target=echo, args=(server,), daemon=True)
         thread.start()
         with (
-            delay_proxy(server.getsockname()[1], ONE_WAY_S) as proxy,
+            delay_proxy(server.getsockname()[1], one_way_s) as proxy,
             socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as client,
         ):
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -75,63 +98,155 @@ def _measured_leg_ms(samples: int = 40) -> float:
     return 1000 * median(trips) / 2
 
 
-def run() -> Section:
-    threads = max(1, CORES // 3)
-    legs = len(LAYOUT) + 1  # one one-way leg per seam, and the leg back to the gateway
-    section = Section(
-        "WAN links: 3 seams at 20 ms round trip; HTTP per hop vs the decode channel, speculative decoding off and on",
-        f"python benchmarks/run.py --only wan  (3 llama.cpp nodes, {threads} thread(s) each, each behind a "
-        f"user-space delay proxy adding {ONE_WAY_S * 1000:.0f} ms each way; {TOKENS} greedy tokens of a "
-        f"copy-heavy request, median of {ROUNDS} alternating rounds)",
-    )
-    leg = _measured_leg_ms()  # before any node runs: the proxy's cost on an idle machine
+def pipeline_rounds_supported() -> bool:
+    """Whether ``meshnet gateway`` has ``--pipeline-rounds`` (the ``ngram-sync`` gateway needs it)."""
+    return PIPELINE_FLAG in meshnet_cli("gateway", "--help", timeout_s=60).stdout
+
+
+@dataclass(frozen=True)
+class Cell:
+    rtt_ms: int
+    seams: int
+    tokens: int
+    rounds: int
+    gateways: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.seams} seams x {self.rtt_ms} ms"
+
+    @property
+    def one_way_s(self) -> float:
+        return self.rtt_ms / 2000
+
+
+@dataclass
+class Measured:
+    leg_ms: float  # one one-way leg through a delay proxy, measured before the cell's nodes started
+    ms: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (gateway, prompt): ms/token per round
+    compute: list[float] = field(default_factory=list)  # route compute per token of the `off` runs
+    kept: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (gateway, prompt): [accepted, drafted]
+    texts: dict[str, set[str]] = field(default_factory=dict)  # prompt: the greedy texts of every gateway
+
+
+def measure(cell: Cell, threads: int) -> Measured:
+    """Start the cell's nodes behind their proxies and its gateways, and measure them in alternating rounds
+    (the first round warms every gateway's route up and is not counted); every process is stopped after."""
+    measured = Measured(_measured_leg_ms(cell.one_way_s))  # before any node runs: the proxy on an idle machine
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         nodes = []
-        for layers in LAYOUT:
+        for layers in LAYOUTS[cell.seams]:
             port = _free_port()
-            proxy = stack.enter_context(delay_proxy(port, ONE_WAY_S))
+            proxy = stack.enter_context(delay_proxy(port, cell.one_way_s))
             nodes.append(["--layers", layers, "--threads", str(threads), "--port", str(port),
                           "--public-url", f"http://127.0.0.1:{proxy.port}"])  # fmt: skip
-        gateways, model = gateway_swarm(stack, tmp, nodes, GATEWAYS)
-        ms: dict[str, list[float]] = {mode: [] for mode in GATEWAYS}
-        compute: list[float] = []
-        texts: dict[str, set[str]] = {mode: set() for mode in GATEWAYS}
-        kept = (0, 0)
-        for i in range(ROUNDS + 1):  # the first round warms both gateways' route costs up
-            for mode, url in gateways.items():
-                gid = f"wan-{mode}-{i}-{time.time_ns()}"
-                text, times, final = stream_text(url, model, COPY_PROMPT, TOKENS, gid, timeout_s=600)
-                if i == 0:
-                    continue
-                ms[mode].append(1000 * (times[-1] - times[0]) / (final["completion_tokens"] - 1))
-                texts[mode].add(text)
-                if mode == "off":
-                    compute.append(route_compute_ms(url, gid))
-                elif mode == "ngram":
-                    kept = (final["speculation"]["accepted_tokens"], final["speculation"]["drafted_tokens"])
-    http, off, on, work = median(ms["http"]), median(ms["off"]), median(ms["ngram"]), median(compute)
-    floor = work + legs * ONE_WAY_S * 1000
-    same = len(set().union(*texts.values())) == 1
-    section.add("route compute per token (all hops)", f"{work:.1f} ms")
-    section.add(f"floor: compute + {legs} one-way legs", f"{floor:.1f} ms/token")
-    section.add("baseline: no drafts, HTTP per hop (--decode-channel off)", f"{http:.1f} ms/token")
-    section.add("HTTP per hop ÷ floor", f"{http / floor:.2f}")
-    section.add("no drafts, decode channel", f"{off:.1f} ms/token ({1000 / off:.1f} tok/s)")
-    section.add("decode channel ÷ floor", f"{off / floor:.2f}", "≤ 1.10", off / floor <= 1.10)
-    section.add("decode channel ÷ HTTP per hop, tokens/s", f"{http / off:.2f}")
-    real_floor = work + legs * leg
+        gateways, model = gateway_swarm(stack, tmp, nodes, {name: GATEWAYS[name] for name in cell.gateways})
+        for i in range(cell.rounds + 1):
+            for kind, prompt in PROMPTS.items():
+                for mode, url in gateways.items():
+                    gid = f"wan-{cell.rtt_ms}-{cell.seams}-{mode}-{kind}-{i}-{time.time_ns()}"
+                    text, times, final = stream_text(url, model, prompt, cell.tokens, gid, timeout_s=600)
+                    if i == 0:
+                        continue
+                    tokens = final["completion_tokens"]
+                    measured.ms.setdefault((mode, kind), []).append(1000 * (times[-1] - times[0]) / (tokens - 1))
+                    measured.texts.setdefault(kind, set()).add(text)
+                    if mode == "off":
+                        measured.compute.append(route_compute_ms(url, gid))
+                    spec = final["speculation"]
+                    kept = measured.kept.setdefault((mode, kind), [0, 0])
+                    kept[0] += spec["accepted_tokens"]
+                    kept[1] += spec["drafted_tokens"]
+    return measured
+
+
+def report(section: Section, cell: Cell, m: Measured) -> None:
+    """The cell's rows: autoregressive against the floor, then speculation against autoregressive per prompt."""
+    goals = (cell.rtt_ms, cell.seams) == BASELINE
+    off = median([v for kind in PROMPTS for v in m.ms[("off", kind)]])
+    work = median(m.compute)
+    legs = cell.seams + 1  # one one-way leg per seam, and the leg back to the gateway
+    floor = work + legs * cell.rtt_ms / 2
+    real_floor = work + legs * m.leg_ms
+    at = f"{cell.label}:"
+    section.add(f"{at} autoregressive (decode channel, no drafts)", f"{off:.1f} ms/token ({1000 / off:.1f} tok/s)")
     section.add(
-        f"one leg through the delay proxy, measured (nominal {ONE_WAY_S * 1000:.0f} ms)",
-        f"{leg:.2f} ms; floor with measured legs {real_floor:.1f} ms, channel ÷ that {off / real_floor:.2f}",
+        f"{at} floor: compute + {legs} one-way legs",
+        f"{floor:.1f} ms/token ({work:.1f} compute + {legs} x {cell.rtt_ms / 2:g} ms)",
     )
-    section.add("speculative ngram", f"{on:.1f} ms/token ({1000 / on:.1f} tok/s; {kept[0]}/{kept[1]} drafts kept)")
-    section.add("ngram ÷ off, tokens/s", f"{off / on:.2f}", "≥ 2", off / on >= 2)
-    section.add("greedy text identical (all three)", "yes" if same else "no", "yes", same)
+    goal = GOALS["autoregressive"]
+    section.add(
+        f"{at} autoregressive ÷ floor",
+        f"{off / floor:.2f} (÷ floor with the measured leg, {m.leg_ms:.2f} ms: {off / real_floor:.2f})",
+        f"≤ {goal:g}" if goals else "",
+        off / floor <= goal if goals else None,
+    )
+    if "http" in cell.gateways:
+        http = median([v for kind in PROMPTS for v in m.ms[("http", kind)]])
+        section.add(f"{at} HTTP per hop, no drafts (--decode-channel off)", f"{http:.1f} ms/token")
+        section.add(f"{at} HTTP per hop ÷ floor", f"{http / floor:.2f}")
+        section.add(f"{at} decode channel ÷ HTTP per hop, tokens/s", f"{http / off:.2f}")
+    for kind in PROMPTS:
+        base = median(m.ms[("off", kind)])
+        for mode in ("ngram", "ngram-sync"):
+            if mode not in cell.gateways:
+                continue
+            ratio = base / median(m.ms[(mode, kind)])
+            accepted, drafted = m.kept[(mode, kind)]
+            goal = GOALS[kind]
+            met = goals and mode == "ngram"
+            section.add(
+                f"{at} {kind}, {mode} ÷ off, tokens/s",
+                f"{ratio:.2f} ({accepted}/{drafted} drafts kept)",
+                f"≥ {goal:g}" if met else "",
+                ratio >= goal if met else None,
+            )
+    same = all(len(texts) == 1 for texts in m.texts.values())
+    section.add(f"{at} greedy text identical (every gateway, each prompt)", "yes" if same else "no", "yes", same)
+
+
+def run() -> Section:
+    quick = os.environ.get("MESHNET_WAN_QUICK") == "1"
+    sync = pipeline_rounds_supported()
+    tokens = QUICK_TOKENS if quick else TOKENS
+    rounds = QUICK_ROUNDS if quick else ROUNDS
+    cells = []
+    for seams in LAYOUTS:
+        for rtt in RTTS_MS:
+            if quick and (rtt, seams) != QUICK_CELL:
+                continue
+            baseline = (rtt, seams) == BASELINE
+            names = ("off", "ngram", *(("ngram-sync",) if sync else ()), *(("http",) if baseline else ()))
+            cells.append(Cell(rtt, seams, tokens, BASELINE_ROUNDS if baseline and not quick else rounds, names))
+    section = Section(
+        "WAN links: 3 and 5 seams at 5, 20 and 50 ms round trip; autoregressive vs the floor, speculative decoding "
+        "on open-ended and copy-heavy text" + (" (quick smoke run, not a measurement)" if quick else ""),
+        f"{'MESHNET_WAN_QUICK=1 ' if quick else ''}python benchmarks/run.py --only wan  (per cell: one llama.cpp "
+        f"node per seam, threads cores ÷ nodes (at least 1), each behind a user-space delay proxy adding half "
+        f"the round trip each way; gateways off, ngram and ngram-sync (--pipeline-rounds 1), and HTTP per hop in "
+        f"the {BASELINE[1]} seams x {BASELINE[0]} ms cell; {tokens} greedy tokens of an open-ended and of a "
+        f"copy-heavy request, median of {rounds} alternating rounds"
+        f"{'' if quick else f' ({BASELINE_ROUNDS} in that cell)'} after a warm-up round)",
+    )
+    for cell in cells:
+        threads = max(1, CORES // cell.seams)
+        report(section, cell, measure(cell, threads))
+    if not sync:
+        section.notes.append(
+            f"`meshnet gateway` has no `{PIPELINE_FLAG}` flag in this build: the ngram-sync gateway (one verify "
+            "round in flight at a time) was not measured."
+        )
     section.notes.append(
-        f"With HTTP per hop every answer walks back through every hop: a plain step pays {2 * len(LAYOUT) + 2} "
-        f"one-way legs where the floor counts {legs}. On the decode channel the step goes one way through the "
-        "route and the tail sends the token straight back to the gateway. What is left above the floor: the "
-        "delay proxy's own cost per leg (measured above, on the idle machine) and each hop's glue (thread "
-        "hand-offs; `route` measures it per hop on loopback)."
+        "Floor: the route's compute per token plus the round trip the token's loop pays: gateway → head → … → "
+        "tail one way, one leg per seam, and the tail's token straight back to the gateway, one more leg. A full "
+        "round trip per seam (Σ RTT taken literally) is what HTTP per hop pays; the decode channel walks each "
+        "seam one way only, so that would be no floor for it. What is left above the floor: the delay proxy's "
+        "own cost per leg (the measured leg, on the idle machine) and each hop's glue (thread hand-offs; "
+        "`route` measures it per hop on loopback)."
+    )
+    section.notes.append(
+        "Speculation ÷ off is the tokens/s ratio of the same prompt in the same cell; drafts kept are summed over "
+        "the measured rounds. An open-ended text copies little of itself, so prompt-lookup drafts are rarely "
+        "kept there; copy-heavy text is where they are."
     )
     return section

@@ -82,6 +82,7 @@ class ScriptedHop:
         self.peers: dict[str, channel.Peer] = {}
         self.release = threading.Event()
         self.steps: list[tuple[str, dict[str, str], bytes, bool, Direct]] = []
+        self.log: list[tuple[str, str, int]] = []  # ("in" | "out", session, seq) of the "order*" sessions
 
     async def on_step(
         self, sid: SessionId, headers: Headers, body: bytes, verify: bool, direct: Direct
@@ -94,6 +95,10 @@ class ScriptedHop:
         if sid == "slow":
             while not self.release.is_set():
                 await asyncio.sleep(0.01)
+        if sid.startswith("order"):
+            self.log.append(("in", sid, direct.seq))
+            await asyncio.sleep(0.05)
+            self.log.append(("out", sid, direct.seq))
         return {"token": 7, "logprob": -0.5, "position": 3, "hops": [*direct.hops, TAIL_ENTRY]}
 
     def app(self) -> Starlette:
@@ -138,6 +143,35 @@ def test_a_step_comes_back_as_the_tails_answer_with_every_hops_entry(hop: tuple[
             assert len(scripted.peers) == 1
         finally:
             await channels.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_sessions_steps_run_one_at_a_time_in_the_order_they_came_and_others_do_not_wait(
+    hop: tuple[ScriptedHop, str],
+) -> None:
+    """Pipelined speculation keeps several rounds of a session in flight: a hop takes them in order,
+    each after the one before it has ended (never a 409 for the second), other sessions beside them."""
+    scripted, url = hop
+
+    async def scenario() -> None:
+        channels = Channels()
+        args: dict[str, Any] = {"verb": "decode-step", "headers": {"X-Meshnet-Position": "2"},
+                                "body": b"\x01\x00\x00\x00", "timeout_s": 10.0, "probe": _computed}  # fmt: skip
+        try:
+            tasks = [await channels.start([url], "order-a", **args) for _ in range(3)]
+            other = await channels.start([url], "order-b", **args)
+            answers = await asyncio.gather(*tasks, other)
+            assert all(a.token == 7 for a in answers)
+        finally:
+            await channels.aclose()
+        mine = [(what, seq) for what, sid, seq in scripted.log if sid == "order-a"]
+        seqs = [seq for what, seq in mine if what == "in"]
+        assert seqs == sorted(seqs) and len(seqs) == 3
+        assert mine == [(what, seq) for seq in seqs for what in ("in", "out")]  # never two at once
+        other_in = next(i for i, entry in enumerate(scripted.log) if entry[:2] == ("in", "order-b"))
+        last_in = max(i for i, entry in enumerate(scripted.log) if entry[:2] == ("in", "order-a"))
+        assert other_in < last_in  # the other session ran beside them, not after them
 
     asyncio.run(scenario())
 

@@ -35,6 +35,7 @@ from meshnet.protocol.messages import (
     TokenAnswer,
     Verb,
     VerifyAnswer,
+    Voided,
     answer_from_json,
     remote_error,
 )
@@ -90,6 +91,8 @@ def test_a_verify_chunk_with_token_ids_puts_the_ids_first_in_the_body() -> None:
         HopRequest(Verb.PREFILL, SID, 0, 3, activations(3, [1, 2, 3]), next_hops=(), sampling="{}", sample=True),
         HopRequest(Verb.DECODE, SID, 9, 1, activations(1), route_id="r", rewind=True, replay=1),
         HopRequest(Verb.VERIFY, SID, 9, 4, activations(4), drafts=(1, 2, 3)),
+        HopRequest(Verb.VERIFY, SID, 9, 4, activations(4), drafts=(1, 2, 3), guess=40),
+        HopRequest(Verb.DECODE, SID, 9, 1, activations(1), guess=0),
     ],
 )
 def test_every_request_survives_the_round_trip(request_: HopRequest) -> None:
@@ -111,6 +114,9 @@ def test_every_request_survives_the_round_trip(request_: HopRequest) -> None:
         (Verb.DECODE, {H.SHAPE: "1,1,3"}, SeamMismatch, "needs 12 bytes"),
         (Verb.DECODE, {H.DTYPE: "int8"}, SeamMismatch, "not supported"),
         (Verb.DECODE, {H.TOKEN_IDS: "2"}, SeamMismatch, "position count 1"),
+        (Verb.DECODE, {H.GUESS: "-3"}, InvalidRequest, "token id, guessed"),
+        (Verb.PREFILL, {H.GUESS: "3"}, InvalidRequest, "only a decode step or a verify chunk"),
+        (Verb.DECODE, {H.GUESS: "3", H.REPLAY: "1"}, InvalidRequest, "never replayed"),
     ],
 )
 def test_a_malformed_request_is_refused_with_what_to_fix(
@@ -136,6 +142,11 @@ def test_a_reroute_round_trips_and_bounds_its_replay() -> None:
         decode_reroute(SID, {**headers, H.REPLAY: "3"})
     with pytest.raises(InvalidRequest, match=r"0\.\.2"):
         decode_reroute(SID, {**headers, H.REPLAY: "x"})
+    without = dataclasses.replace(request, resend=False)
+    _, headers = encode_reroute(without)
+    assert headers[H.RESEND] == "0" and decode_reroute(SID, headers) == without
+    with pytest.raises(InvalidRequest, match="X-Meshnet-Resend"):
+        decode_reroute(SID, {**headers, H.RESEND: "no"})
 
 
 ENTRY = HopEntry("n1", "0:10/30", 1.5, 12, "aa" * 16, "bb" * 16, positions=1)
@@ -159,6 +170,7 @@ ANSWERS = [
     ),
     VerifyAnswer((ENTRY,), position=13, tokens=(9,), logprobs=(-0.5,), drafted=2),
     Rerouted((ENTRY,), position=12, session=SID, next_hops=("http://b:1",)),
+    Voided((ENTRY, ENTRY), count=17),
 ]
 
 

@@ -239,6 +239,38 @@ def test_a_reroute_replays_the_seam_log_into_a_replacement_and_the_text_goes_on_
     assert asyncio.run(main()) == want
 
 
+@pytest.mark.parametrize("dead", [1, 2])
+def test_a_reroute_without_resend_replays_what_came_before_the_step_and_the_gateway_resends_it(dead: int) -> None:
+    """After pipelined rounds a hop's own copy of the interrupted step may be a voided round's: without
+    ``resend`` it drops the step too, replays only what came before, and the step goes through the
+    whole route again."""
+    want = reference(10)
+    swarm = Swarm()
+    route = chain(swarm)
+
+    async def main() -> list[int]:
+        tokens = await generate(swarm, route, 4)
+        position = len(PROMPT) + len(tokens) - 1
+        stale = await swarm.send(route[0], step((tokens[-1] + 1) % VOCAB, position))  # a wrong token at the step
+        assert stale.kind is AnswerKind.TOKEN
+        swarm.transport.remove(route[dead])
+        new = f"http://spare{dead}"
+        swarm.node(new, ["0:4", "4:8", "8:12"][dead])
+        fixed = [*route[:dead], new, *route[dead + 1 :]]
+        reroute = RerouteRequest(SID, tuple(fixed[dead:]), "r1", model="mix", replay=1, step=position, resend=False)
+        answer = await swarm.transport.services[fixed[dead - 1]].reroute(reroute)
+        assert answer.kind is AnswerKind.REPLAYED and answer.hops[0].held == position
+        for i in range(dead - 2, -1, -1):
+            cleared = RerouteRequest(SID, tuple(fixed[i + 1 :]), "r1", step=position, resend=False)
+            assert (await swarm.transport.services[fixed[i]].reroute(cleared)).kind is AnswerKind.REROUTED
+        resent = await swarm.send(route[0], step(tokens[-1], position, rewind=True))
+        assert isinstance(resent, TokenAnswer) and [h.held for h in resent.hops] == [position + 1] * 3
+        tokens.append(resent.token)
+        return await decode(swarm, route[0], tokens, 10)
+
+    assert asyncio.run(main()) == want
+
+
 def test_a_reroute_without_a_seam_log_says_the_session_needs_a_fresh_prefill() -> None:
     swarm = Swarm()
     route = ["http://head", "http://tail"]
@@ -293,6 +325,47 @@ def test_a_verify_chunk_keeps_the_agreeing_drafts_and_every_hop_drops_the_rest()
         assert list(answer.tokens) == want[3:6] and answer.position == position + 3
         assert [h.held for h in answer.hops] == [position + 3] * 3  # the rejected draft is gone everywhere
         tokens += answer.tokens
+        return await decode(swarm, route[0], tokens, 10)
+
+    assert asyncio.run(main()) == want
+
+
+def guessed(tokens: Sequence[int], position: int, *, rewind: bool = False) -> HopRequest:
+    """A pipelined round: ``tokens`` at ``position``, the first one a guess too."""
+    request = step(tokens[0], position, drafts=tokens[1:], rewind=rewind)
+    return dataclasses.replace(request, guess=tokens[0])
+
+
+def test_a_pipelined_round_is_kept_only_where_the_tail_sampled_its_guess() -> None:
+    """The tail keeps a round whose guessed first token is the one it sampled there, and voids any
+    other without computing it; over HTTP every hop before it drops the round as the answer passes."""
+    want = reference(10)
+    swarm = Swarm()
+    route = chain(swarm)
+    tail = swarm.transport.services[route[2]]
+
+    def computed() -> float:
+        return float(tail.metrics.positions._value.get())
+
+    async def main() -> list[int]:
+        tokens = await generate(swarm, route, 3)
+        position = len(PROMPT) + 2  # where the tail's newest token, tokens[2], goes
+        before = computed()
+        wrong = (tokens[-1] + 1) % VOCAB
+        voided = await swarm.send(route[0], guessed([wrong, want[3]], position))
+        assert voided.kind is AnswerKind.VOIDED and voided.count == position
+        assert [h.held for h in voided.hops] == [position] * 3  # dropped on every hop
+        assert computed() == before and tail.metrics.voided._value.get() == 1
+        with pytest.raises(InvalidRequest, match="not the step's own token"):  # the head checks the guess
+            await swarm.transport.services[route[0]].handle(
+                dataclasses.replace(guessed([tokens[-1], want[3]], position), guess=wrong)
+            )
+        kept = await swarm.send(route[0], guessed([tokens[-1], want[3], want[4]], position))
+        assert kept.kind is AnswerKind.TOKENS and list(kept.tokens) == want[3:6]
+        tokens += kept.tokens
+        chained = await swarm.send(route[0], guessed([want[5], want[6]], position + 3))  # its guess: the bonus
+        assert chained.kind is AnswerKind.TOKENS and list(chained.tokens) == want[6:8]
+        tokens += chained.tokens
         return await decode(swarm, route[0], tokens, 10)
 
     assert asyncio.run(main()) == want

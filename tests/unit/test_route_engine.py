@@ -71,7 +71,7 @@ class LocalSwarm:
     ``private``: a private swarm's tracker (its CA, tickets; every node a trusted member), whose
     nodes check the tracker's route tickets; the gateway is a member too."""
 
-    def __init__(self, tmp_path: Path, *, private: bool = False) -> None:
+    def __init__(self, tmp_path: Path, *, private: bool = False, channels: bool = False) -> None:
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.tmp_path = tmp_path
         self.db = TrackerDB(f"sqlite:///{tmp_path}/tracker.db")
@@ -84,7 +84,7 @@ class LocalSwarm:
             self.tracker_app = create_tracker_app(self.db, swarm=authority)
         else:
             self.tracker_app = create_tracker_app(self.db)
-        self.transport = LocalTransport()
+        self.transport = LocalTransport(channels=channels)
         self.nodes: dict[str, NodeService] = {}
         self.engines: list[RouteEngine] = []
 
@@ -102,7 +102,8 @@ class LocalSwarm:
     async def node(self, node_id: str, layers: str, **shard: Any) -> NodeService:
         url = f"http://{node_id}.test:7000" if self.ca is None else f"https://{node_id}.local:7000"
         config = NodeConfig(node_id=node_id, url=url, tickets=self.tickets)
-        service = NodeService(MixShard(layers, numerics=NUMERICS, **shard), config, self.transport)
+        service = NodeService(MixShard(layers, numerics=NUMERICS, **shard), config, self.transport,
+                              channel_send=self.transport.channel_send)  # fmt: skip
         self.transport.add(url, service)
         self.nodes[node_id] = service
         info = service.info
@@ -152,9 +153,10 @@ class LocalSwarm:
         self.db.close()
 
 
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
-    local = LocalSwarm(tmp_path)
+@pytest.fixture(params=["http", "channel"])
+def swarm(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalSwarm]:
+    """Every test over both bindings: steps hop by hop (HTTP), and over the decode channel."""
+    local = LocalSwarm(tmp_path, channels=request.param == "channel")
     try:
         yield local
     finally:
@@ -489,8 +491,8 @@ def test_a_tail_answering_a_token_outside_the_vocabulary_is_replaced(swarm: Loca
         honest_handle = liar.handle
         lies = []
 
-        async def handle(request: Any, **kwargs: Any) -> HopAnswer | None:
-            answer = await honest_handle(request, **kwargs)
+        async def handle(request: Any, *args: Any, **kwargs: Any) -> HopAnswer | None:
+            answer = await honest_handle(request, *args, **kwargs)
             if isinstance(answer, TokenAnswer) and request.start > len(PROMPT) and not lies:
                 lies.append(answer.token)  # signed by the liar itself: a lie, not a forgery on the way
                 return liar.config.hop_key.sign_answer(request.session, dataclasses.replace(answer, token=VOCAB + 7))

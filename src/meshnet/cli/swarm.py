@@ -266,6 +266,13 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
         "--draft-tokens", type=int, default=12, help="most tokens drafted per step (default 12; nodes may allow fewer)"
     )
     parser.add_argument(
+        "--pipeline-rounds",
+        type=int,
+        default=4,
+        help="most verify rounds in flight on the decode channel, each sent before the verdict on the one before "
+        "it while the measured acceptance makes that pay (default 4; 1: one round at a time)",
+    )
+    parser.add_argument(
         "--decode-channel",
         choices=("on", "off"),
         default="on",

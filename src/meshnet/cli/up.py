@@ -125,6 +125,9 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange], int | Non
     if (args.speculative == "draft") != (args.draft_gguf is not None):
         print("meshnet up: --speculative draft and --draft-gguf PATH go together", file=sys.stderr)
         return None
+    if args.draft_tokens < 1 or args.pipeline_rounds < 1:
+        print("meshnet up: --draft-tokens and --pipeline-rounds must be at least 1", file=sys.stderr)
+        return None
     if not 0.0 <= args.audit_rate <= 1.0:
         print(f"meshnet up: --audit-rate is a fraction of sessions in [0, 1], got {args.audit_rate}", file=sys.stderr)
         return None
@@ -272,6 +275,7 @@ def _gateway(
         "--host", args.host, *(["--ctx", str(args.ctx)] if args.ctx else []),
         "--max-concurrency", str(args.max_sessions),
         "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens),
+        "--pipeline-rounds", str(args.pipeline_rounds),
         *(["--draft-gguf", str(args.draft_gguf)] if args.draft_gguf else []),
         *(["--core-lease", str(workdir / "cores.lock")] if lease and args.draft_gguf else []),
         "--decode-channel", args.decode_channel, "--audit-rate", str(args.audit_rate),

@@ -50,6 +50,7 @@ model's drafting and the billing outbox's spooling leave the loop, for a thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -96,6 +97,7 @@ from meshnet.protocol.messages import (
     Payload,
     PrefixClaim,
     PrefixRequest,
+    Replayed,
     RerouteRequest,
     Restored,
     RestoreRequest,
@@ -126,6 +128,9 @@ CLOSE_WAIT_S = 2.0
 ROOM_WAIT_S = 60.0
 ROOM_WAIT_FIRST_S = 0.25
 ROOM_WAIT_MAX_STEP_S = 4.0
+# Pipelined speculation: verify rounds in flight at most, each sent before the verdict on the one
+# before it while the measured acceptance makes that pay (WalkCosts.chain_pays)
+PIPELINE_ROUNDS = 4
 AUDIT_MAX_POSITIONS = 16384  # a longer session is not audited: every hop's seam log would cross the network
 _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
 
@@ -140,6 +145,24 @@ class Tokenizer(Protocol):
     def is_end_of_generation(self, token: int) -> bool: ...
 
     def grammar(self, text: str, *, param: str = "grammar") -> TokenGrammar: ...
+
+
+@dataclasses.dataclass(slots=True)
+class _Round:
+    """A decode step or verify round in flight on the decode channel: ``chunk`` at ``start``. A
+    pipelined round (``guess``) was sent before the verdict on the one before it, so its first token
+    is a draft too."""
+
+    start: int
+    chunk: list[int]
+    guess: bool
+    task: asyncio.Task[HopAnswer]
+    sent: float  # when (time.monotonic)
+    alone: bool  # nothing was in flight before it: its walk time is the route's (WalkCosts)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.chunk)
 
 
 @dataclasses.dataclass
@@ -177,6 +200,11 @@ class _Run:
     answers: dict[int, tuple[HopEntry, dict[str, Any]]] = dataclasses.field(default_factory=dict)
     answers_of: str = ""
     emit: Emit = dataclasses.field(default=None, repr=False)  # type: ignore[assignment]  # set by generate
+    # decode-channel rounds in flight, oldest first (pipelined speculation keeps several)
+    rounds: collections.deque[_Round] = dataclasses.field(default_factory=collections.deque)
+    answered_at: float = 0.0  # when the newest round's answer came
+    pipelined: bool = False  # a round went before the verdict on the one before it (a repair resends the step)
+    void: list[asyncio.Task[HopAnswer]] = dataclasses.field(default_factory=list)  # voided rounds still out
 
     @functools.cached_property
     def sampling(self) -> str:
@@ -208,6 +236,7 @@ class RouteEngine:
         outbox: BillingOutbox | None = None,
         speculative: str = "ngram",
         draft_tokens: int = 12,
+        pipeline_rounds: int = PIPELINE_ROUNDS,
         draft_model: DraftSource | None = None,
         decode_channel: bool = True,
         client_tls: ssl.SSLContext | None = None,
@@ -227,8 +256,11 @@ class RouteEngine:
         self.draft_model = draft_model
         if draft_tokens < 1:
             raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
+        if pipeline_rounds < 1:
+            raise ValueError(f"pipeline_rounds must be >= 1, got {pipeline_rounds}")
         self.speculative = speculative
         self.draft_tokens = draft_tokens
+        self.pipeline_rounds = pipeline_rounds  # speculation rounds in flight at most (1: one at a time)
         self._costs: dict[tuple[str, ...], WalkCosts] = {}  # per route (its nodes): walk seconds by size
         self.tokenizer = tokenizer
         self.info = tokenizer.info
@@ -409,8 +441,7 @@ class RouteEngine:
                 if full:
                     break
                 await self._snapshot_when_due(run, len(tokens) - 1)  # the route holds every token but the newest
-                drafts = await self._drafts(drafter, run.plan, len(tokens))
-                answer = await self._decode_with_repair(run, tokens, drafts, cancel)
+                answer = await self._next_answer(run, tokens, drafter, cancel)
             outcome = "completed"
         except Stop:
             outcome = "completed"  # the consumer stopped: a stop sequence, max_tokens or a disconnect
@@ -418,6 +449,7 @@ class RouteEngine:
             run.usage.void()  # a forged answer: which relaying hop forged it is unknown, so none is paid
             raise
         finally:
+            await self._drain(run)  # rounds still in flight end first: the route frees the session at once
             await self._finish(run, outcome)
 
     async def _finish(self, run: _Run, outcome: str) -> None:
@@ -539,11 +571,130 @@ class RouteEngine:
             return await asyncio.to_thread(drafter.propose, limit)
         return drafter.propose(limit)
 
-    async def _decode_with_repair(
+    async def _next_answer(
+        self, run: _Run, tokens: list[int], drafter: Drafter | None, cancel: asyncio.Event
+    ) -> Sampled | None:
+        """The answer to the step for ``tokens[-1]`` at position ``len(tokens) - 1`` (with drafts after
+        it), repairing the route if a hop fails. Over the decode channel the step may already be in
+        flight as a pipelined round, and more rounds are sent after it while they pay (``_chain``)."""
+        try:
+            if not run.rounds:
+                drafts = await self._drafts(drafter, run.plan, len(tokens))
+                if not await self._start_round(run, len(tokens) - 1, [tokens[-1], *drafts], guess=False):
+                    return await self._http_step(run, tokens, drafts, cancel)  # a hop takes no channel
+            if drafter is not None:
+                await self._chain(run, tokens, drafter)
+            return await self._take_round(run, drafter)
+        except (HopFailed, InvalidRequest) as raised:
+            failure = _hop_failure(run, raised)
+            await self._drain(run)  # every hop has handled what it got before the repair talks to it
+            run.ledger.rewind(len(tokens))  # the repair resends the step without its drafts
+            return await self._recover(run, tokens, failure, cancel)
+
+    async def _start_round(self, run: _Run, start: int, chunk: list[int], *, guess: bool) -> bool:
+        """Send ``chunk`` at ``start`` over the decode channel; False: a hop takes no channel (nothing sent)."""
+        plan = run.plan
+        request = HopRequest(
+            Verb.VERIFY if len(chunk) > 1 else Verb.DECODE, plan.session_id, start, len(chunk), _ids_payload(chunk),
+            model=self.info.model_id, route_id=plan.route_id, drafts=tuple(chunk[1:]), rewind=run.surplus,
+            guess=chunk[0] if guess else None,
+        )  # fmt: skip
+        # no hop waits for another on the channel, so no nesting: one hop timeout bounds the walk
+        task = await self.hops.start_step([h.url for h in plan.hops], request, timeout_s=self.timeout_s)
+        if task is None:
+            return False
+        run.surplus = False
+        for token in chunk:  # a verify chunk's positions compute as one-position steps (ShardInfo)
+            run.add([token])
+        now = time.monotonic()
+        run.pipelined = run.pipelined or guess
+        run.rounds.append(_Round(start, chunk, guess, task, now, alone=not run.rounds))
+        return True
+
+    async def _chain(self, run: _Run, tokens: list[int], drafter: Drafter) -> None:
+        """Pipelined speculation: send more rounds, each continuing the drafts of the rounds in flight
+        as if they were all kept, while one more pays on this route (``WalkCosts.chain_pays``: the
+        chance that every draft before it is kept, by the generation's measured acceptance, against
+        what a walk costs beyond its compute). A rejection voids the rounds after it (``_take_round``)."""
+        plan = run.plan
+        if self.pipeline_rounds < 2 or run.audited or run.grammar:
+            return
+        costs = self._walk_costs(plan)
+        per_round = min(self.draft_tokens, *(h.max_verify for h in plan.hops)) + 1
+        while len(run.rounds) < self.pipeline_rounds:
+            last = run.rounds[-1]
+            limit = min(per_round, self._context(plan) - last.end)
+            guessed = sum(len(r.chunk) - (not r.guess) for r in run.rounds)
+            if limit < 1 or not costs.chain_pays(limit, drafter.acceptance**guessed):
+                return
+            text = [*tokens[: run.rounds[0].start], *(t for r in run.rounds for t in r.chunk)]
+            if isinstance(drafter, ModelDraft):  # a model computes the drafts: off the loop
+                chunk = await asyncio.to_thread(drafter.continuation, text, limit)
+            else:
+                chunk = drafter.continuation(text, limit)
+            if not chunk or not await self._start_round(run, last.end, chunk, guess=True):
+                return
+
+    async def _take_round(self, run: _Run, drafter: Drafter | None) -> Sampled:
+        """The oldest round's answer, checked and accounted; when it ends before the next round in
+        flight starts, or with another token than that round guessed, the rounds after it are void."""
+        round_ = run.rounds.popleft()
+        answer = self._check_tokens(await round_.task, run)
+        now = time.monotonic()
+        took = now - max(round_.sent, run.answered_at)
+        run.answered_at = now
+        costs = self._walk_costs(run.plan)
+        if round_.alone:
+            costs.observe(len(round_.chunk), now - round_.sent)
+        costs.observe_compute(len(round_.chunk), sum(_hop_ms(answer)) / 1000)
+        run.usage.decoded(took)  # the tracker checks the route's advertised speeds by it
+        kept = _kept(answer, round_.start, len(round_.chunk))
+        expected = run.ledger.at(round_.end)  # every entry describes the whole round: the hops drop drafts lazily
+        _verified(run, answer, expected)
+        run.usage.add(run.plan.hops, decode=kept - round_.start)
+        if run.rounds:
+            following = run.rounds[0]
+            right = kept == following.start and _tokens_of(answer)[-1][0] == following.chunk[0]
+            if drafter is not None and kept == following.start:
+                drafter.record(1, int(right))  # its guess was a draft too
+            if not right:
+                self._void(run)
+        if kept < round_.end or run.surplus:
+            run.ledger.rewind(kept)
+            run.surplus = True  # the hops before the tail hold what was dropped: the next round says so
+        return answer
+
+    def _void(self, run: _Run) -> None:
+        """The rounds in flight are void: their answers are of no use (the tail voids them, every
+        other hop drops them when the next round says ``rewind``), but are still awaited before a
+        repair or the close (``_drain``)."""
+        if not run.rounds:
+            return
+        run.void = [t for t in run.void if not t.done()]
+        for round_ in run.rounds:
+            round_.task.add_done_callback(_consume)
+            run.void.append(round_.task)
+        run.rounds.clear()
+        run.surplus = True
+
+    async def _drain(self, run: _Run) -> None:
+        """Wait (bounded) until every round in flight, void ones too, has an outcome, so no hop still
+        computes one when a repair or the session's close reaches it; their outcomes are of no use."""
+        tasks = [*run.void, *(r.task for r in run.rounds)]
+        run.rounds.clear()
+        run.void = []
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.timeout_s)
+            for task in pending:
+                task.cancel()
+            for task in tasks:
+                task.add_done_callback(_consume)
+
+    async def _http_step(
         self, run: _Run, tokens: list[int], drafts: Sequence[int], cancel: asyncio.Event
     ) -> Sampled | None:
         """One decode step for ``tokens[-1]`` at position ``len(tokens) - 1`` (a verify chunk with
-        ``drafts`` after it), repairing the route if a hop fails."""
+        ``drafts`` after it) over HTTP, hop by hop (a hop of the route takes no decode channel)."""
         position = len(tokens) - 1
         chunk = [tokens[-1], *drafts]
         for token in chunk:  # a verify chunk's positions compute as one-position steps (ShardInfo)
@@ -555,28 +706,18 @@ class RouteEngine:
         run.surplus = False
         began = time.monotonic()
         try:
-            # no hop waits for another on the channel, so no nesting: one hop timeout bounds the walk
-            route = [h.url for h in run.plan.hops]
-            sent = await self.hops.step(route, request, timeout_s=self.timeout_s)
-            direct = sent is not None
-            if sent is None:
-                sent = await self._send(run.plan, request)
-            answer = self._check_tokens(sent, run)
+            answer = self._check_tokens(await self._send(run.plan, request), run)
         except (HopFailed, InvalidRequest) as raised:
             failure = _hop_failure(run, raised)
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
             return await self._recover(run, tokens, failure, cancel)
         took = _since(began)
         self._walk_costs(run.plan).observe(len(chunk), took)
+        self._walk_costs(run.plan).observe_compute(len(chunk), sum(_hop_ms(answer)) / 1000)
         run.usage.decoded(took)  # the tracker checks the route's advertised speeds by it
         kept = _kept(answer, position, len(chunk))
-        if direct:  # every entry describes the whole chunk: the hops drop drafts lazily
-            _verified(run, answer)
-            run.ledger.rewind(kept)
-            run.surplus = kept < position + len(chunk)
-        else:
-            run.ledger.rewind(kept)
-            _verified(run, answer)
+        run.ledger.rewind(kept)
+        _verified(run, answer)
         run.usage.add(run.plan.hops, decode=kept - position)
         return answer
 
@@ -607,7 +748,7 @@ class RouteEngine:
 
     async def _snapshot_when_due(self, run: _Run, held: int) -> None:
         due = held - run.snapshot_at >= (SNAPSHOT_EVERY if run.snapshot_at else SNAPSHOT_MIN_POSITIONS)
-        if not due or run.surplus:  # (hops still holding rejected drafts would snapshot them too)
+        if not due or run.surplus or run.rounds:  # (hops holding drafts would snapshot them too)
             return
         run.snapshot_at = held
         try:
@@ -679,20 +820,30 @@ class RouteEngine:
         sid = run.plan.session_id
         restored = await self._restore(run, new_hops[first]) if data.get("preferred") is True and count == 1 else 0
         answer: HopAnswer
+        # after pipelined rounds, a hop's own copy of the step may be a voided round's or a rejected
+        # draft's (it broke on one before the round that would have rewound it came): the step is then
+        # resent by the gateway through the whole route, every hop recomputing it (``resend``)
+        resend = not run.pipelined
         if first == 0:  # the head failed: the gateway is the upstream and replays token ids
             answer = await self._replay_tokens(run, tokens, count, start=restored)
         else:
             upstream = new_hops[first - 1]
             below = len(new_hops) - first + 1
             chunks = 1 + (position - restored) // 256  # the upstream replays its log in requests of up to 256
-            reroute = dataclasses.replace(self._reroute(run, first - 1, count, position), replay_from=restored)
+            reroute = self._reroute(run, first - 1, count, position, resend=resend)
+            reroute = dataclasses.replace(reroute, replay_from=restored)
             answer = await self._post(run.plan, upstream.url, reroute, below=below, scale=chunks)
             above: list[HopEntry] = []
             for i in range(first - 2, -1, -1):  # the hops above it broke the session too: clear them
-                reroute = self._reroute(run, i, 0, position)
+                reroute = self._reroute(run, i, 0, position, resend=resend)
                 cleared = await self._post(run.plan, new_hops[i].url, reroute, below=len(new_hops) - i)
                 above[:0] = cleared.hops[:1]
             answer = answer.after(*above)
+            if not resend:
+                if not isinstance(answer, Replayed):
+                    raise HopFailed(f"the upstream {upstream.node} answered a replay with {answer.kind}",
+                                    failed_hop=upstream.url)  # fmt: skip
+                answer = await self._send(run.plan, self._resent_step(run, tokens))
         sampled = self._check_tokens(answer, run)
         _verified(run, sampled)  # the repaired route holds what the old one did
         run.usage.add(new_hops[first : first + count], prefill=position - restored)
@@ -704,12 +855,19 @@ class RouteEngine:
                     await asyncio.wait_for(self.hops.delete(hop.url, sid, old.ticket), CLOSE_WAIT_S)
         return sampled, position - restored
 
-    def _reroute(self, run: _Run, index: int, replay: int, step: int) -> RerouteRequest:
-        """A reroute for the step at position ``step``: the hop drops anything past it (drafts) first."""
+    def _reroute(self, run: _Run, index: int, replay: int, step: int, *, resend: bool = True) -> RerouteRequest:
+        """A reroute for the step at position ``step``: the hop drops anything past it (drafts) first
+        (and the step too, without ``resend``)."""
         plan = run.plan
         hops = tuple(h.url for h in plan.hops[index + 1 :])
         return RerouteRequest(plan.session_id, hops, plan.route_id, model=self.info.model_id, replay=replay,
-                              sampling=run.sampling, step=step, ticket=plan.ticket)  # fmt: skip
+                              sampling=run.sampling, step=step, ticket=plan.ticket, resend=resend)  # fmt: skip
+
+    def _resent_step(self, run: _Run, tokens: list[int]) -> HopRequest:
+        """The step for ``tokens[-1]`` again, every hop that holds it dropping it first."""
+        plan, position = run.plan, len(tokens) - 1
+        return HopRequest(Verb.DECODE, plan.session_id, position, 1, _ids_payload(tokens[position:]),
+                          model=self.info.model_id, route_id=plan.route_id, rewind=True)  # fmt: skip
 
     async def _replay_tokens(self, run: _Run, tokens: list[int], count: int, *, start: int = 0) -> HopAnswer:
         """Rebuild a new head (and ``count - 1`` hops after it) from the token ids after ``start`` (the
@@ -717,9 +875,7 @@ class RouteEngine:
         plan, position = run.plan, len(tokens) - 1
         for _, request in self._chunk_requests(run, tokens[:position], start=start):
             await self._send(plan, dataclasses.replace(request, replay=count))
-        step = HopRequest(Verb.DECODE, plan.session_id, position, 1, _ids_payload(tokens[position:]),
-                          model=self.info.model_id, route_id=plan.route_id, rewind=True)  # fmt: skip
-        return await self._send(plan, step)
+        return await self._send(plan, self._resent_step(run, tokens))
 
     async def _fresh_route(self, run: _Run, tokens: list[int]) -> None:
         """Abandon the current route (work on it is not billed) for a new one without the failed nodes."""
@@ -967,6 +1123,11 @@ def _keep_answer(run: _Run, answer: Sampled, position: int) -> None:
     assert claim is not None
     for at in positions:
         run.answers[at] = (answer.hops[-1], claim)
+
+
+def _consume(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # a void round's outcome: of no use, and not worth a warning
 
 
 def _text_or_none(value: Any) -> str | None:

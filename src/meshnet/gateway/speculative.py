@@ -52,27 +52,41 @@ class WalkCosts:
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
+        self._compute: dict[int, float] = {}  # the hops' own compute of such a walk, summed
         self._lock = threading.Lock()
 
     def observe(self, positions: int, seconds: float) -> None:
+        """A walk of ``positions`` took ``seconds``, from the send to the answer."""
         with self._lock:
-            old = self._seconds.get(positions)
-            self._seconds[positions] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+            _fold(self._seconds, positions, seconds)
+
+    def observe_compute(self, positions: int, seconds: float) -> None:
+        """The hops computed a walk of ``positions`` in ``seconds`` in all (their entries' ``compute_ms``)."""
+        with self._lock:
+            _fold(self._compute, positions, seconds)
 
     def estimate(self, positions: int) -> float | None:
         """The measured time, else linear between the nearest measured sizes, else the nearest one."""
         with self._lock:
             known = dict(self._seconds)
-        if positions in known:
-            return known[positions]
-        below = [n for n in known if n < positions]
-        above = [n for n in known if n > positions]
-        if below and above:
-            a, b = max(below), min(above)
-            return known[a] + (known[b] - known[a]) * (positions - a) / (b - a)
-        if below or above:
-            return known[max(below)] if below else known[min(above)]
-        return None
+        return _interpolate(known, positions)
+
+    def compute(self, positions: int) -> float | None:
+        """The hops' compute of a walk of ``positions``, estimated as ``estimate`` is."""
+        with self._lock:
+            known = dict(self._compute)
+        return _interpolate(known, positions)
+
+    def chain_pays(self, positions: int, kept: float) -> bool:
+        """Whether to send a round of ``positions`` before the verdict on the rounds in flight, when
+        all of those are kept with probability ``kept``: what it saves when they are (a walk's time
+        beyond its compute: the links and the hops' overhead) against what it costs when they are
+        not (its compute on every hop, which the next round then waits behind). Nothing measured
+        yet: no (a synchronous round measures first)."""
+        walk, compute = self.estimate(positions), self.compute(positions)
+        if walk is None or compute is None:
+            return False
+        return kept * max(walk - compute, 0.0) > (1.0 - kept) * compute
 
     def best_drafts(self, available: int, q: float) -> int:
         """How many of ``available`` drafts to send, each kept with probability ``q``: the most
@@ -121,6 +135,11 @@ class Drafter:
 
     def candidates(self, limit: int) -> list[int]:
         """Up to ``min(limit, k)`` tokens that may come next."""
+        return self.continuation(self._tokens, limit)
+
+    def continuation(self, text: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens that may follow ``text``: the text so far, then the drafts of the
+        rounds in flight (pipelined speculation), taken as kept."""
         raise NotImplementedError
 
     def propose(self, limit: int) -> list[int]:
@@ -163,16 +182,19 @@ class PromptLookup(Drafter):
     def candidates(self, limit: int) -> list[int]:
         """Up to ``min(limit, k)`` tokens that followed the latest earlier occurrence of the longest
         n-gram ending the text so far (none when nothing repeats)."""
-        want = min(limit, self.k)
-        seq = self._tokens
-        if want < 1:
+        return self.continuation(self._tokens, min(limit, self.k))
+
+    def continuation(self, text: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the latest occurrence in the text so far of the longest
+        n-gram ending ``text`` (which starts with the text so far); none when nothing repeats."""
+        if limit < 1:
             return []
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(seq) <= n:
+            if len(text) <= n:
                 continue
-            start = self._after.get(tuple(seq[-n:]))
+            start = self._after.get(tuple(text[-n:]))
             if start is not None:
-                return seq[start : start + want]
+                return list(text[start : start + limit])
         return []
 
 
@@ -188,5 +210,26 @@ class ModelDraft(Drafter):
         self.model = model
 
     def candidates(self, limit: int) -> list[int]:
-        want = min(limit, self.k)
-        return self.model.draft(self._tokens, want) if want >= 1 and self._tokens else []
+        return self.continuation(self._tokens, min(limit, self.k))
+
+    def continuation(self, text: Sequence[int], limit: int) -> list[int]:
+        return self.model.draft(text, limit) if limit >= 1 and text else []
+
+
+def _fold(seconds: dict[int, float], positions: int, value: float) -> None:
+    old = seconds.get(positions)
+    seconds[positions] = value if old is None else (1 - _EMA) * old + _EMA * value
+
+
+def _interpolate(known: dict[int, float], positions: int) -> float | None:
+    """The measured value, else linear between the nearest measured sizes, else the nearest one."""
+    if positions in known:
+        return known[positions]
+    below = [n for n in known if n < positions]
+    above = [n for n in known if n > positions]
+    if below and above:
+        a, b = max(below), min(above)
+        return known[a] + (known[b] - known[a]) * (positions - a) / (b - a)
+    if below or above:
+        return known[max(below)] if below else known[min(above)]
+    return None

@@ -33,13 +33,12 @@ from meshnet.httputil import (
 from meshnet.ids import SessionId
 from meshnet.node import channel
 from meshnet.node.advert import SelfBenchmark, benchmark_in_background
-from meshnet.node.channel import Direct
 from meshnet.node.heartbeat import heartbeat
 from meshnet.node.placement import AutoPlacement
 from meshnet.node.service import ChannelSend, NodeConfig, NodeService
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
-from meshnet.protocol.channel import CHANNEL_PATH, step_frame_of
+from meshnet.protocol.channel import CHANNEL_PATH, Direct, step_frame_of
 from meshnet.protocol.hops import HttpTransport
 from meshnet.protocol.ledger import format_chunks
 from meshnet.protocol.messages import HopRequest, Verb

@@ -3,8 +3,10 @@
 - ``serve``: the ``/v1/channel`` WebSocket. A gateway dials one to every hop of its routes and an
   upstream hop dials one to its next hop; the node greets each with a ``HELLO`` naming it (its
   *return id*), then takes ``STEP`` frames, each on a task of its own (sessions do not wait for one
-  another). A step's ``TOKEN`` (tail) or ``ERROR`` (any hop) goes to the channel named by the step's
-  ``returns`` — the gateway's own channel to this hop — so the token skips every hop on its way back.
+  another; the steps of one session run one after another, in the order they came: a gateway keeps
+  several pipelined speculation rounds of a session in flight). A step's ``TOKEN`` (tail) or
+  ``ERROR`` (any hop) goes to the channel named by the step's ``returns`` — the gateway's own
+  channel to this hop — so the token skips every hop on its way back.
 - ``Dialer``: this node's kept-open channels to its next hops, dialed on a session's first channel
   step and reused by every later step of every session.
 
@@ -16,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import ssl
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -33,6 +35,8 @@ from meshnet.errors import HopFailed, InvalidRequest, MeshnetError, PayloadTooLa
 from meshnet.ids import SessionId
 from meshnet.protocol.channel import (
     MAX_HEADER_BYTES,
+    ChannelFrame,
+    Direct,
     Kind,
     decode_frame,
     encode_frame,
@@ -48,19 +52,6 @@ __all__ = ["Dialer", "Direct", "Peer", "StepHandler", "serve"]
 log = logging.getLogger("meshnet.node")
 
 _HELLO_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class Direct:
-    """A step that came over the decode channel: its number, the return ids of this hop and the ones
-    after it, and the ledger entries of the hops before it (the tail's answer carries them all)."""
-
-    seq: int
-    returns: tuple[str, ...]
-    hops: tuple[dict[str, Any], ...]
-
-    def onward(self, me: dict[str, Any]) -> Direct:
-        return Direct(self.seq, self.returns[1:], (*self.hops, me))
 
 
 # (session, headers, body, verify, direct) -> the tail's answer, or None past a non-tail hop
@@ -93,6 +84,7 @@ async def serve(
     peer = Peer(websocket)
     peers[channel_id] = peer
     tasks: set[asyncio.Task[None]] = set()
+    newest: dict[str, asyncio.Task[None]] = {}  # session -> its newest step: the next one waits for it
     try:
         await peer.send(encode_frame(Kind.HELLO, {"channel": channel_id, "node": node_id, "version": 1}))
         while True:
@@ -103,9 +95,18 @@ async def serve(
             if data is None:
                 await peer.send(error_frame(None, None, InvalidRequest("channel frames are binary messages, not text")))
                 continue
-            task = asyncio.create_task(_one_step(data, peer, peers, max_body_bytes, on_step))
+            try:
+                frame: ChannelFrame | InvalidRequest = decode_frame(data)
+            except InvalidRequest as exc:
+                frame = exc
+            session = step_ids(frame)[0] if not isinstance(frame, InvalidRequest) else None
+            before = newest.get(session) if session is not None else None
+            task = asyncio.create_task(_one_step(frame, peer, peers, max_body_bytes, on_step, after=before))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+            if session is not None:
+                newest[session] = task
+                task.add_done_callback(functools.partial(_forget, newest, session))
     except WebSocketDisconnect:
         pass
     finally:
@@ -113,12 +114,23 @@ async def serve(
         # steps already taken run to the end: their reports go to their own return channels
 
 
-async def _one_step(data: bytes, peer: Peer, peers: dict[str, Peer], max_body: int, on_step: StepHandler) -> None:
+def _forget(newest: dict[str, asyncio.Task[None]], session: str, done: asyncio.Task[None]) -> None:
+    if newest.get(session) is done:
+        del newest[session]
+
+
+async def _one_step(
+    frame: ChannelFrame | InvalidRequest, peer: Peer, peers: dict[str, Peer], max_body: int, on_step: StepHandler,
+    *, after: asyncio.Task[None] | None = None,
+) -> None:  # fmt: skip
     session: str | None = None
     seq: int | None = None
     reply = peer
+    if after is not None:
+        await asyncio.wait([after])  # the session's step before this one, however it ended
     try:
-        frame = decode_frame(data)
+        if isinstance(frame, InvalidRequest):
+            raise frame
         session, seq = step_ids(frame)  # first: an error about the rest still names the step
         step = read_step(frame)
         reply = peers.get(step.returns[0], peer)

@@ -59,10 +59,15 @@ def shard_inputs(info: ShardInfo, request: HopRequest) -> tuple[np.ndarray | Non
             f"body, with {H.TOKEN_IDS}: {n}"
         )
     frame = payload.frame
+    if request.guess is not None and info.layers.is_tail and request.guess >= info.n_vocab:
+        raise InvalidRequest(f"{H.GUESS} {request.guess} is not a token id of this model (0..{info.n_vocab - 1})")
     if info.layers.is_head:
         if frame.dtype != "int32" or frame.shape != (1, n):
             raise SeamMismatch(f"the head takes int32 token ids of shape 1,{n}, got {frame.dtype} {list(frame.shape)}")
-        return checked_values(frame).reshape(n), None
+        tokens = checked_values(frame).reshape(n)
+        if request.guess is not None and int(tokens[0]) != request.guess:
+            raise InvalidRequest(f"{H.GUESS} {request.guess} is not the step's own token {int(tokens[0])}")
+        return tokens, None
     want = (1, n, *info.seam.shape)
     if frame.dtype == "int32" or frame.shape != want:
         raise SeamMismatch(f"this node takes activations of shape {format_shape(want)}, got {list(frame.shape)}")

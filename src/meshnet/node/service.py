@@ -43,13 +43,13 @@ import numpy as np
 from meshnet.backends.shard import DecodeStep, ShardOutput, compute_chunks, verify_chunk
 from meshnet.errors import InvalidRequest, MeshnetError, SessionBusy
 from meshnet.ids import SessionId
-from meshnet.node.channel import Direct
 from meshnet.node.checks import check_drafts, check_model, shard_inputs
 from meshnet.node.service_base import ChannelSend, NodeConfig
 from meshnet.node.service_tail import TailParts
 from meshnet.node.session import NodeSession
 from meshnet.protocol import headers as H
-from meshnet.protocol.messages import Accepted, HopAnswer, HopEntry, HopRequest, Payload, Replayed, Verb
+from meshnet.protocol.channel import Direct
+from meshnet.protocol.messages import Accepted, HopAnswer, HopEntry, HopRequest, Payload, Replayed, Verb, Voided
 from meshnet.protocol.wire import TensorFrame, encode_tensor
 from meshnet.routes import hop_timeout_s
 
@@ -94,6 +94,8 @@ class NodeService(TailParts):
         sid, start, n = request.session, request.start, request.n
         if request.rewind:
             await self.rewind(s, start)
+        if request.guess is not None and self.info.layers.is_tail and not _continues(s, request):
+            return self._voided(s, request, direct)  # nothing computed: the round before it ended elsewhere
         own = self._carried_ids(s, tokens, start)
         with self.traffic.measure(n, decode=request.decode):
             out_hidden, logits, compute_ms = await self._run(
@@ -164,10 +166,21 @@ class NodeService(TailParts):
             task.add_done_callback(_consume)
             return Accepted((me,), count=request.n)
         answer = await task
-        if request.drafts:  # the rejected drafts go here too, as the answer passes back up
+        if isinstance(answer, Voided) and request.guess is not None:  # the tail dropped the round: so does this hop
+            await self.rewind(s, request.start)
+            me = self._entry(s, me.compute_ms, positions=me.positions)
+        elif request.drafts:  # the rejected drafts go here too, as the answer passes back up
             await self._drop_rejected(s, answer, start=request.start, n=request.n)
             me = self._entry(s, me.compute_ms, positions=me.positions)
         return answer.after(me)
+
+    def _voided(self, s: NodeSession, request: HopRequest, direct: Direct | None) -> Voided:
+        """The tail's answer to a pipelined round it drops unseen: the positions it holds."""
+        if direct is not None:
+            s.seq = direct.seq
+        self.metrics.voided.inc()
+        answer = Voided((self._entry(s, positions=0),), count=s.ledger.position)
+        return answer if direct is None else answer.after(*_entries(direct.hops))
 
     def _handed_on(self, request: HopRequest, began: float, compute_ms: float) -> None:
         """A decode step left this hop (sent on, or answered at the tail): count its time here,
@@ -200,6 +213,11 @@ class NodeService(TailParts):
         if verify:
             return verify_chunk(self.shard, sid, start, tokens=tokens, hidden=hidden)
         return compute_chunks(self.shard, sid, start, sizes, tokens=tokens, hidden=hidden)
+
+
+def _continues(s: NodeSession, request: HopRequest) -> bool:
+    """Whether a pipelined round starts where the tail's newest token is, with that token."""
+    return s.sampled == (request.start, request.guess) and s.ledger.position == request.start
 
 
 def _entries(raw: tuple[dict[str, Any], ...]) -> tuple[HopEntry, ...]:

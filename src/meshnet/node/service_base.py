@@ -26,11 +26,11 @@ from meshnet.node.advert import Traffic
 from meshnet.node.audit import AuditLane
 from meshnet.node.authority import ClosedSessions
 from meshnet.node.batcher import DecodeBatcher
-from meshnet.node.channel import Direct
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.prefix_cache import PrefixCache
 from meshnet.node.sampling_lane import DEFAULT_SAMPLE_DEADLINE_S, SamplingLane
 from meshnet.node.session import NodeSession, SeamLogs
+from meshnet.protocol.channel import Direct
 from meshnet.protocol.closer import SessionCloser
 from meshnet.protocol.hops import HopTransport
 from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, PrefixRequest

@@ -23,7 +23,7 @@ from meshnet.node.service_snapshots import SnapshotParts
 from meshnet.node.session import NodeSession
 from meshnet.protocol.audits import AuditRequest, AuditStatement
 from meshnet.protocol.ledger import pack_chunks
-from meshnet.protocol.messages import HopAnswer, HopRequest, Payload, Rerouted, RerouteRequest, Verb
+from meshnet.protocol.messages import HopAnswer, HopRequest, Payload, Replayed, Rerouted, RerouteRequest, Verb
 from meshnet.protocol.tickets import REPAIR
 from meshnet.protocol.wire import TensorFrame
 
@@ -71,14 +71,16 @@ class RepairParts(SnapshotParts):
             with contextlib.suppress(Exception):
                 await s.forward  # the failed forward: its outcome is why we are here
         s.next_hops, s.broken, s.broken_hop, s.broken_full, s.forward = hops, None, None, False, None
-        if request.step is not None and self.shard.store.get(sid).position > request.step + 1:
-            await self.rewind(s, request.step + 1)
+        keep = None if request.step is None else request.step + int(request.resend)
+        if keep is not None and self.shard.store.get(sid).position > keep:
+            await self.rewind(s, keep)
         position = self.shard.store.get(sid).position
         me = self._entry(s)
         if request.replay == 0:
             return Rerouted((me,), position=position, session=sid, next_hops=hops)
         sizes = s.ledger.sizes()
-        if s.log is None or not s.log_dtype or s.ledger.position != position or sizes[-1:] != [1]:
+        resent = [1] if request.resend else []  # the newest position is the step, resent as one
+        if s.log is None or not s.log_dtype or s.ledger.position != position or (resent and sizes[-1:] != resent):
             raise Conflict(
                 f"session {sid} cannot be replayed from this node (no complete seam log, or its newest "
                 "position is not a decode step); it needs a fresh prefill",
@@ -103,20 +105,22 @@ class RepairParts(SnapshotParts):
             )  # fmt: skip
 
         since = request.replay_from
-        if since and (since not in s.ledger.ends or since >= position):
+        if since and (since not in s.ledger.ends or since > position - len(resent)):
             raise Conflict(
                 f"session {sid} holds no chunk boundary at {since} below its newest position {position} here: "
                 "the replacement must restore a snapshot of this session's own chunks",
                 code="no_seam_log",
             )
         skip = s.ledger.ends.index(since) + 1 if since else 0
-        for offset, chunks in pack_chunks(sizes[skip:-1], self.config.replay_chunk):
+        answer: HopAnswer = Replayed((), count=0)
+        for offset, chunks in pack_chunks(sizes[skip : len(sizes) - len(resent)], self.config.replay_chunk):
             begin = since + offset
             end = begin + sum(chunks)
-            await self._forward(
+            answer = await self._forward(
                 s, replayed(Verb.PREFILL, begin, end, chunks=tuple(chunks) if len(chunks) > 1 else None)
             )
-        answer = await self._forward(s, replayed(Verb.DECODE, position - 1, position))
+        if resent:
+            answer = await self._forward(s, replayed(Verb.DECODE, position - 1, position))
         return answer.after(me)
 
     async def delete(self, sid: SessionId, ticket: str | None = None, caller: str | None = None) -> None:

@@ -51,6 +51,7 @@ class TailParts(RepairParts):
             (token,), (logprob,) = chosen.tokens, chosen.logprobs
             top = chosen.tops[0] if chosen.tops is not None else None
             answer = TokenAnswer((me,), position=start + n, token=token, logprob=logprob, top=top, draw=chosen.draw)
+            s.sampled = (start + n, token)
             return self.config.hop_key.sign_answer(s.session, answer)  # the tail vouches for its token and draw
         tokens, logprobs, tops = list(chosen.tokens), list(chosen.logprobs), chosen.tops
         kept = start + len(tokens)
@@ -61,6 +62,7 @@ class TailParts(RepairParts):
             (me,), position=kept, tokens=tuple(tokens), logprobs=tuple(logprobs), tops=tops,
             drafted=len(drafts), accepted=len(tokens) - 1,
         )  # fmt: skip
+        s.sampled = (kept, tokens[-1])
         return self.config.hop_key.sign_answer(s.session, verified)
 
     async def _drop_rejected(self, s: NodeSession, answer: HopAnswer, *, start: int, n: int) -> None:

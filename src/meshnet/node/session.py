@@ -48,6 +48,9 @@ class NodeSession:
     carry_ids: bool = False
     ids_seen: list[int] = field(default_factory=list)
     seq: int | None = None  # the newest decode-channel step this node computed for the session
+    # the tail's newest token and its position (where the next step starts): a pipelined round
+    # (``guess``) is kept only if it starts there with this token
+    sampled: tuple[int, int] | None = None
     client: str | None = None  # the swarm member that opened it here (per-client quotas), if known
     prefix: PrefixClaim | None = None  # its prompt's blocks, for the prefix cache (node.prefix_cache)
     standby: tuple[str, str] | None = None  # (URL, ticket) of the standby its KV snapshot went to

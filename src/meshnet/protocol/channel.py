@@ -39,6 +39,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "VERSION",
     "ChannelFrame",
+    "Direct",
     "Kind",
     "Step",
     "decode_frame",
@@ -79,6 +80,19 @@ class ChannelFrame:
 def encode_frame(kind: Kind, header: dict[str, Any], body: bytes = b"") -> bytes:
     raw = json.dumps(header, separators=(",", ":")).encode()
     return _PREFIX.pack(MAGIC, VERSION, int(kind), len(raw)) + raw + body
+
+
+@dataclass(frozen=True, slots=True)
+class Direct:
+    """A step that came over the decode channel: its number, the return ids of this hop and the ones
+    after it, and the ledger entries of the hops before it (the tail's answer carries them all)."""
+
+    seq: int
+    returns: tuple[str, ...]
+    hops: tuple[dict[str, Any], ...]
+
+    def onward(self, me: dict[str, Any]) -> Direct:
+        return Direct(self.seq, self.returns[1:], (*self.hops, me))
 
 
 def decode_frame(data: bytes) -> ChannelFrame:

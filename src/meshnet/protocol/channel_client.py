@@ -205,6 +205,24 @@ class Channels:
         first hop that has not computed it is named. The deadline covers sending the step too: a
         head that takes no more bytes for ``timeout_s`` is located the same way (part of the frame
         may have gone out, so it is no ``ChannelUnavailable``)."""
+        answer = await self.start(urls, session, verb=verb, headers=headers, body=body, timeout_s=timeout_s,
+                                  probe=probe)  # fmt: skip
+        return await answer
+
+    async def start(
+        self,
+        urls: Sequence[str],
+        session: str,
+        *,
+        verb: str,
+        headers: dict[str, str],
+        body: bytes,
+        timeout_s: float,
+        probe: Probe,
+    ) -> asyncio.Task[HopAnswer]:
+        """``step``, returning once the step is sent: the task that waits for its answer (cancel it
+        when the answer is of no more use). A session's steps reach every hop in the order they were
+        started, so several can be in flight (pipelined speculation rounds)."""
         channels = [await self._channel(url) for url in urls]
         seq = next(self._seq)
         waiter = _Waiter(urls)
@@ -221,6 +239,17 @@ class Channels:
                     await channels[0].send(frame)
             except TimeoutError:
                 raise await _silent(urls, seq, timeout_s, probe) from None
+        except BaseException:
+            self._waiters.pop(key, None)
+            raise
+        return asyncio.ensure_future(self._wait_answer(key, waiter, urls, seq, deadline=deadline, timeout_s=timeout_s,
+                                                     probe=probe))  # fmt: skip
+
+    async def _wait_answer(
+        self, key: tuple[str, int], waiter: _Waiter, urls: Sequence[str], seq: int, *, deadline: float,
+        timeout_s: float, probe: Probe,
+    ) -> HopAnswer:  # fmt: skip
+        try:
             while True:
                 try:
                     async with asyncio.timeout_at(deadline):

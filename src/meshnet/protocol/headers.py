@@ -11,12 +11,14 @@ __all__ = [
     "DRAFT",
     "DTYPE",
     "GENERATION_ID",
+    "GUESS",
     "MODEL",
     "NEXT_HOPS",
     "POSITION",
     "PREFIX",
     "REPLAY",
     "REPLAY_FROM",
+    "RESEND",
     "REUSE",
     "REWIND",
     "ROUTE_ID",
@@ -47,6 +49,9 @@ REWIND = "X-Meshnet-Rewind"  # "1" on a repair's resent step: a hop already past
 TOKEN_IDS = "X-Meshnet-Token-Ids"
 # speculative decoding (POST .../verify): the drafted token ids after the step's own token, comma-separated
 DRAFT = "X-Meshnet-Draft"
+# pipelined speculation: the step's own token is itself a draft (a round sent before the verdict on the
+# round before it): the tail keeps the step only if it sampled exactly this token at this position
+GUESS = "X-Meshnet-Guess"
 # the tracker-signed route ticket (a repair ticket on reroute/replay), verbatim (protocol.tickets)
 TICKET = "X-Meshnet-Ticket"
 CHUNKS = "X-Meshnet-Chunks"  # prefill: how to split the body into compute calls ("128x2,37,1x3"); default one
@@ -55,3 +60,7 @@ PREFIX = "X-Meshnet-Prefix"
 REUSE = "X-Meshnet-Reuse"  # POST .../prefix: the most leading blocks the receiver may take from its cache
 # reroute: the replacement restored a KV snapshot of this many positions; replay only those after it
 REPLAY_FROM = "X-Meshnet-Replay-From"
+# a reroute with "0": the hop drops the interrupted step too and replays only what came before it; the
+# gateway resends the step through the whole route (its own copy of the step may be stale: a pipelined
+# round that was voided, or a rejected draft, computed there last)
+RESEND = "X-Meshnet-Resend"

@@ -20,7 +20,9 @@ the hop answers one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -31,7 +33,8 @@ from meshnet.httputil import error_field, error_message
 from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
-from meshnet.protocol.channel_client import Channels, ChannelUnavailable
+from meshnet.protocol.channel import Direct
+from meshnet.protocol.channel_client import Channels, ChannelUnavailable, Probe
 from meshnet.protocol.ledger import parse_chunks
 from meshnet.protocol.messages import (
     HopAnswer,
@@ -66,7 +69,7 @@ class LocalHop(Protocol):
     (a protocol here, so the transport does not import the service that uses it). The caller is one
     the transport vouches for (``caller=None``)."""
 
-    async def handle(self, request: HopRequest) -> HopAnswer | None: ...
+    async def handle(self, request: HopRequest, direct: Direct | None = None) -> HopAnswer | None: ...
 
     async def prefix(self, request: PrefixRequest) -> HopAnswer: ...
 
@@ -99,6 +102,14 @@ class HopTransport(Protocol):
         """A decode step over the decode channel to the route of nodes at ``route`` (head first): the
         tail's answer comes straight back. ``None``: a node of the route takes no channel (nothing was
         sent: ``send`` it instead)."""
+        ...
+
+    async def start_step(
+        self, route: Sequence[str], request: HopRequest, *, timeout_s: float
+    ) -> asyncio.Task[HopAnswer] | None:
+        """``step``, returning once the step is sent: the task that waits for the tail's answer (cancel
+        it when the answer is of no more use). A session's steps reach every hop in the order they
+        were started (pipelined speculation keeps several in flight)."""
         ...
 
     async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> bool | None:
@@ -193,18 +204,38 @@ class HttpTransport:
             return None
         headers, body = http_binding.encode_step(request)
         sid = request.session
-
-        async def probe(url: str, seq: int) -> bool | None:
-            held = await self.state(url, sid, timeout_s=min(5.0, timeout_s))
-            return None if held is None else held.get("seq") == seq
-
         try:
             # no hop waits for another here, so no nesting: one hop timeout bounds the walk, as it
             # bounds the innermost HTTP hop's wait for everything below it
             return await self.channels.step(list(route), sid, verb=str(request.verb), headers=headers, body=body,
-                                            timeout_s=timeout_s, probe=probe)  # fmt: skip
+                                            timeout_s=timeout_s, probe=self._probe(sid, timeout_s))  # fmt: skip
         except ChannelUnavailable:
             return None
+
+    async def start_step(
+        self, route: Sequence[str], request: HopRequest, *, timeout_s: float
+    ) -> asyncio.Task[HopAnswer] | None:
+        if self.channels is None:
+            return None
+        headers, body = http_binding.encode_step(request)
+        sid = request.session
+        try:
+            return await self.channels.start(list(route), sid, verb=str(request.verb), headers=headers, body=body,
+                                             timeout_s=timeout_s, probe=self._probe(sid, timeout_s))  # fmt: skip
+        except ChannelUnavailable:
+            return None
+
+    def _probe(self, sid: SessionId, timeout_s: float) -> Probe:
+        async def probe(url: str, seq: int) -> bool | None:
+            """Whether the node at ``url`` computed step ``seq``: it or a later step of the session (its
+            steps reach it in order)."""
+            held = await self.state(url, sid, timeout_s=min(5.0, timeout_s))
+            newest = None if held is None else held.get("seq")
+            if held is None:
+                return None
+            return isinstance(newest, int) and not isinstance(newest, bool) and newest >= seq
+
+        return probe
 
     async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> bool | None:
         headers = {} if ticket is None else {H.TICKET: ticket}
@@ -271,10 +302,20 @@ class HttpTransport:
 
 
 class LocalTransport:
-    """Hop services of this process by URL; a URL with no service is a hop that is down."""
+    """Hop services of this process by URL; a URL with no service is a hop that is down.
 
-    def __init__(self) -> None:
+    ``channels``: decode-channel steps too (``start_step``), with the channel's semantics: every hop
+    passes the step on without waiting (its ``channel_send`` is ``channel_send`` here), a session's
+    steps run on each hop one after another in the order they came, and the tail's answer (or any
+    hop's error) goes straight back to the caller, whose reading of it is the channel client's."""
+
+    def __init__(self, *, channels: bool = False) -> None:
         self.services: dict[str, LocalHop] = {}
+        self.channels = channels
+        self._seq = itertools.count()
+        self._waiting: dict[int, tuple[tuple[str, ...], asyncio.Future[HopAnswer]]] = {}
+        self._newest: dict[tuple[str, str], asyncio.Task[None]] = {}  # (hop, session) -> its newest step
+        self._steps: set[asyncio.Task[None]] = set()
 
     def add(self, url: str, service: LocalHop) -> None:
         self.services[url] = service
@@ -310,7 +351,97 @@ class LocalTransport:
         return answer
 
     async def step(self, route: Sequence[str], request: HopRequest, *, timeout_s: float) -> HopAnswer | None:
-        return None  # no channel in process: every step is sent
+        task = await self.start_step(route, request, timeout_s=timeout_s)
+        return None if task is None else await task
+
+    async def start_step(
+        self, route: Sequence[str], request: HopRequest, *, timeout_s: float
+    ) -> asyncio.Task[HopAnswer] | None:
+        if not self.channels:
+            return None  # every step is sent
+        seq = next(self._seq)
+        urls = tuple(route)
+        answer: asyncio.Future[HopAnswer] = asyncio.get_running_loop().create_future()
+        self._waiting[seq] = (urls, answer)
+        self._dispatch(urls[0], request, Direct(seq, urls, ()))
+        return asyncio.ensure_future(self._wait(seq, answer, request.session, timeout_s))
+
+    async def channel_send(self, hop: str, request: HopRequest, direct: Direct, timeout_s: float) -> None:
+        """A hop passing a decode-channel step on to ``hop`` (a ``NodeService``'s ``channel_send``)."""
+        if hop not in self.services:
+            raise HopFailed(f"next hop {hop} failed on its decode channel: ConnectError: nothing listens there",
+                            failed_hop=hop)  # fmt: skip
+        self._dispatch(hop, request, direct)
+
+    def _dispatch(self, hop: str, request: HopRequest, direct: Direct) -> None:
+        key = (hop, request.session)
+        task = asyncio.ensure_future(self._run_step(hop, request, direct, self._newest.get(key)))
+        self._newest[key] = task
+        self._steps.add(task)
+
+        def done(finished: asyncio.Task[None]) -> None:
+            self._steps.discard(finished)
+            if self._newest.get(key) is finished:
+                del self._newest[key]
+
+        task.add_done_callback(done)
+
+    async def _run_step(self, hop: str, request: HopRequest, direct: Direct, before: asyncio.Task[None] | None) -> None:
+        if before is not None:
+            await asyncio.wait([before])
+        service = self.services.get(hop)
+        if service is None:  # its channel closed: the caller learns it from its own channel to the hop
+            waiting = self._waiting.get(direct.seq)
+            if waiting is not None and not waiting[1].done():
+                waiting[1].set_exception(HopFailed(f"node {hop} failed: its decode channel closed", failed_hop=hop))
+            return
+        try:
+            answer = await service.handle(request, direct)
+        except MeshnetError as exc:
+            self._deliver(direct.seq, hop, exc)
+            return
+        except Exception as exc:  # as a node's channel answers a step it failed on (node.channel)
+            error = MeshnetError(f"the node failed on this step: {type(exc).__name__}: {exc}")
+            self._deliver(direct.seq, hop, error)
+            return
+        if answer is not None:
+            self._deliver(direct.seq, hop, answer)
+
+    def _deliver(self, seq: int, hop: str, outcome: HopAnswer | MeshnetError) -> None:
+        """The caller's reading of a hop's report, as the channel client reads it (``channel_client``)."""
+        waiting = self._waiting.get(seq)
+        if waiting is None or waiting[1].done():
+            return  # nobody waits for it any more
+        urls, answer = waiting
+        at = urls.index(hop)
+        if isinstance(outcome, MeshnetError):
+            message = f"route hop answered {outcome.status}: {outcome.message}"
+            answer.set_exception(hop_error(message, status=outcome.status, failed_hop=outcome.failed_hop, sender=hop,
+                                           sender_is_head=at == 0, code=outcome.code, may_name=urls[at:]))  # fmt: skip
+        elif at != len(urls) - 1:
+            answer.set_exception(HopFailed(f"node {hop} sent the step's token, which only the tail {urls[-1]} "
+                                           "computes", failed_hop=hop))  # fmt: skip
+        else:
+            answer.set_result(outcome)
+
+    async def _wait(
+        self, seq: int, answer: asyncio.Future[HopAnswer], session: SessionId, timeout_s: float
+    ) -> HopAnswer:
+        urls = self._waiting[seq][0]
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
+        except TimeoutError:
+            failed = urls[-1]  # the first hop that has not computed the step (every hop has: the tail)
+            for url in urls:
+                held = await self.state(url, session, timeout_s=timeout_s)
+                newest = None if held is None else held.get("seq")
+                if not (isinstance(newest, int) and newest >= seq):
+                    failed = url
+                    break
+            raise HopFailed(f"Timeout: node {failed} did not pass step {seq} on within {timeout_s:.0f} s",
+                            failed_hop=failed) from None  # fmt: skip
+        finally:
+            self._waiting.pop(seq, None)
 
     async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> bool | None:
         service = self.services.get(hop)
@@ -359,4 +490,6 @@ class LocalTransport:
                 await service.drop_snapshot(session, ticket)
 
     async def aclose(self) -> None:
+        for task in list(self._steps):
+            task.cancel()
         self.services.clear()

@@ -82,6 +82,8 @@ def encode_request(request: HopRequest) -> tuple[str, dict[str, str], bytes]:
         headers[H.REPLAY] = str(request.replay)
     if request.rewind:
         headers[H.REWIND] = "1"
+    if request.guess is not None:
+        headers[H.GUESS] = str(request.guess)
     if request.ticket is not None:
         headers[H.TICKET] = request.ticket
     if request.prefix is not None:
@@ -138,6 +140,7 @@ def decode_request(
         drafts=drafts,
         replay=_replay(headers, verb),
         rewind=headers.get(H.REWIND) == "1",
+        guess=_guess(headers, verb),
         ticket=headers.get(H.TICKET),
         prefix=_prefix(headers),
     )
@@ -191,6 +194,8 @@ def encode_reroute(request: RerouteRequest) -> tuple[str, dict[str, str]]:
         headers[H.TICKET] = request.ticket
     if request.replay_from:
         headers[H.REPLAY_FROM] = str(request.replay_from)
+    if not request.resend:
+        headers[H.RESEND] = "0"
     return request_path(request.session, "reroute"), headers
 
 
@@ -202,6 +207,9 @@ def decode_reroute(session: SessionId, headers: Mapping[str, str]) -> RerouteReq
     since = headers.get(H.REPLAY_FROM, "0")
     if not (since.isascii() and since.isdigit()):
         raise InvalidRequest(f"header {H.REPLAY_FROM} must be the positions the restored hop holds, got {since!r}")
+    resend = headers.get(H.RESEND, "1")
+    if resend not in ("0", "1"):
+        raise InvalidRequest(f"header {H.RESEND} must be 0 (the gateway resends the step) or 1, got {resend!r}")
     return RerouteRequest(
         session=session,
         next_hops=hops,
@@ -212,6 +220,7 @@ def decode_reroute(session: SessionId, headers: Mapping[str, str]) -> RerouteReq
         step=_position(headers) if headers.get(H.POSITION) is not None else None,
         ticket=headers.get(H.TICKET),
         replay_from=int(since),
+        resend=resend == "1",
     )
 
 
@@ -297,6 +306,17 @@ def _drafts(headers: Mapping[str, str]) -> tuple[int, ...]:
     if not parts or not all(p.isascii() and p.isdigit() for p in parts):
         raise InvalidRequest(f"header {H.DRAFT} must list the drafted token ids, comma-separated, got {raw!r}")
     return tuple(int(p) for p in parts)
+
+
+def _guess(headers: Mapping[str, str], verb: Verb) -> int | None:
+    raw = headers.get(H.GUESS)
+    if raw is None:
+        return None
+    if verb is Verb.PREFILL:
+        raise InvalidRequest(f"only a decode step or a verify chunk is a guess: drop {H.GUESS}")
+    if not (raw.isascii() and raw.isdigit()):
+        raise InvalidRequest(f"header {H.GUESS} must be the step's own token id, guessed, got {raw!r}")
+    return int(raw)
 
 
 def _replay(headers: Mapping[str, str], verb: Verb) -> int:

@@ -21,6 +21,7 @@ with the reason instead of streaming text from it.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import struct
 from collections.abc import Iterator, Sequence
@@ -155,6 +156,17 @@ class ChunkLedger:
             self.outputs.clear()
             return False
         return True
+
+    def at(self, position: int) -> ChunkLedger:
+        """The record as it stood when it held ``position`` positions (what ``describe`` says then), for
+        checking an answer to an earlier request while later ones are in flight; ``ValueError`` when
+        no chunk ends there."""
+        index = bisect.bisect_left(self.ends, position)
+        if position == 0:
+            return ChunkLedger(self.sends)
+        if index >= len(self.ends) or self.ends[index] != position:
+            raise ValueError(f"no chunk of this session ends at position {position}")
+        return ChunkLedger(self.sends, [position], [self.inputs[index]], [self.outputs[index]] if self.sends else [])
 
     def describe(self) -> dict[str, object]:
         """What an answer says about this hop's session: the positions it holds and the two digests."""

@@ -5,7 +5,9 @@ A gateway or an upstream node sends a *hop request* to the next hop of a session
 - ``HopRequest`` with ``verb`` ``prefill`` (a chunk of positions), ``decode-step`` (one
   position) or ``verify`` (a step and the drafted tokens after it). Its flags ``replay`` (route
   repair: rebuild KV on this many hops, answer no token) and ``rewind`` (a repair's resent step:
-  a hop already past it drops it first) cover the repair traffic;
+  a hop already past it drops it first) cover the repair traffic; ``guess`` marks a pipelined
+  speculation round, sent before the verdict on the round before it: its own token is a draft too,
+  and the tail keeps the round only if it sampled that token there (else it answers ``Voided``);
 - ``RerouteRequest``: point a session at new next hops, optionally replaying its seam log into them;
 - ``PrefixRequest``: a session's first request when its prompt starts with blocks the route may
   hold in its prefix caches: every hop adopts the cached KV of as many leading blocks as it and
@@ -15,7 +17,8 @@ A gateway or an upstream node sends a *hop request* to the next hop of a session
 Every answer is one record per kind, each with exactly its own fields (``HopAnswer`` is their
 union): the positions taken (``Accepted``: a pipelined chunk, ``Replayed``, ``Cached``: a prefix
 request, ``Restored``: a restore), the next token (``TokenAnswer``) or a verify chunk's kept tokens
-(``VerifyAnswer``; both are ``Sampled``), or a reroute's outcome (``Rerouted``) — with one
+(``VerifyAnswer``; both are ``Sampled``), a pipelined round the tail dropped unseen (``Voided``),
+or a reroute's outcome (``Rerouted``) — with one
 ``HopEntry`` per hop that computed it, nearest first; each record's ``kind`` (an ``AnswerKind``)
 names it in logs and signatures, and ``answer_from_json`` reads back what its ``to_json`` wrote.
 A failure is a ``MeshnetError`` (``meshnet.errors``): what it means to the sender is
@@ -61,6 +64,7 @@ __all__ = [
     "TokenAnswer",
     "Verb",
     "VerifyAnswer",
+    "Voided",
     "answer_from_json",
     "remote_error",
 ]
@@ -117,6 +121,9 @@ class HopRequest:
     drafts: tuple[int, ...] = ()  # verify: the drafted token ids after the step's own
     replay: int = 0  # route repair: hops (from the receiver on) that rebuild KV and answer no token
     rewind: bool = False  # a repair's resent step: a hop already holding it drops it first
+    # pipelined speculation: the step's own token id, itself a draft (the tail keeps the round only if
+    # it sampled this token at ``start``; it voids the round otherwise)
+    guess: int | None = None
     # in a private swarm, a session's first request: the tracker-signed ticket of its route (protocol.tickets)
     ticket: str | None = None
     prefix: PrefixClaim | None = None  # a session's first request: its prompt's blocks (prefix caching)
@@ -137,6 +144,8 @@ class HopRequest:
             raise InvalidRequest(f"header {H.REPLAY} must be the number of hops to rebuild (>= 1)")
         if self.replay and self.sample:
             raise InvalidRequest(f"a replayed chunk answers no token: drop {H.SAMPLE}")
+        if self.guess is not None and (self.verb is Verb.PREFILL or self.replay or self.guess < 0):
+            raise InvalidRequest(f"{H.GUESS} is a token id on a decode step or verify chunk, never replayed")
         if self.chunks is not None and (self.verb is not Verb.PREFILL or sum(self.chunks) != self.n):
             raise InvalidRequest(f"{H.CHUNKS} must split a prefill chunk's {self.n} positions")
 
@@ -212,7 +221,8 @@ class RestoreRequest:
 @dataclass(frozen=True, slots=True)
 class RerouteRequest:
     """Point a session at new next hops; ``replay`` > 0 rebuilds them from the seam log and resends
-    the interrupted step at ``step`` (route repair, docs/protocol.md)."""
+    the interrupted step at ``step`` (route repair, docs/protocol.md), or, without ``resend``,
+    leaves the step to the gateway."""
 
     session: SessionId
     next_hops: tuple[str, ...]
@@ -224,6 +234,9 @@ class RerouteRequest:
     ticket: str | None = None  # in a private swarm: the tracker's repair ticket
     # the replacement restored a KV snapshot of this many positions: replay only the positions after it
     replay_from: int = 0
+    # False: drop the step's own position too, replay only what came before it and answer ``Replayed``;
+    # the gateway resends the step through the whole route (this hop's copy of it may be stale)
+    resend: bool = True
 
     def __post_init__(self) -> None:
         if self.replay_from < 0 or (self.replay_from and self.replay != 1):
@@ -292,6 +305,7 @@ class AnswerKind(StrEnum):
     REROUTED = "rerouted"  # a reroute without replay
     CACHED = "cached"  # a prefix request: the positions every hop took from its prefix cache
     RESTORED = "restored"  # a restore: the positions a replacement took from a KV snapshot
+    VOIDED = "voided"  # a pipelined round (``guess``) the tail dropped: the round before it ended elsewhere
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +367,14 @@ class Restored(_Counted):
     """A restore's answer: the positions a replacement took from a KV snapshot."""
 
     kind: ClassVar[AnswerKind] = AnswerKind.RESTORED
+
+
+@dataclass(frozen=True, slots=True)
+class Voided(_Counted):
+    """A pipelined round the tail did not compute: its guessed token is not the one the tail sampled
+    there (or the round before it was cut short). ``count``: the positions the tail holds."""
+
+    kind: ClassVar[AnswerKind] = AnswerKind.VOIDED
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,7 +440,7 @@ class VerifyAnswer(_Answer):
         }
 
 
-HopAnswer: TypeAlias = Accepted | Replayed | Cached | Restored | Rerouted | TokenAnswer | VerifyAnswer
+HopAnswer: TypeAlias = Accepted | Replayed | Cached | Restored | Voided | Rerouted | TokenAnswer | VerifyAnswer
 Sampled: TypeAlias = TokenAnswer | VerifyAnswer  # the answers that bring tokens
 
 
@@ -440,6 +462,8 @@ def answer_from_json(status: int, raw: object) -> HopAnswer:
         return Cached(entries, count=_need_count(raw, "cached"))
     if "restored" in raw:
         return Restored(entries, count=_need_count(raw, "restored"))
+    if "voided" in raw:
+        return Voided(entries, count=_need_count(raw, "voided"))
     position = _need_count(raw, "position")
     if "rerouted" in raw:
         nxt = raw.get("next_hops")
