@@ -36,7 +36,7 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
 
 @pytest.fixture
 def always_chain(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(WalkCosts, "chain_pays", lambda self, positions, kept: True)
+    monkeypatch.setattr(WalkCosts, "chain_pays", lambda self, positions, kept, hops: True)
 
 
 class RareOracle:
@@ -235,15 +235,18 @@ def test_sampled_text_with_pipelined_speculation_is_distributed_as_without(tmp_p
 
 
 def test_a_round_is_chained_only_when_its_expected_saving_beats_its_expected_waste() -> None:
+    """A round sent early saves a walk less one hop's share of the compute when it is of use, and
+    costs that share when it is void."""
     costs = WalkCosts()
-    assert not costs.chain_pays(4, 0.99)  # nothing measured: a synchronous round measures first
-    costs.observe(4, 0.100)  # a WAN walk: 100 ms, of it 10 ms compute
-    costs.observe_compute(4, 0.010)
-    assert costs.chain_pays(4, 0.5)
-    assert costs.chain_pays(4, 0.15)
-    assert not costs.chain_pays(4, 0.05)
-    loopback = WalkCosts()  # loopback: the walk is nearly all compute
+    assert not costs.chain_pays(4, 0.99, 3)  # nothing measured: a synchronous round measures first
+    costs.observe(4, 0.100)  # a WAN walk: 100 ms, of it 30 ms compute on 3 hops (10 ms each)
+    costs.observe_compute(4, 0.030)
+    assert costs.chain_pays(4, 0.5, 3)
+    assert costs.chain_pays(4, 0.15, 3)  # 0.15 x 90 > 0.85 x 10
+    assert not costs.chain_pays(4, 0.05, 3)
+    loopback = WalkCosts()  # loopback: the walk is nearly all compute, 20 of 22 ms on 2 hops
     loopback.observe(4, 0.022)
     loopback.observe_compute(4, 0.020)
-    assert not loopback.chain_pays(4, 0.8)
-    assert loopback.chain_pays(4, 0.95)
+    assert not loopback.chain_pays(4, 0.4, 2)  # 0.4 x 12 < 0.6 x 10
+    assert loopback.chain_pays(4, 0.6, 2)
+    assert not loopback.chain_pays(4, 0.6, 0)

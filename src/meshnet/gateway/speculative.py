@@ -77,16 +77,20 @@ class WalkCosts:
             known = dict(self._compute)
         return _interpolate(known, positions)
 
-    def chain_pays(self, positions: int, kept: float) -> bool:
-        """Whether to send a round of ``positions`` before the verdict on the rounds in flight, when
-        all of those are kept with probability ``kept``: what it saves when they are (a walk's time
-        beyond its compute: the links and the hops' overhead) against what it costs when they are
-        not (its compute on every hop, which the next round then waits behind). Nothing measured
-        yet: no (a synchronous round measures first)."""
+    def chain_pays(self, positions: int, kept: float, hops: int) -> bool:
+        """Whether to send a round of ``positions`` through ``hops`` hops before the verdict on the
+        rounds in flight, when all of those (and its own guess) are kept with probability ``kept``.
+
+        Rounds in flight move through the hops one behind the other, each hop on its own, so a
+        round sent early arrives one hop's compute after the one before it instead of a whole walk
+        later: it saves a walk less one hop's share of the compute when it is of use, and costs
+        that share when it is void (the next round waits behind it at each hop; the tail does not
+        compute it at all). Nothing measured yet: no (a synchronous round measures first)."""
         walk, compute = self.estimate(positions), self.compute(positions)
-        if walk is None or compute is None:
+        if walk is None or compute is None or hops < 1:
             return False
-        return kept * max(walk - compute, 0.0) > (1.0 - kept) * compute
+        share = compute / hops
+        return kept * max(walk - share, 0.0) > (1.0 - kept) * share
 
     def best_drafts(self, available: int, q: float) -> int:
         """How many of ``available`` drafts to send, each kept with probability ``q``: the most
