@@ -19,6 +19,7 @@ import pytest
 
 from meshnet.backends.base import EngineStep, RouteChange, TokenStep
 from meshnet.backends.fake_shard import VOCAB
+from meshnet.cli.main import _build_parser
 from meshnet.gateway.speculative import WalkCosts
 from meshnet.protocol.messages import HopRequest
 from meshnet.sampling import SamplingParams
@@ -232,6 +233,19 @@ def test_sampled_text_with_pipelined_speculation_is_distributed_as_without(tmp_p
         stat = sum((others[d] - expected) ** 2 / expected for d in range(1, VOCAB))
         assert stat < 85.0, (speculative, stat)
     assert runs[False] != runs[True]  # the same seeds draw through other streams when drafts are checked
+
+
+@pytest.mark.parametrize("command", ["gateway", "up"])
+@pytest.mark.parametrize("flag", ["--pipeline-rounds", "--draft-tokens"])
+def test_the_speculation_flags_take_a_whole_number_of_at_least_one(
+    command: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = [command, "--tracker", "http://127.0.0.1:1"] if command == "gateway" else [command]
+    assert getattr(_build_parser().parse_args([*base, flag, "2"]), flag[2:].replace("-", "_")) == 2
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as exited:
+            _build_parser().parse_args([*base, flag, bad])
+        assert exited.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_a_round_is_chained_only_when_its_expected_saving_beats_its_expected_waste() -> None:

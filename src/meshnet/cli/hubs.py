@@ -58,11 +58,6 @@ def run_tracker(args: argparse.Namespace) -> int:
 
 def run_gateway(args: argparse.Namespace) -> int:
     setup_logging()
-    if args.draft_tokens < 1:
-        usage_error(f"meshnet gateway: --draft-tokens must be at least 1, got {args.draft_tokens}")
-    if args.pipeline_rounds < 1:
-        usage_error(f"meshnet gateway: --pipeline-rounds must be at least 1 (1: one round at a time), "
-                    f"got {args.pipeline_rounds}")  # fmt: skip
     if not 0 < args.max_body_mb <= 4096:
         usage_error(f"meshnet gateway: --max-body-mb must be within (0, 4096], got {args.max_body_mb}")
     template = read_chat_template(args.chat_template_file, "gateway")

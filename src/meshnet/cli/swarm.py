@@ -263,11 +263,14 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
     )
 
     parser.add_argument(
-        "--draft-tokens", type=int, default=12, help="most tokens drafted per step (default 12; nodes may allow fewer)"
+        "--draft-tokens",
+        type=at_least_one,
+        default=12,
+        help="most tokens drafted per step (default 12; nodes may allow fewer)",
     )
     parser.add_argument(
         "--pipeline-rounds",
-        type=int,
+        type=at_least_one,
         default=4,
         help="most verify rounds in flight on the decode channel, each sent before the verdict on the one before "
         "it while the measured acceptance makes that pay (default 4; 1: one round at a time)",

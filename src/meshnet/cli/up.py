@@ -125,9 +125,6 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange], int | Non
     if (args.speculative == "draft") != (args.draft_gguf is not None):
         print("meshnet up: --speculative draft and --draft-gguf PATH go together", file=sys.stderr)
         return None
-    if args.draft_tokens < 1 or args.pipeline_rounds < 1:
-        print("meshnet up: --draft-tokens and --pipeline-rounds must be at least 1", file=sys.stderr)
-        return None
     if not 0.0 <= args.audit_rate <= 1.0:
         print(f"meshnet up: --audit-rate is a fraction of sessions in [0, 1], got {args.audit_rate}", file=sys.stderr)
         return None
