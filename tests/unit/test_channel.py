@@ -125,7 +125,8 @@ async def _step(channels: Channels, url: str, session: str, **kw: Any) -> HopAns
     args.update(kw)
     args.setdefault("timeout_s", 10.0)
     args.setdefault("probe", _computed)
-    return await channels.step([url], session, **args)
+    urls = args.pop("urls", [url])
+    return await (await channels.start(urls, session, **args))
 
 
 def test_a_step_comes_back_as_the_tails_answer_with_every_hops_entry(hop: tuple[ScriptedHop, str]) -> None:
@@ -208,13 +209,11 @@ def test_only_the_tails_channel_answers_a_step() -> None:
         try:
             # The head answers the step itself, skipping the tail: a forged answer, the head's failure.
             with pytest.raises(HopFailed, match="only the tail") as forged:
-                await channels.step([head_url, tail_url], "ok-1", verb="decode-step", headers={},
-                                    body=b"\x01\x00\x00\x00", timeout_s=10.0, probe=_computed)  # fmt: skip
+                await _step(channels, head_url, "ok-1", urls=[head_url, tail_url])
             assert forged.value.failed_hop == head_url
             head.blame = tail_url  # a hop may name one after it (the next hop it could not reach)
             with pytest.raises(HopFailed) as failed:
-                await channels.step([head_url, tail_url], "broken", verb="decode-step", headers={},
-                                    body=b"\x01\x00\x00\x00", timeout_s=10.0, probe=_computed)  # fmt: skip
+                await _step(channels, head_url, "broken", urls=[head_url, tail_url])
             assert failed.value.failed_hop == tail_url
         finally:
             await channels.aclose()
@@ -327,10 +326,8 @@ def test_a_lost_hop_waits_for_its_upstreams_report_and_strangers_are_ignored(cap
         async def step() -> tuple[asyncio.Task[HopAnswer], int]:
             for url in route:
                 channels._open[url] = _FakeChannel(url)  # type: ignore[assignment]
-            task = asyncio.create_task(channels.step(route, "s", verb="decode-step", headers={}, body=b"",
-                                                     timeout_s=10.0, probe=probe))  # fmt: skip
-            while not channels._waiters:
-                await asyncio.sleep(0)
+            task = await channels.start(route, "s", verb="decode-step", headers={}, body=b"", timeout_s=10.0,
+                                        probe=probe)  # fmt: skip
             ((_, seq),) = channels._waiters
             return task, seq
 

@@ -208,6 +208,13 @@ def test_a_hop_can_blame_only_a_hop_after_it(blamed: str, failed: int) -> None:
     asyncio.run(main())
 
 
+def spare_for(swarm: Swarm, route: list[str], dead: int) -> list[str]:
+    """A spare of the dead hop's layers joins; the route with it in the dead hop's place."""
+    spare = f"http://spare{dead}"
+    swarm.node(spare, ["0:4", "4:8", "8:12"][dead])
+    return [*route[:dead], spare, *route[dead + 1 :]]
+
+
 @pytest.mark.parametrize("dead", [1, 2])
 def test_a_reroute_replays_the_seam_log_into_a_replacement_and_the_text_goes_on_identically(dead: int) -> None:
     want = reference(10)
@@ -221,9 +228,7 @@ def test_a_reroute_replays_the_seam_log_into_a_replacement_and_the_text_goes_on_
         with pytest.raises(HopFailed) as failed:
             await swarm.send(route[0], step(tokens[-1], position))
         assert failed.value.failed_hop == route[dead]
-        new = f"http://spare{dead}"
-        swarm.node(new, ["0:4", "4:8", "8:12"][dead])
-        fixed = [*route[:dead], new, *route[dead + 1 :]]
+        fixed = spare_for(swarm, route, dead)
         # the hop before the dead one rebuilds its replacement (and, for a dead tail, nothing after it)
         reroute = RerouteRequest(SID, tuple(fixed[dead:]), "r1", model="mix", replay=1, step=position)
         answer = await swarm.transport.services[fixed[dead - 1]].reroute(reroute)
@@ -254,9 +259,7 @@ def test_a_reroute_without_resend_replays_what_came_before_the_step_and_the_gate
         stale = await swarm.send(route[0], step((tokens[-1] + 1) % VOCAB, position))  # a wrong token at the step
         assert stale.kind is AnswerKind.TOKEN
         swarm.transport.remove(route[dead])
-        new = f"http://spare{dead}"
-        swarm.node(new, ["0:4", "4:8", "8:12"][dead])
-        fixed = [*route[:dead], new, *route[dead + 1 :]]
+        fixed = spare_for(swarm, route, dead)
         reroute = RerouteRequest(SID, tuple(fixed[dead:]), "r1", model="mix", replay=1, step=position, resend=False)
         answer = await swarm.transport.services[fixed[dead - 1]].reroute(reroute)
         assert answer.kind is AnswerKind.REPLAYED and answer.hops[0].held == position

@@ -27,6 +27,12 @@ tokens per second. A size never measured is assumed to cost what the nearest mea
 suggest (linear between them, flat beyond), and a generation's first match is always verified in
 full, so drafting is tried, measured and then kept only where it pays: on a WAN nearly always, on
 loopback only for text that repeats.
+
+Pipelined speculation (the route engine's ``_chain``): more rounds go out before the verdict on the
+one in flight, each continuing the drafts as if all were kept (``Drafter.continuation``), while
+``WalkCosts.chain_pays`` says one more pays: the chance that everything before it is kept, by the
+same acceptance estimate, against what it saves (a walk less one hop's share of the compute,
+measured per route as ``observe_compute``) and what it wastes when void (that share).
 """
 
 from __future__ import annotations
@@ -139,7 +145,7 @@ class Drafter:
 
     def candidates(self, limit: int) -> list[int]:
         """Up to ``min(limit, k)`` tokens that may come next."""
-        return self.continuation(self._tokens, limit)
+        return self.continuation(self._tokens, min(limit, self.k))
 
     def continuation(self, text: Sequence[int], limit: int) -> list[int]:
         """Up to ``limit`` tokens that may follow ``text``: the text so far, then the drafts of the
@@ -183,11 +189,6 @@ class PromptLookup(Drafter):
                     self._after[tuple(seq[end - n : end])] = end  # that n-gram is followed by ``token``
             super().extend([token])
 
-    def candidates(self, limit: int) -> list[int]:
-        """Up to ``min(limit, k)`` tokens that followed the latest earlier occurrence of the longest
-        n-gram ending the text so far (none when nothing repeats)."""
-        return self.continuation(self._tokens, min(limit, self.k))
-
     def continuation(self, text: Sequence[int], limit: int) -> list[int]:
         """Up to ``limit`` tokens that followed the latest occurrence in the text so far of the longest
         n-gram ending ``text`` (which starts with the text so far); none when nothing repeats."""
@@ -212,9 +213,6 @@ class ModelDraft(Drafter):
     def __init__(self, model: DraftSource, k: int, costs: WalkCosts | None = None) -> None:
         super().__init__(k, costs)
         self.model = model
-
-    def candidates(self, limit: int) -> list[int]:
-        return self.continuation(self._tokens, min(limit, self.k))
 
     def continuation(self, text: Sequence[int], limit: int) -> list[int]:
         return self.model.draft(text, limit) if limit >= 1 and text else []

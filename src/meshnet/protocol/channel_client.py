@@ -183,32 +183,6 @@ class Channels:
             self._refused.pop(url, None)
             return channel
 
-    async def step(
-        self,
-        urls: Sequence[str],
-        session: str,
-        *,
-        verb: str,
-        headers: dict[str, str],
-        body: bytes,
-        timeout_s: float,
-        probe: Probe,
-    ) -> HopAnswer:
-        """Send a step to the route of nodes at ``urls`` (head first); the tail's answer.
-
-        Raises ``ChannelUnavailable`` (before anything was sent) when a node takes no channel,
-        ``HopFailed`` naming the hop that failed, ``BadGateway`` for an error of the head's own.
-        ``await probe(url, seq)`` says whether the node at ``url`` has computed step ``seq``
-        (``None``: it cannot say); it locates a failure: a hop whose channel closed is named only
-        once the hop before it has computed the step (else that one's own report is awaited, so a
-        repair always has an upstream that holds the step), and after ``timeout_s`` of silence the
-        first hop that has not computed it is named. The deadline covers sending the step too: a
-        head that takes no more bytes for ``timeout_s`` is located the same way (part of the frame
-        may have gone out, so it is no ``ChannelUnavailable``)."""
-        answer = await self.start(urls, session, verb=verb, headers=headers, body=body, timeout_s=timeout_s,
-                                  probe=probe)  # fmt: skip
-        return await answer
-
     async def start(
         self,
         urls: Sequence[str],
@@ -220,9 +194,20 @@ class Channels:
         timeout_s: float,
         probe: Probe,
     ) -> asyncio.Task[HopAnswer]:
-        """``step``, returning once the step is sent: the task that waits for its answer (cancel it
-        when the answer is of no more use). A session's steps reach every hop in the order they were
-        started, so several can be in flight (pipelined speculation rounds)."""
+        """Send a step to the route of nodes at ``urls`` (head first); once it is sent, the task that
+        waits for the tail's answer (cancel it when the answer is of no more use). A session's steps
+        reach every hop in the order they were started, so several can be in flight (pipelined
+        speculation rounds).
+
+        Raises ``ChannelUnavailable`` (before anything was sent) when a node takes no channel; the
+        task raises ``HopFailed`` naming the hop that failed, ``BadGateway`` for an error of the head's
+        own. ``await probe(url, seq)`` says whether the node at ``url`` has computed step ``seq``
+        (``None``: it cannot say); it locates a failure: a hop whose channel closed is named only
+        once the hop before it has computed the step (else that one's own report is awaited, so a
+        repair always has an upstream that holds the step), and after ``timeout_s`` of silence the
+        first hop that has not computed it is named. The deadline covers sending the step too: a
+        head that takes no more bytes for ``timeout_s`` is located the same way (part of the frame
+        may have gone out, so it is no ``ChannelUnavailable``)."""
         channels = [await self._channel(url) for url in urls]
         seq = next(self._seq)
         waiter = _Waiter(urls)

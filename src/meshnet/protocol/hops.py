@@ -98,18 +98,14 @@ class HopTransport(Protocol):
         the hops ``hop`` may name as failed (module docstring)."""
         ...
 
-    async def step(self, route: Sequence[str], request: HopRequest, *, timeout_s: float) -> HopAnswer | None:
-        """A decode step over the decode channel to the route of nodes at ``route`` (head first): the
-        tail's answer comes straight back. ``None``: a node of the route takes no channel (nothing was
-        sent: ``send`` it instead)."""
-        ...
-
     async def start_step(
         self, route: Sequence[str], request: HopRequest, *, timeout_s: float
     ) -> asyncio.Task[HopAnswer] | None:
-        """``step``, returning once the step is sent: the task that waits for the tail's answer (cancel
-        it when the answer is of no more use). A session's steps reach every hop in the order they
-        were started (pipelined speculation keeps several in flight)."""
+        """Send a decode step over the decode channel to the route of nodes at ``route`` (head first);
+        the task that waits for the tail's answer, which comes straight back (cancel it when the
+        answer is of no more use). ``None``: a node of the route takes no channel (nothing was sent:
+        ``send`` it instead). A session's steps reach every hop in the order they were started
+        (pipelined speculation keeps several in flight)."""
         ...
 
     async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> bool | None:
@@ -199,19 +195,6 @@ class HttpTransport:
             tail = downstream[-1] if downstream else hop
             raise HopFailed(f"the route's tail {tail} answered a malformed step ({exc})", failed_hop=tail) from None
 
-    async def step(self, route: Sequence[str], request: HopRequest, *, timeout_s: float) -> HopAnswer | None:
-        if self.channels is None:
-            return None
-        headers, body = http_binding.encode_step(request)
-        sid = request.session
-        try:
-            # no hop waits for another here, so no nesting: one hop timeout bounds the walk, as it
-            # bounds the innermost HTTP hop's wait for everything below it
-            return await self.channels.step(list(route), sid, verb=str(request.verb), headers=headers, body=body,
-                                            timeout_s=timeout_s, probe=self._probe(sid, timeout_s))  # fmt: skip
-        except ChannelUnavailable:
-            return None
-
     async def start_step(
         self, route: Sequence[str], request: HopRequest, *, timeout_s: float
     ) -> asyncio.Task[HopAnswer] | None:
@@ -220,6 +203,8 @@ class HttpTransport:
         headers, body = http_binding.encode_step(request)
         sid = request.session
         try:
+            # no hop waits for another here, so no nesting: one hop timeout bounds the walk, as it
+            # bounds the innermost HTTP hop's wait for everything below it
             return await self.channels.start(list(route), sid, verb=str(request.verb), headers=headers, body=body,
                                              timeout_s=timeout_s, probe=self._probe(sid, timeout_s))  # fmt: skip
         except ChannelUnavailable:
@@ -349,10 +334,6 @@ class LocalTransport:
                                downstream=downstream) from None  # fmt: skip
         assert answer is not None  # only a decode-channel step answers nothing
         return answer
-
-    async def step(self, route: Sequence[str], request: HopRequest, *, timeout_s: float) -> HopAnswer | None:
-        task = await self.start_step(route, request, timeout_s=timeout_s)
-        return None if task is None else await task
 
     async def start_step(
         self, route: Sequence[str], request: HopRequest, *, timeout_s: float
