@@ -250,6 +250,8 @@ def run() -> Section:
                     f"≤ {NODE_GOAL}",
                     rss / (files + kv) <= NODE_GOAL,
                 )
+        with meshnet_process([*up_args, "--speculative", "off"], ready_timeout_s=900) as up:
+            route_off_decode = _decode(up.url)  # the same swarm without drafts: what speculation costs or gains
         cold = _cold_swarm(root / "pub", root, shape, len(ranges), max(1, cores // len(ranges)))
     ratio, ratio_one = route_decode / serve_decode, route_decode / serve_one_decode
     section.add(f"serve decode ({cores} threads)", f"{serve_decode:.1f} tok/s")
@@ -259,6 +261,10 @@ def run() -> Section:
                 ratio >= 0.85)  # fmt: skip
     section.add("route decode ÷ serve decode, the same threads at a time (1)", f"{ratio_one:.3f}", "≥ 0.95",
                 ratio_one >= 0.95)  # fmt: skip
+    section.add(f"route decode, --speculative off ({cores} nodes of 1 thread)", f"{route_off_decode:.1f} tok/s")
+    spec = route_decode / route_off_decode
+    section.add("default speculation (ngram, pipelined) ÷ --speculative off, open-ended prompt", f"{spec:.3f}",
+                "≥ 1.0", spec >= 1.0)  # fmt: skip
     _cold_rows(section, cold)
     section.notes.append(
         "A node's files are the shard GGUF of its range and a head's embedding table (read, not mapped). "
