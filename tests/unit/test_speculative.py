@@ -70,7 +70,14 @@ def test_drafts_are_sent_only_where_the_route_s_walk_makes_them_pay():
         cpu.observe(size, seconds)
     drafter = PromptLookup(8, cpu)
     drafter.extend(text)
-    assert len(drafter.propose(100)) == 8  # the text's first match
+    # the route already walked 9 positions: even the first match is sized by it, with the prior
+    # acceptance (0.8), and here that pays less than a plain step (a real model on a CPU)
+    assert drafter.propose(100) == []
+    unmeasured = WalkCosts()
+    unmeasured.observe(1, 0.010)
+    first = PromptLookup(8, unmeasured)
+    first.extend(text)
+    assert len(first.propose(100)) == 8  # never walked 9: verified in full, which measures it
     for _ in range(5):
         drafter.record(4, 0)
     assert drafter.acceptance < 0.5 and drafter.propose(100) == []

@@ -26,7 +26,10 @@ is kept with probability ``q``, independently: a chunk of ``d`` drafts yields ``
 tokens per second. A size never measured is assumed to cost what the nearest measured sizes
 suggest (linear between them, flat beyond), and a generation's first match is always verified in
 full, so drafting is tried, measured and then kept only where it pays: on a WAN nearly always, on
-loopback only for text that repeats.
+loopback only for text that repeats. A route that already walked a chunk of that size (the costs are
+per route, kept across generations) sizes even a generation's first chunk by them, with the prior
+acceptance: a real model on a CPU, where a chunk of 13 positions costs about 12 steps, is not
+made to verify a dozen drafts at the start of every generation.
 
 Pipelined speculation (the route engine's ``_chain``): more rounds go out before the verdict on the
 one in flight, each continuing the drafts as if all were kept (``Drafter.continuation``), while
@@ -76,6 +79,11 @@ class WalkCosts:
         with self._lock:
             known = dict(self._seconds)
         return _interpolate(known, positions)
+
+    def measured(self, positions: int) -> bool:
+        """Whether a walk of exactly ``positions`` was measured on this route."""
+        with self._lock:
+            return positions in self._seconds
 
     def compute(self, positions: int) -> float | None:
         """The hops' compute of a walk of ``positions``, estimated as ``estimate`` is."""
@@ -156,8 +164,10 @@ class Drafter:
         """The drafts worth sending now: the candidates, cut to the length that the route's walk
         costs and the acceptance so far make the fastest (possibly none)."""
         found = self.candidates(limit)
-        if not found or not self._verifies:  # this text's first draft is verified in full: it measures q
+        if not found:
             return found
+        if not self._verifies and not self.costs.measured(len(found) + 1):
+            return found  # the route never walked this many: verify them in full, which measures the walk and q
         return found[: self.costs.best_drafts(len(found), self.acceptance)]
 
     def record(self, drafted: int, accepted: int) -> None:
