@@ -617,8 +617,8 @@ class RouteEngine:
         chance that every draft before it is kept, by the generation's measured acceptance, against
         what a walk costs beyond its compute). A rejection voids the rounds after it (``_take_round``)."""
         plan = run.plan
-        if self.pipeline_rounds < 2 or run.audited or run.grammar:
-            return
+        if self.pipeline_rounds < 2 or run.audited or run.grammar or len(run.rounds[0].chunk) < 2:
+            return  # (a first round without drafts: drafting does not pay on this route now)
         costs = self._walk_costs(plan)
         per_round = min(self.draft_tokens, *(h.max_verify for h in plan.hops)) + 1
         while len(run.rounds) < self.pipeline_rounds:
@@ -633,6 +633,7 @@ class RouteEngine:
                 chunk = await asyncio.to_thread(drafter.continuation, text, limit)
             else:
                 chunk = drafter.continuation(text, limit)
+            chunk = chunk[: 1 + costs.best_drafts(len(chunk) - 1, drafter.acceptance)]  # the guess, the drafts that pay
             if not chunk or not await self._start_round(run, last.end, chunk, guess=True):
                 return
 
