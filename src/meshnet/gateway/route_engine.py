@@ -615,7 +615,9 @@ class RouteEngine:
         """Pipelined speculation: send more rounds, each continuing the drafts of the rounds in flight
         as if they were all kept, while one more pays on this route (``WalkCosts.chain_pays``: the
         chance that every draft before it is kept, by the generation's measured acceptance, against
-        what a walk costs beyond its compute). A rejection voids the rounds after it (``_take_round``)."""
+        what it saves, a walk less one hop's share of the compute, and wastes when void, that share).
+        Each is cut to the drafts that pay, as a first round is. A rejection voids the rounds after
+        it (``_take_round``)."""
         plan = run.plan
         if self.pipeline_rounds < 2 or run.audited or run.grammar or len(run.rounds[0].chunk) < 2:
             return  # (a first round without drafts: drafting does not pay on this route now)
