@@ -70,16 +70,7 @@ def test_drafts_are_sent_only_where_the_route_s_walk_makes_them_pay():
         cpu.observe(size, seconds)
     drafter = PromptLookup(8, cpu)
     drafter.extend(text)
-    # the route already walked 9 positions: even the first match is sized by it, with the prior
-    # acceptance (0.8); here that pays less than a plain step (a real model on a CPU), so only a
-    # probe of 2 drafts learns this text's own acceptance
-    assert len(drafter.propose(100)) == 2
-    drafter.record(2, 0)
-    unmeasured = WalkCosts()
-    unmeasured.observe(1, 0.010)
-    first = PromptLookup(8, unmeasured)
-    first.extend(text)
-    assert len(first.propose(100)) == 8  # never walked 9: verified in full, which measures it
+    assert len(drafter.propose(100)) == 8  # the text's first match
     for _ in range(5):
         drafter.record(4, 0)
     assert drafter.acceptance < 0.5 and drafter.propose(100) == []
@@ -89,7 +80,7 @@ def test_drafts_are_sent_only_where_the_route_s_walk_makes_them_pay():
     for _ in range(20):
         drafter.record(8, 8)
     assert drafter.acceptance > 0.9 and len(drafter.propose(100)) == 8
-    assert (drafter.drafted, drafter.accepted) == (182, 160)
+    assert (drafter.drafted, drafter.accepted) == (180, 160)
 
 
 @pytest.mark.parametrize("kwargs", [{"k": 0}, {"k": 4, "min_ngram": 0}, {"k": 4, "max_ngram": 1, "min_ngram": 2}])

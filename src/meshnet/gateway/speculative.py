@@ -26,11 +26,7 @@ is kept with probability ``q``, independently: a chunk of ``d`` drafts yields ``
 tokens per second. A size never measured is assumed to cost what the nearest measured sizes
 suggest (linear between them, flat beyond), and a generation's first match is always verified in
 full, so drafting is tried, measured and then kept only where it pays: on a WAN nearly always, on
-loopback only for text that repeats. A route that already walked a chunk of that size (the costs are
-per route, kept across generations) sizes even a generation's first chunk by them, with the prior
-acceptance, and at least a probe of two drafts to learn the text's own: a real model on a CPU,
-where a chunk of 13 positions costs about 12 steps, is not made to verify a dozen drafts at the
-start of every generation.
+loopback only for text that repeats.
 
 Pipelined speculation (the route engine's ``_chain``): more rounds go out before the verdict on the
 one in flight, each continuing the drafts as if all were kept (``Drafter.continuation``), while
@@ -54,9 +50,6 @@ _EMA = 0.25  # weight of a new walk-time measurement
 # optimistic prior of 4 kept drafts to 1 rejection (q = 0.8 with no evidence).
 _FADE = 0.97
 _PRIOR_KEPT, _PRIOR_REJECTED = 4.0, 1.0
-# a generation's first chunk on a route whose costs say the prior does not pay: this many drafts, to
-# learn the text's own acceptance (else a copy-heavy text would never draft)
-_PROBE = 2
 
 
 class WalkCosts:
@@ -83,11 +76,6 @@ class WalkCosts:
         with self._lock:
             known = dict(self._seconds)
         return _interpolate(known, positions)
-
-    def measured(self, positions: int) -> bool:
-        """Whether a walk of exactly ``positions`` was measured on this route."""
-        with self._lock:
-            return positions in self._seconds
 
     def compute(self, positions: int) -> float | None:
         """The hops' compute of a walk of ``positions``, estimated as ``estimate`` is."""
@@ -170,12 +158,9 @@ class Drafter:
         found = self.candidates(limit)
         if not found:
             return found
-        if not self._verifies and not self.costs.measured(len(found) + 1):
-            return found  # the route never walked this many: verify them in full, which measures the walk and q
-        best = self.costs.best_drafts(len(found), self.acceptance)
-        if not self._verifies:  # this text's acceptance is unknown: at least a small probe measures it
-            best = max(best, min(len(found), _PROBE))
-        return found[:best]
+        if not self._verifies:  # this text's first draft is verified in full: it measures q
+            return found
+        return found[: self.costs.best_drafts(len(found), self.acceptance)]
 
     def record(self, drafted: int, accepted: int) -> None:
         """The route kept ``accepted`` of ``drafted`` drafts."""
