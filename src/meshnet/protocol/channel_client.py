@@ -36,7 +36,7 @@ from meshnet.errors import BadGateway, HopFailed, InvalidRequest, hop_error
 from meshnet.protocol.channel import MAX_HEADER_BYTES, ChannelFrame, Kind, decode_frame, read_token, step_frame, ws_url
 from meshnet.protocol.messages import HopAnswer
 
-__all__ = ["ChannelUnavailable", "Channels", "Probe"]
+__all__ = ["ChannelUnavailable", "Channels", "Probe", "silent_hop"]
 
 log = logging.getLogger("meshnet.gateway")
 
@@ -223,7 +223,7 @@ class Channels:
                 async with asyncio.timeout_at(deadline):
                     await channels[0].send(frame)
             except TimeoutError:
-                raise await _silent(urls, seq, timeout_s, probe) from None
+                raise await silent_hop(urls, seq, timeout_s, probe) from None
         except BaseException:
             self._waiters.pop(key, None)
             raise
@@ -240,7 +240,7 @@ class Channels:
                     async with asyncio.timeout_at(deadline):
                         item = await waiter.box.get()
                 except TimeoutError:
-                    raise await _silent(urls, seq, timeout_s, probe) from None
+                    raise await silent_hop(urls, seq, timeout_s, probe) from None
                 if isinstance(item, _Closed):
                     at = urls.index(item.url)
                     if at > 0 and await probe(urls[at - 1], seq) is not True:
@@ -274,7 +274,7 @@ class Channels:
         await asyncio.gather(*(channel.close() for channel in channels))
 
 
-async def _silent(urls: Sequence[str], seq: int, timeout_s: float, probe: Probe) -> HopFailed:
+async def silent_hop(urls: Sequence[str], seq: int, timeout_s: float, probe: Probe) -> HopFailed:
     """A step that heard nothing within ``timeout_s``, located: the first hop that has not computed
     it failed (the tail when every hop says it has: it computed the step and never answered)."""
     failed = urls[-1]

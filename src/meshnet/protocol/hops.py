@@ -34,7 +34,7 @@ from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
 from meshnet.protocol.channel import Direct
-from meshnet.protocol.channel_client import Channels, ChannelUnavailable, Probe
+from meshnet.protocol.channel_client import Channels, ChannelUnavailable, Probe, silent_hop
 from meshnet.protocol.ledger import parse_chunks
 from meshnet.protocol.messages import (
     HopAnswer,
@@ -47,7 +47,7 @@ from meshnet.protocol.messages import (
 )
 from meshnet.protocol.wire import TensorFrame, parse_shape
 
-__all__ = ["HopTransport", "HttpTransport", "LocalHop", "LocalTransport", "Sendable", "acknowledged"]
+__all__ = ["HopTransport", "HttpTransport", "LocalHop", "LocalTransport", "Sendable", "acknowledged", "seq_probe"]
 
 Sendable = HopRequest | PrefixRequest | RerouteRequest | RestoreRequest
 _RETRIED = frozenset({408, 409, 425, 429})
@@ -142,6 +142,20 @@ class HopTransport(Protocol):
     async def aclose(self) -> None: ...
 
 
+def seq_probe(hops: HopTransport, sid: SessionId, timeout_s: float) -> Probe:
+    """Whether the node at a URL computed a decode-channel step of session ``sid``: it or a later step
+    of the session (a hop takes a session's steps in order); ``None`` when it cannot say."""
+
+    async def probe(url: str, seq: int) -> bool | None:
+        held = await hops.state(url, sid, timeout_s=min(5.0, timeout_s))
+        if held is None:
+            return None
+        newest = held.get("seq")
+        return isinstance(newest, int) and not isinstance(newest, bool) and newest >= seq
+
+    return probe
+
+
 def _prefix(downstream: Sequence[str] | None) -> str:
     return "next hop" if downstream is None else "node"
 
@@ -206,21 +220,9 @@ class HttpTransport:
             # no hop waits for another here, so no nesting: one hop timeout bounds the walk, as it
             # bounds the innermost HTTP hop's wait for everything below it
             return await self.channels.start(list(route), sid, verb=str(request.verb), headers=headers, body=body,
-                                             timeout_s=timeout_s, probe=self._probe(sid, timeout_s))  # fmt: skip
+                                             timeout_s=timeout_s, probe=seq_probe(self, sid, timeout_s))  # fmt: skip
         except ChannelUnavailable:
             return None
-
-    def _probe(self, sid: SessionId, timeout_s: float) -> Probe:
-        async def probe(url: str, seq: int) -> bool | None:
-            """Whether the node at ``url`` computed step ``seq``: it or a later step of the session (its
-            steps reach it in order)."""
-            held = await self.state(url, sid, timeout_s=min(5.0, timeout_s))
-            newest = None if held is None else held.get("seq")
-            if held is None:
-                return None
-            return isinstance(newest, int) and not isinstance(newest, bool) and newest >= seq
-
-        return probe
 
     async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> bool | None:
         headers = {} if ticket is None else {H.TICKET: ticket}
@@ -412,15 +414,7 @@ class LocalTransport:
         try:
             return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
         except TimeoutError:
-            failed = urls[-1]  # the first hop that has not computed the step (every hop has: the tail)
-            for url in urls:
-                held = await self.state(url, session, timeout_s=timeout_s)
-                newest = None if held is None else held.get("seq")
-                if not (isinstance(newest, int) and newest >= seq):
-                    failed = url
-                    break
-            raise HopFailed(f"Timeout: node {failed} did not pass step {seq} on within {timeout_s:.0f} s",
-                            failed_hop=failed) from None  # fmt: skip
+            raise await silent_hop(urls, seq, timeout_s, seq_probe(self, session, timeout_s)) from None
         finally:
             self._waiting.pop(seq, None)
 
