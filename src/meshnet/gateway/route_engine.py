@@ -593,23 +593,27 @@ class RouteEngine:
 
     async def _start_round(self, run: _Run, start: int, chunk: list[int], *, guess: bool) -> bool:
         """Send ``chunk`` at ``start`` over the decode channel; False: a hop takes no channel (nothing sent)."""
-        plan = run.plan
-        request = HopRequest(
-            Verb.VERIFY if len(chunk) > 1 else Verb.DECODE, plan.session_id, start, len(chunk), _ids_payload(chunk),
-            model=self.info.model_id, route_id=plan.route_id, drafts=tuple(chunk[1:]), rewind=run.surplus,
-            guess=chunk[0] if guess else None,
-        )  # fmt: skip
+        request = self._step_request(run, start, chunk, guess=guess)
         # no hop waits for another on the channel, so no nesting: one hop timeout bounds the walk
-        task = await self.hops.start_step([h.url for h in plan.hops], request, timeout_s=self.timeout_s)
+        task = await self.hops.start_step([h.url for h in run.plan.hops], request, timeout_s=self.timeout_s)
         if task is None:
             return False
-        run.surplus = False
-        for token in chunk:  # a verify chunk's positions compute as one-position steps (ShardInfo)
-            run.add([token])
+        _sent(run, chunk)
         now = time.monotonic()
         run.pipelined = run.pipelined or guess
         run.rounds.append(_Round(start, chunk, guess, task, now, alone=not run.rounds))
         return True
+
+    def _step_request(self, run: _Run, start: int, chunk: list[int], *, guess: bool = False) -> HopRequest:
+        """A decode step for ``chunk[0]`` at ``start`` (a verify chunk with the drafts after it; ``guess``:
+        a pipelined round, its first token a draft too), telling the hops to drop what they hold past
+        ``start`` when the route holds rejected drafts (``run.surplus``)."""
+        plan = run.plan
+        return HopRequest(
+            Verb.VERIFY if len(chunk) > 1 else Verb.DECODE, plan.session_id, start, len(chunk), _ids_payload(chunk),
+            model=self.info.model_id, route_id=plan.route_id, drafts=tuple(chunk[1:]), rewind=run.surplus,
+            guess=chunk[0] if guess else None,
+        )  # fmt: skip
 
     async def _chain(self, run: _Run, tokens: list[int], drafter: Drafter) -> None:
         """Pipelined speculation: send more rounds, each continuing the drafts of the rounds in flight
@@ -701,13 +705,8 @@ class RouteEngine:
         ``drafts`` after it) over HTTP, hop by hop (a hop of the route takes no decode channel)."""
         position = len(tokens) - 1
         chunk = [tokens[-1], *drafts]
-        for token in chunk:  # a verify chunk's positions compute as one-position steps (ShardInfo)
-            run.add([token])
-        request = HopRequest(
-            Verb.VERIFY if drafts else Verb.DECODE, run.plan.session_id, position, len(chunk), _ids_payload(chunk),
-            model=self.info.model_id, route_id=run.plan.route_id, drafts=tuple(drafts), rewind=run.surplus,
-        )  # fmt: skip
-        run.surplus = False
+        request = self._step_request(run, position, chunk)
+        _sent(run, chunk)
         began = time.monotonic()
         try:
             answer = self._check_tokens(await self._send(run.plan, request), run)
@@ -716,8 +715,9 @@ class RouteEngine:
             run.ledger.rewind(position + 1)  # the repair resends the step without its drafts
             return await self._recover(run, tokens, failure, cancel)
         took = _since(began)
-        self._walk_costs(run.plan).observe(len(chunk), took)
-        self._walk_costs(run.plan).observe_compute(len(chunk), sum(_hop_ms(answer)) / 1000)
+        costs = self._walk_costs(run.plan)
+        costs.observe(len(chunk), took)
+        costs.observe_compute(len(chunk), sum(_hop_ms(answer)) / 1000)
         run.usage.decoded(took)  # the tracker checks the route's advertised speeds by it
         kept = _kept(answer, position, len(chunk))
         run.ledger.rewind(kept)
@@ -1127,6 +1127,13 @@ def _keep_answer(run: _Run, answer: Sampled, position: int) -> None:
     assert claim is not None
     for at in positions:
         run.answers[at] = (answer.hops[-1], claim)
+
+
+def _sent(run: _Run, chunk: Sequence[int]) -> None:
+    """A step of ``chunk`` went out: its positions join the ledger, and the rewind it carried is done."""
+    run.surplus = False
+    for token in chunk:  # a verify chunk's positions compute as one-position steps (ShardInfo)
+        run.add([token])
 
 
 def _consume(task: asyncio.Task[Any]) -> None:
