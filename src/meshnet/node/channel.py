@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import secrets
 import ssl
@@ -37,6 +36,7 @@ from meshnet.protocol.channel import (
     MAX_HEADER_BYTES,
     ChannelFrame,
     Direct,
+    InOrder,
     Kind,
     decode_frame,
     encode_frame,
@@ -84,7 +84,7 @@ async def serve(
     peer = Peer(websocket)
     peers[channel_id] = peer
     tasks: set[asyncio.Task[None]] = set()
-    newest: dict[str, asyncio.Task[None]] = {}  # session -> its newest step: the next one waits for it
+    in_order: InOrder[str] = InOrder()  # a session's steps, one after another
     try:
         await peer.send(encode_frame(Kind.HELLO, {"channel": channel_id, "node": node_id, "version": 1}))
         while True:
@@ -100,13 +100,10 @@ async def serve(
             except InvalidRequest as exc:
                 frame = exc
             session = step_ids(frame)[0] if not isinstance(frame, InvalidRequest) else None
-            before = newest.get(session) if session is not None else None
-            task = asyncio.create_task(_one_step(frame, peer, peers, max_body_bytes, on_step, after=before))
+            step = _one_step(frame, peer, peers, max_body_bytes, on_step)
+            task = asyncio.create_task(step) if session is None else in_order.start(session, step)
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-            if session is not None:
-                newest[session] = task
-                task.add_done_callback(functools.partial(_forget, newest, session))
     except WebSocketDisconnect:
         pass
     finally:
@@ -114,20 +111,12 @@ async def serve(
         # steps already taken run to the end: their reports go to their own return channels
 
 
-def _forget(newest: dict[str, asyncio.Task[None]], session: str, done: asyncio.Task[None]) -> None:
-    if newest.get(session) is done:
-        del newest[session]
-
-
 async def _one_step(
-    frame: ChannelFrame | InvalidRequest, peer: Peer, peers: dict[str, Peer], max_body: int, on_step: StepHandler,
-    *, after: asyncio.Task[None] | None = None,
-) -> None:  # fmt: skip
+    frame: ChannelFrame | InvalidRequest, peer: Peer, peers: dict[str, Peer], max_body: int, on_step: StepHandler
+) -> None:
     session: str | None = None
     seq: int | None = None
     reply = peer
-    if after is not None:
-        await asyncio.wait([after])  # the session's step before this one, however it ended
     try:
         if isinstance(frame, InvalidRequest):
             raise frame

@@ -22,17 +22,21 @@ sends, so nothing large is ever parsed as JSON. Kinds:
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, TypeGuard
+from typing import Any, Generic, TypeGuard, TypeVar
 
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.httputil import error_body
 from meshnet.protocol import http_binding
 from meshnet.protocol.messages import HopAnswer, HopRequest, answer_from_json
+
+K = TypeVar("K")
 
 __all__ = [
     "CHANNEL_PATH",
@@ -40,6 +44,7 @@ __all__ = [
     "VERSION",
     "ChannelFrame",
     "Direct",
+    "InOrder",
     "Kind",
     "Step",
     "decode_frame",
@@ -93,6 +98,31 @@ class Direct:
 
     def onward(self, me: dict[str, Any]) -> Direct:
         return Direct(self.seq, self.returns[1:], (*self.hops, me))
+
+
+class InOrder(Generic[K]):
+    """Steps that run one after another per key (a session, on one channel or hop), each after the
+    one before it has ended however it ended, and beside the steps of other keys."""
+
+    def __init__(self) -> None:
+        self._newest: dict[K, asyncio.Task[None]] = {}
+
+    def start(self, key: K, step: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``step`` once the key's step before it has ended; its task."""
+        task = asyncio.ensure_future(_after(self._newest.get(key), step))
+        self._newest[key] = task
+        task.add_done_callback(functools.partial(self._forget, key))
+        return task
+
+    def _forget(self, key: K, done: asyncio.Task[None]) -> None:
+        if self._newest.get(key) is done:
+            del self._newest[key]
+
+
+async def _after(before: asyncio.Task[None] | None, step: Coroutine[Any, Any, None]) -> None:
+    if before is not None:
+        await asyncio.wait([before])
+    await step
 
 
 def decode_frame(data: bytes) -> ChannelFrame:

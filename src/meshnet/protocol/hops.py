@@ -33,7 +33,7 @@ from meshnet.httputil import error_field, error_message
 from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
-from meshnet.protocol.channel import Direct
+from meshnet.protocol.channel import Direct, InOrder
 from meshnet.protocol.channel_client import Channels, ChannelUnavailable, Probe, silent_hop
 from meshnet.protocol.ledger import parse_chunks
 from meshnet.protocol.messages import (
@@ -301,7 +301,7 @@ class LocalTransport:
         self.channels = channels
         self._seq = itertools.count()
         self._waiting: dict[int, tuple[tuple[str, ...], asyncio.Future[HopAnswer]]] = {}
-        self._newest: dict[tuple[str, str], asyncio.Task[None]] = {}  # (hop, session) -> its newest step
+        self._in_order: InOrder[tuple[str, str]] = InOrder()  # (hop, session): its steps one after another
         self._steps: set[asyncio.Task[None]] = set()
 
     def add(self, url: str, service: LocalHop) -> None:
@@ -357,21 +357,11 @@ class LocalTransport:
         self._dispatch(hop, request, direct)
 
     def _dispatch(self, hop: str, request: HopRequest, direct: Direct) -> None:
-        key = (hop, request.session)
-        task = asyncio.ensure_future(self._run_step(hop, request, direct, self._newest.get(key)))
-        self._newest[key] = task
+        task = self._in_order.start((hop, request.session), self._run_step(hop, request, direct))
         self._steps.add(task)
+        task.add_done_callback(self._steps.discard)
 
-        def done(finished: asyncio.Task[None]) -> None:
-            self._steps.discard(finished)
-            if self._newest.get(key) is finished:
-                del self._newest[key]
-
-        task.add_done_callback(done)
-
-    async def _run_step(self, hop: str, request: HopRequest, direct: Direct, before: asyncio.Task[None] | None) -> None:
-        if before is not None:
-            await asyncio.wait([before])
+    async def _run_step(self, hop: str, request: HopRequest, direct: Direct) -> None:
         service = self.services.get(hop)
         if service is None:  # its channel closed: the caller learns it from its own channel to the hop
             waiting = self._waiting.get(direct.seq)
