@@ -9,12 +9,14 @@ bans a token, 100 all but forces it) is part of the parameters every tail receiv
 survives a repair too.
 
 Speculative decoding (``Sampler.verify``): the tail gets the logits of a drafted chunk and keeps
-the longest prefix of the drafts the model agrees with, plus one token of its own. Greedy keeps a
-draft when it is the argmax, so the text is exactly the text without drafts. Sampled decoding uses
-speculative sampling's acceptance rule for a deterministic drafter (the draft distribution puts all
-mass on the drafted token): keep draft ``d`` with probability ``p(d)``; on a rejection draw from
-``p`` with ``d`` removed. Every kept token is then distributed exactly as ``p`` (the distribution
-``sample`` draws from), so speculation never changes what the user samples from.
+the longest prefix of the drafts the model agrees with, plus one token of its own. Every row draws
+its token exactly as ``sample`` would at that position (the same seed, position and stream), and a
+draft is kept when it is that token. For a deterministic drafter (the draft distribution puts all
+mass on the drafted token) this *is* speculative sampling's rule: draft ``d`` is kept with
+probability ``p(d)``, and on a rejection the token is distributed as ``p`` with ``d`` removed. It
+also makes a seeded request's text the text without drafts, however the drafts were cut into
+rounds (the gateway sizes them by measured costs, which differ from run to run): speculation
+changes neither what the user samples from nor, seeded, what they get.
 
 A draw can be checked by someone without the logits (``Draw``, ``check_draw``): ``sample_committed``
 also returns the distribution the draw used — its first ``COMMITTED`` candidates, most likely first,
@@ -260,10 +262,7 @@ class Sampler:
     def sample(self, logits: Logits, position: int | None = None) -> tuple[int, float]:
         """Return ``(token_id, logprob)`` for the token at ``position``; the logprob is the model's (before
         temperature). A seeded draw at a known position is a function of the seed and the position alone."""
-        biased = self._biased(logits, self.generated)
-        token = self._choose(biased, position)
-        if self.grammar is not None and not self.grammar.allows(token):
-            token = self._constrained(biased, position)[0]
+        token = self._pick(self._biased(logits, self.generated), position)
         return token, _logprob(logits, token)
 
     def sample_committed(self, logits: Logits, position: int | None = None) -> tuple[int, float, Draw]:
@@ -298,15 +297,7 @@ class Sampler:
         counts = collections.Counter(self.generated)  # each row sees the drafts kept before it
         for i, row in enumerate(logits):
             draft = drafts[i] if i < len(drafts) else None
-            biased = self._biased(row, counts)
-            if self.grammar is None:
-                token = self._check(biased, draft, position + i)
-            elif self.params.greedy:
-                token = self._choose(biased, position + i)
-                if not self.grammar.allows(token):
-                    token = self.grammar.best(biased)
-            else:
-                token = self._check(self.grammar.mask(biased), draft, position + i)
+            token = self._pick(self._biased(row, counts), position + i)
             tokens.append(token)
             counts[token] += 1
             if self.grammar is not None:
@@ -315,20 +306,13 @@ class Sampler:
                 break
         return tokens, [_logprob(logits[i], t) for i, t in enumerate(tokens)]
 
-    def _check(self, logits: Logits, draft: int | None, position: int) -> int:
-        """The token at ``position``: ``draft`` if kept (greedy: it is the argmax; sampled: with
-        probability p(draft)), else a draw from the target distribution without it."""
-        if self.params.greedy or draft is None:
-            return self._choose(logits, position)
-        candidates, probs = self._distribution(logits)
-        where = np.flatnonzero(candidates == draft)
-        p_draft = float(probs[where[0]]) if where.size else 0.0
-        if self._rng_for(position, 1).random() < p_draft:
-            return draft
-        rest = probs.copy()
-        rest[where] = 0.0  # p(draft) < 1 here, so some mass is left
-        rest /= rest.sum()
-        return int(candidates[self._rng_for(position, 2).choice(rest.shape[0], p=rest)])
+    def _pick(self, biased: Logits, position: int | None) -> int:
+        """The token at ``position`` from the biased logits: the draw (stream 0), or the grammar's
+        choice where it refuses that one."""
+        token = self._choose(biased, position)
+        if self.grammar is not None and not self.grammar.allows(token):
+            token = self._constrained(biased, position)[0]
+        return token
 
     def _rng_for(self, position: int | None, stream: int = 0) -> np.random.Generator:
         """A seeded draw is a function of the seed, the position and what it is for (``stream``)."""

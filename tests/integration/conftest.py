@@ -21,9 +21,12 @@ def server() -> Iterator[Proc]:
 @pytest.fixture(scope="session")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     """``meshnet up``: tracker + 3 llama.cpp nodes + gateway, shared by the modules that only send requests.
-    Eight sessions at once: the concurrent-streams test runs eight through every node's batches."""
+    Eight sessions at once: the concurrent-streams test runs eight through every node's batches.
+    ``--draft-min 2``: every step the prompt lookup finds drafts for sends at least two, so every
+    test whose text repeats also checks verify chunks against serve (by measured costs alone, on a
+    loaded 2-core machine a chunk rarely pays, so whether one goes would be a matter of timing)."""
     workdir = tmp_path_factory.mktemp("swarm")
-    with local_swarm(workdir, "--max-sessions", "8") as proc:
+    with local_swarm(workdir, "--max-sessions", "8", "--draft-min", "2") as proc:
         yield proc
 
 

@@ -2,7 +2,8 @@
 several verify rounds in flight, each sent before the verdict on the one before it.
 
 The engine chains rounds only while ``WalkCosts.chain_pays`` says a round pays on the route's
-measured costs; these tests force it (``always_chain``) to drive the machinery — voiding rounds
+measured costs, and cuts every round to the drafts that pay; these tests force both (``always_chain``:
+every round chains and carries all its drafts) to drive the machinery — voiding rounds
 after a rejection, rewinding every hop, repairing with rounds in flight — and test the policy on
 its own at the end.
 """
@@ -19,7 +20,7 @@ import pytest
 
 from meshnet.backends.base import EngineStep, RouteChange, TokenStep
 from meshnet.backends.fake_shard import VOCAB
-from meshnet.cli.main import _build_parser
+from meshnet.cli.main import _build_parser, main
 from meshnet.gateway.speculative import WalkCosts
 from meshnet.protocol.messages import HopRequest
 from meshnet.sampling import SamplingParams
@@ -38,6 +39,7 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
 @pytest.fixture
 def always_chain(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(WalkCosts, "chain_pays", lambda self, positions, kept, hops: True)
+    monkeypatch.setattr(WalkCosts, "best_drafts", lambda self, available, q, explore=False: available)
 
 
 class RareOracle:
@@ -199,10 +201,12 @@ def _sampled(swarm: LocalSwarm, *, speculative: bool, seeds: range, n: int) -> l
 
 @pytest.mark.usefixtures("always_chain")
 def test_sampled_text_with_pipelined_speculation_is_distributed_as_without(tmp_path: Path) -> None:
-    """Speculative sampling — a draft kept with the probability the model gives it, a rejection drawn
-    from the rest, a pipelined round's guess kept only if it is the token the tail drew — leaves every
-    token distributed as plain sampling does. The fake model puts logit 10 on one token and 0 on the
-    49 others, so at temperature 2 that token comes with probability e^5 / (e^5 + 49) exactly."""
+    """Speculative sampling — the tail draws each row as plain sampling would and keeps a draft that is
+    the token drawn, so a draft is kept with the probability the model gives it and a rejection is
+    drawn from the rest; a pipelined round's guess is kept only if it is the token the tail drew —
+    leaves every token distributed as plain sampling does, and a seeded text exactly as it was. The
+    fake model puts logit 10 on one token and 0 on the 49 others, so at temperature 2 that token
+    comes with probability e^5 / (e^5 + 49) exactly."""
     p_mode = math.exp(5) / (math.exp(5) + VOCAB - 1)
     seeds = range(150)
     runs = {}
@@ -232,7 +236,7 @@ def test_sampled_text_with_pipelined_speculation_is_distributed_as_without(tmp_p
         expected = (total - hits) / (VOCAB - 1)
         stat = sum((others[d] - expected) ** 2 / expected for d in range(1, VOCAB))
         assert stat < 85.0, (speculative, stat)
-    assert runs[False] != runs[True]  # the same seeds draw through other streams when drafts are checked
+    assert runs[False] == runs[True]  # seeded: each position draws the same, drafted or not
 
 
 @pytest.mark.parametrize("command", ["gateway", "up"])
@@ -248,19 +252,35 @@ def test_the_speculation_flags_take_a_whole_number_of_at_least_one(
         assert exited.value.code == 2 and flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["gateway", "up"])
+def test_draft_min_is_a_whole_number_no_more_than_draft_tokens(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = [command, "--tracker", "http://127.0.0.1:1"] if command == "gateway" else [command]
+    assert _build_parser().parse_args(base).draft_min == 0
+    assert _build_parser().parse_args([*base, "--draft-min", "3"]).draft_min == 3
+    for bad in ("-1", "x"):
+        with pytest.raises(SystemExit) as exited:
+            _build_parser().parse_args([*base, "--draft-min", bad])
+        assert exited.value.code == 2 and "--draft-min" in capsys.readouterr().err
+    try:
+        code = main([*base, "--draft-min", "5", "--draft-tokens", "4"])
+    except SystemExit as exited:
+        code = exited.code
+    assert code == 2 and "--draft-min 5 is more than --draft-tokens 4" in capsys.readouterr().err
+
+
 def test_a_round_is_chained_only_when_its_expected_saving_beats_its_expected_waste() -> None:
     """A round sent early saves a walk less one hop's share of the compute when it is of use, and
     costs that share when it is void."""
     costs = WalkCosts()
     assert not costs.chain_pays(4, 0.99, 3)  # nothing measured: a synchronous round measures first
-    costs.observe(4, 0.100)  # a WAN walk: 100 ms, of it 30 ms compute on 3 hops (10 ms each)
-    costs.observe_compute(4, 0.030)
+    costs.observe(4, 0.030, 0.100)  # a WAN walk: 100 ms, of it 30 ms compute on 3 hops (10 ms each)
     assert costs.chain_pays(4, 0.5, 3)
     assert costs.chain_pays(4, 0.15, 3)  # 0.15 x 90 > 0.85 x 10
     assert not costs.chain_pays(4, 0.05, 3)
     loopback = WalkCosts()  # loopback: the walk is nearly all compute, 20 of 22 ms on 2 hops
-    loopback.observe(4, 0.022)
-    loopback.observe_compute(4, 0.020)
+    loopback.observe(4, 0.020, 0.022)
     assert not loopback.chain_pays(4, 0.4, 2)  # 0.4 x 12 < 0.6 x 10
     assert loopback.chain_pays(4, 0.6, 2)
     assert not loopback.chain_pays(4, 0.6, 0)

@@ -273,6 +273,33 @@ def test_seeded_verify_is_reproducible_and_rows_must_match_the_drafts():
         Sampler(params).verify(rows, [1, 2], position=20)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_a_seeded_text_is_the_same_however_its_drafts_are_cut_into_rounds(seed: int):
+    """Each row draws exactly what plain sampling draws at its position, so a seeded text does not
+    depend on which positions were drafted (the gateway cuts rounds by measured costs)."""
+    rng = np.random.default_rng(seed)
+    rows = rng.normal(0.0, 1.5, (12, 10)).astype(np.float32)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=seed, frequency_penalty=0.3)
+    plain = Sampler(params)
+    want = []
+    for i, row in enumerate(rows):
+        token = plain.sample(row, position=30 + i)[0]
+        want.append(token)
+        plain.advance(token)
+    # drafts right and wrong at random, in rounds of random sizes, with the step's own token first
+    got: list[int] = []
+    sampler = Sampler(params)
+    while len(got) < len(rows):
+        size = int(rng.integers(1, len(rows) - len(got) + 1))
+        drafts = [w if rng.random() < 0.7 else int(rng.integers(0, 10)) for w in want[len(got) + 1 : len(got) + size]]
+        at = len(got)
+        tokens, _ = sampler.verify(rows[at : at + len(drafts) + 1], drafts, position=30 + at)
+        got += tokens
+        for token in tokens:
+            sampler.advance(token)
+    assert got[: len(rows)] == want
+
+
 def test_alternatives_are_the_most_likely_tokens_under_the_model():
     logits = _logits(4)
     sampler = Sampler(SamplingParams(temperature=0.7, top_logprobs=3, logit_bias=((0, -100.0),)))

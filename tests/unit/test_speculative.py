@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from meshnet.gateway.speculative import ModelDraft, PromptLookup, WalkCosts
+from meshnet.gateway.speculative import PROBE_DRAFTS, ModelDraft, PromptLookup, WalkCosts
 
 
 def test_a_repeated_ngram_offers_what_followed_it_last_time():
@@ -34,30 +34,78 @@ def test_too_short_or_unrepeated_text_drafts_nothing():
     assert drafter.candidates(0) == []
 
 
-def test_walk_costs_interpolate_between_measured_sizes_and_stay_flat_beyond():
+def test_walk_costs_interpolate_between_measured_sizes_and_extend_the_line_beyond():
     costs = WalkCosts()
     assert costs.estimate(3) is None
-    costs.observe(1, 0.010)
+    costs.observe(1, 0.010)  # compute only: a pipelined round says nothing of the links
+    assert costs.compute(5) == pytest.approx(0.010) and costs.estimate(1) is None  # one size known: flat
     costs.observe(9, 0.050)
-    assert costs.estimate(5) == pytest.approx(0.030)
-    assert costs.estimate(12) == pytest.approx(0.050)
-    costs.observe(1, 0.030)  # a moving average, not the last sample
-    assert 0.010 < costs.estimate(1) < 0.030
+    assert costs.compute(5) == pytest.approx(0.030)
+    assert costs.compute(13) == pytest.approx(0.070)  # on the line through 1 and 9
+    costs.observe(1, 0.030)  # the median of the latest samples, not the last one
+    assert costs.compute(1) == pytest.approx(0.020)
+    for _ in range(3):
+        costs.observe(9, 0.052)
+    costs.observe(9, 0.900)  # one round in a bad moment moves nothing
+    assert costs.compute(9) == pytest.approx(0.052)
+    noisy = WalkCosts()
+    noisy.observe(1, 0.020)
+    noisy.observe(3, 0.018)  # a larger size measured cheaper: never extrapolated below it
+    assert noisy.compute(13) == pytest.approx(0.018)
+    assert noisy.compute(0) == pytest.approx(0.020)
+
+
+def test_a_walk_is_its_compute_plus_what_the_links_add_measured_from_rounds_that_went_alone():
+    costs = WalkCosts()
+    costs.observe(1, 0.004, 0.064)  # 60 ms of links and handling
+    costs.observe(5, 0.012)  # pipelined: compute only
+    assert costs.estimate(5) == pytest.approx(0.072)
+    costs.observe(1, 0.004, 0.054)
+    costs.observe(1, 0.004, 0.050)
+    assert costs.estimate(1) == pytest.approx(0.004 + 0.050)  # the links' median
+
+
+def _walks(costs: WalkCosts, *sizes: tuple[int, float]) -> WalkCosts:
+    """Rounds that went alone on a route whose links add nothing: each walk is its compute."""
+    for positions, seconds in sizes:
+        costs.observe(positions, seconds, seconds)
+    return costs
+
+
+def test_a_route_measures_a_plain_step_then_a_short_probe_before_trusting_a_long_chunk():
+    costs = WalkCosts()
+    assert costs.best_drafts(12, 0.99) == 0  # nothing measured: a plain step first
+    costs.observe(1, 0.002, 0.020)
+    assert costs.best_drafts(12, 0.99) == PROBE_DRAFTS == 2  # never a chunk: a short one
+    assert costs.best_drafts(1, 0.99) == 1
+    costs.observe(3, 0.003, 0.021)  # a chunk costs a walk (network-bound): the long one pays
+    assert costs.best_drafts(12, 0.99) == 12
+    cpu = _walks(WalkCosts(), (1, 0.020), (3, 0.060))  # compute-bound: each position costs a step
+    assert cpu.best_drafts(12, 0.8) == 0
+
+
+def test_a_route_where_drafting_does_not_pay_is_re_probed_ever_more_rarely():
+    costs = _walks(WalkCosts(), (1, 0.020), (3, 0.200))  # the chunk measured in a bad moment
+    probes = [i for i in range(1, 16 + 32 + 64 + 1) if costs.best_drafts(12, 0.9, explore=True)]
+    assert probes == [16, 16 + 32, 16 + 32 + 64]
+    assert costs.best_drafts(12, 0.9) == 0  # a chained round's cut never probes
+    _walks(costs, (3, 0.021), (3, 0.021), (3, 0.021))  # the probes found chunks cheap again: drafting pays
+    assert costs.best_drafts(12, 0.9, explore=True) == 12
 
 
 def test_drafts_are_sent_only_where_the_route_s_walk_makes_them_pay():
     text = list(range(20)) + list(range(10))
-    # nothing measured yet: every candidate goes out (that measures a draft)
+    # nothing measured yet: a plain step (that measures one)
     fresh = PromptLookup(8)
     fresh.extend(text)
-    assert len(fresh.propose(100)) == 8
+    assert fresh.propose(100) == []
     # a network-bound walk (drafts nearly free): send them all
     wan = WalkCosts()
-    wan.observe(1, 0.060)
-    wan.observe(9, 0.066)
+    wan.observe(1, 0.002, 0.060)
+    wan.observe(9, 0.008)
     drafter = PromptLookup(8, wan)
     drafter.extend(text)
-    assert len(drafter.propose(100)) == 8  # the text's first match: verified in full
+    assert len(drafter.propose(100)) == 8  # the text's first match, at the prior acceptance (0.8)
     for _ in range(3):
         drafter.record(8, 0)
     assert 2 <= len(drafter.propose(100)) < 8  # drafts as likely rejected as kept: a shorter chunk is faster
@@ -65,12 +113,10 @@ def test_drafts_are_sent_only_where_the_route_s_walk_makes_them_pay():
         drafter.record(8, 8)
     assert len(drafter.propose(100)) == 8
     # a compute-bound walk where a 2-position chunk costs 2.4 steps: with drafts rarely kept, none
-    cpu = WalkCosts()
-    for size, seconds in ((1, 0.010), (2, 0.024), (3, 0.032), (9, 0.060)):
-        cpu.observe(size, seconds)
+    cpu = _walks(WalkCosts(), (1, 0.010), (2, 0.024), (3, 0.032), (9, 0.060))
     drafter = PromptLookup(8, cpu)
     drafter.extend(text)
-    assert len(drafter.propose(100)) == 8  # the text's first match
+    assert drafter.propose(100) == []  # even the text's first match: at 0.8, 3 tokens cost 3.2 steps
     for _ in range(5):
         drafter.record(4, 0)
     assert drafter.acceptance < 0.5 and drafter.propose(100) == []
@@ -83,9 +129,29 @@ def test_drafts_are_sent_only_where_the_route_s_walk_makes_them_pay():
     assert (drafter.drafted, drafter.accepted) == (180, 160)
 
 
-@pytest.mark.parametrize("kwargs", [{"k": 0}, {"k": 4, "min_ngram": 0}, {"k": 4, "max_ngram": 1, "min_ngram": 2}])
+def test_draft_min_sends_that_many_drafts_whenever_there_are_that_many_paying_or_not():
+    text = list(range(20)) + list(range(10))
+    cpu = _walks(WalkCosts(), (1, 0.010), (3, 0.040))  # no draft pays here
+    drafter = PromptLookup(8, cpu, minimum=3)
+    drafter.extend(text)
+    assert drafter.propose(100) == [10, 11, 12]
+    assert drafter.propose(2) == [10, 11]  # never more than the route's limit
+    assert PromptLookup(8, cpu).propose(100) == []  # without it: none
+    wan = WalkCosts()
+    wan.observe(1, 0.002, 0.060)
+    wan.observe(9, 0.008)
+    drafter = PromptLookup(8, wan, minimum=3)
+    drafter.extend(text)
+    assert len(drafter.propose(100)) == 8  # where more pay, more go
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"k": 0}, {"k": 4, "min_ngram": 0}, {"k": 4, "max_ngram": 1, "min_ngram": 2}, {"k": 4, "minimum": 5},
+     {"k": 4, "minimum": -1}],
+)  # fmt: skip
 def test_bad_settings_are_refused(kwargs):
-    with pytest.raises(ValueError, match="prompt lookup needs"):
+    with pytest.raises(ValueError, match="needs"):
         PromptLookup(**kwargs)
 
 
@@ -102,10 +168,13 @@ class _Source:
 
 def test_a_model_draft_asks_its_model_for_the_continuation_of_the_whole_text() -> None:
     source = _Source()
-    drafter = ModelDraft(source, k=4)
+    costs = WalkCosts()
+    costs.observe(1, 0.001, 0.050)
+    costs.observe(3, 0.002, 0.051)
+    drafter = ModelDraft(source, k=4, costs=costs)
     assert drafter.propose(10) == []  # no text yet: nothing to continue
     drafter.extend([5, 6, 7])
-    assert drafter.propose(10) == [8, 9, 10, 11]  # the first draft is verified in full: it measures q
+    assert drafter.propose(10) == [8, 9, 10, 11]
     assert drafter.propose(2) == [8, 9]  # never more than the route's limit
     assert source.calls == [(3, 4), (3, 2)]
     drafter.record(4, 4)

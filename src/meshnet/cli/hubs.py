@@ -60,6 +60,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     setup_logging()
     if not 0 < args.max_body_mb <= 4096:
         usage_error(f"meshnet gateway: --max-body-mb must be within (0, 4096], got {args.max_body_mb}")
+    if args.draft_min > args.draft_tokens:
+        usage_error(f"meshnet gateway: --draft-min {args.draft_min} is more than --draft-tokens {args.draft_tokens}")
     template = read_chat_template(args.chat_template_file, "gateway")
     keys = api_keys_for(args, "gateway")
     member = member_tls_for(args, "gateway", "gateway")
@@ -153,6 +155,7 @@ class _Engines:
             timeout_s=args.hop_timeout,
             speculative=speculative,
             draft_tokens=args.draft_tokens,
+            draft_min=args.draft_min,
             pipeline_rounds=args.pipeline_rounds,
             draft_model=draft,
             decode_channel=args.decode_channel == "on",

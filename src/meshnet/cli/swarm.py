@@ -269,6 +269,13 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
         help="most tokens drafted per step (default 12; nodes may allow fewer)",
     )
     parser.add_argument(
+        "--draft-min",
+        type=whole_number,
+        default=0,
+        help="drafts every step sends when the drafter has that many, whether or not the route's measured costs "
+        "say they pay (default 0: only as many as pay; at most --draft-tokens)",
+    )
+    parser.add_argument(
         "--pipeline-rounds",
         type=at_least_one,
         default=4,
@@ -282,6 +289,17 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
         help="send decode steps over kept-open WebSockets, the tail's token straight back to the gateway "
         "(default on; off: one HTTP request per hop, answers back through every hop)",
     )
+
+
+def whole_number(text: str) -> int:
+    """An argparse type: a whole number of at least 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 0, got {text!r}")
+    return value
 
 
 def at_least_one(text: str) -> int:

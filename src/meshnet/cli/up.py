@@ -125,6 +125,11 @@ def _layout(args: argparse.Namespace) -> tuple[Path, list[LayerRange], int | Non
     if (args.speculative == "draft") != (args.draft_gguf is not None):
         print("meshnet up: --speculative draft and --draft-gguf PATH go together", file=sys.stderr)
         return None
+    if args.draft_min > args.draft_tokens:
+        print(
+            f"meshnet up: --draft-min {args.draft_min} is more than --draft-tokens {args.draft_tokens}", file=sys.stderr
+        )
+        return None
     if not 0.0 <= args.audit_rate <= 1.0:
         print(f"meshnet up: --audit-rate is a fraction of sessions in [0, 1], got {args.audit_rate}", file=sys.stderr)
         return None
@@ -271,7 +276,7 @@ def _gateway(
         "gateway", "--gguf", str(gguf), "--tracker", tracker_url, "--port", str(args.port),
         "--host", args.host, *(["--ctx", str(args.ctx)] if args.ctx else []),
         "--max-concurrency", str(args.max_sessions),
-        "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens),
+        "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens), "--draft-min", str(args.draft_min),
         "--pipeline-rounds", str(args.pipeline_rounds),
         *(["--draft-gguf", str(args.draft_gguf)] if args.draft_gguf else []),
         *(["--core-lease", str(workdir / "cores.lock")] if lease and args.draft_gguf else []),

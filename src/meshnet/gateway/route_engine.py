@@ -236,6 +236,7 @@ class RouteEngine:
         outbox: BillingOutbox | None = None,
         speculative: str = "ngram",
         draft_tokens: int = 12,
+        draft_min: int = 0,
         pipeline_rounds: int = PIPELINE_ROUNDS,
         draft_model: DraftSource | None = None,
         decode_channel: bool = True,
@@ -256,10 +257,13 @@ class RouteEngine:
         self.draft_model = draft_model
         if draft_tokens < 1:
             raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
+        if not 0 <= draft_min <= draft_tokens:
+            raise ValueError(f"draft_min must be within 0..draft_tokens ({draft_tokens}), got {draft_min}")
         if pipeline_rounds < 1:
             raise ValueError(f"pipeline_rounds must be >= 1, got {pipeline_rounds}")
         self.speculative = speculative
         self.draft_tokens = draft_tokens
+        self.draft_min = draft_min  # drafts every step sends when it has them, paying or not
         self.pipeline_rounds = pipeline_rounds  # speculation rounds in flight at most (1: one at a time)
         self._costs: dict[tuple[str, ...], WalkCosts] = {}  # per route (its nodes): walk seconds by size
         self.tokenizer = tokenizer
@@ -545,9 +549,9 @@ class RouteEngine:
     def _drafter(self, plan: RoutePlan) -> Drafter | None:
         """This generation's drafter (``--speculative``), sharing the route's measured walk costs."""
         if self.speculative == "ngram":
-            return PromptLookup(self.draft_tokens, self._walk_costs(plan))
+            return PromptLookup(self.draft_tokens, self._walk_costs(plan), minimum=self.draft_min)
         if self.draft_model is not None:
-            return ModelDraft(self.draft_model, self.draft_tokens, self._walk_costs(plan))
+            return ModelDraft(self.draft_model, self.draft_tokens, self._walk_costs(plan), minimum=self.draft_min)
         return None
 
     def _walk_costs(self, plan: RoutePlan) -> WalkCosts:
@@ -639,7 +643,7 @@ class RouteEngine:
                 chunk = await asyncio.to_thread(drafter.continuation, text, limit)
             else:
                 chunk = drafter.continuation(text, limit)
-            chunk = chunk[: 1 + costs.best_drafts(len(chunk) - 1, drafter.acceptance)]  # the guess, the drafts that pay
+            chunk = chunk[: 1 + drafter.paying(len(chunk) - 1)]  # the guess, the drafts that pay
             if not chunk or not await self._start_round(run, last.end, chunk, guess=True):
                 return
 
@@ -652,9 +656,7 @@ class RouteEngine:
         took = now - max(round_.sent, run.answered_at)
         run.answered_at = now
         costs = self._walk_costs(run.plan)
-        if round_.alone:
-            costs.observe(len(round_.chunk), now - round_.sent)
-        costs.observe_compute(len(round_.chunk), sum(_hop_ms(answer)) / 1000)
+        costs.observe(len(round_.chunk), sum(_hop_ms(answer)) / 1000, now - round_.sent if round_.alone else None)
         run.usage.decoded(took)  # the tracker checks the route's advertised speeds by it
         kept = _kept(answer, round_.start, len(round_.chunk))
         expected = run.ledger.at(round_.end)  # every entry describes the whole round: the hops drop drafts lazily
@@ -716,8 +718,7 @@ class RouteEngine:
             return await self._recover(run, tokens, failure, cancel)
         took = _since(began)
         costs = self._walk_costs(run.plan)
-        costs.observe(len(chunk), took)
-        costs.observe_compute(len(chunk), sum(_hop_ms(answer)) / 1000)
+        costs.observe(len(chunk), sum(_hop_ms(answer)) / 1000, took)
         run.usage.decoded(took)  # the tracker checks the route's advertised speeds by it
         kept = _kept(answer, position, len(chunk))
         run.ledger.rewind(kept)

@@ -19,68 +19,88 @@ Two drafters (``--speculative ngram|draft``):
 
 How many to draft is decided by what a walk costs and what gets accepted, because a verify chunk
 is not free: every drafted position is computed on every hop (on a CPU, 2 positions in one call
-cost more than two steps). ``WalkCosts`` keeps, per route, the measured time of a walk by the
-number of positions it carries; the drafter keeps the generation's acceptance rate ``q`` (a draft
-is kept with probability ``q``, independently: a chunk of ``d`` drafts yields ``(1 - q^(d+1)) /
-(1 - q)`` tokens on average). Each step takes the draft length — none included — with the most
-tokens per second. A size never measured is assumed to cost what the nearest measured sizes
-suggest (linear between them, flat beyond), and a generation's first match is always verified in
-full, so drafting is tried, measured and then kept only where it pays: on a WAN nearly always, on
-loopback only for text that repeats.
+cost more than two steps). ``WalkCosts`` keeps, per route, what a walk costs by the number of
+positions it carries — the hops' compute of that many positions plus what the links add — and
+the drafter keeps the generation's acceptance rate ``q`` (a draft is kept with probability ``q``,
+independently: a chunk of ``d`` drafts yields ``(1 - q^(d+1)) / (1 - q)`` tokens on average).
+Each step takes the draft length — none included — with the most tokens per second.
+
+Every estimate is the median of the latest measurements, and a size never measured is assumed to
+cost what the measured sizes suggest (linear between the nearest ones, on the line through the two
+largest beyond them). A route that has not yet carried a plain step is sent one; one that has
+carried no chunk gets a short probe (``PROBE_DRAFTS``), as does one where drafting has not paid for
+a while (after 16 declined drafts, then 32, ... up to 512). So drafting is tried, measured and
+kept only where it pays: on a WAN nearly always, on loopback only for text that repeats. Never a
+whole chunk on trust: on a CPU a first 12-draft chunk costs a dozen steps, which a short
+generation never wins back (measured: speculation at 0.80 of none on a real 1.5B model when every
+generation verified its first match in full).
 
 Pipelined speculation (the route engine's ``_chain``): more rounds go out before the verdict on the
 one in flight, each continuing the drafts as if all were kept (``Drafter.continuation``), while
 ``WalkCosts.chain_pays`` says one more pays: the chance that everything before it is kept, by the
-same acceptance estimate, against what it saves (a walk less one hop's share of the compute,
-measured per route as ``observe_compute``) and what it wastes when void (that share).
+same acceptance estimate, against what it saves (a walk less one hop's share of the compute)
+and what it wastes when void (that share).
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-__all__ = ["SPECULATIVE_MODES", "DraftSource", "Drafter", "ModelDraft", "PromptLookup", "WalkCosts"]
+__all__ = ["PROBE_DRAFTS", "SPECULATIVE_MODES", "DraftSource", "Drafter", "ModelDraft", "PromptLookup", "WalkCosts"]
 
 SPECULATIVE_MODES = ("off", "ngram", "draft")
-_EMA = 0.25  # weight of a new walk-time measurement
+# An estimate is the median of the latest measurements: times on a busy machine come with rare long
+# outliers (another process's burst), and one of them must not decide for a whole route.
+_WINDOW = 5
 # The acceptance estimate: kept drafts and rejections, fading by this factor per generated token
 # (text changes character: a run of rejections 50 tokens ago says little now), on top of an
 # optimistic prior of 4 kept drafts to 1 rejection (q = 0.8 with no evidence).
 _FADE = 0.97
 _PRIOR_KEPT, _PRIOR_REJECTED = 4.0, 1.0
+# The drafts of a route's first verify chunk: enough to measure what a chunk costs beyond a step.
+PROBE_DRAFTS = 2
+# While drafting does not pay on a route, a probe re-measures it after this many declined drafts,
+# then twice as many, up to the most (a chunk measured in a bad moment is not trusted forever).
+_REPROBE_FIRST, _REPROBE_MOST = 16, 512
 
 
 class WalkCosts:
-    """Measured seconds of one walk through a route by the positions it carried (thread-safe: the
-    generations of one route share it)."""
+    """What one walk through a route costs by the positions it carries (thread-safe: the generations
+    of one route share it): the hops' own compute of that many positions, measured from every round
+    (the answer's ``compute_ms``, summed over the hops), plus what the links and the hops' handling
+    add to a walk (a round's walk time less its compute), measured from rounds that went alone (a
+    pipelined round's walk includes its wait behind the one before it)."""
 
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
-        self._compute: dict[int, float] = {}  # the hops' own compute of such a walk, summed
+        self._compute: dict[int, deque[float]] = {}
+        self._network: deque[float] = deque(maxlen=_WINDOW)
+        self._declined, self._reprobe = 0, _REPROBE_FIRST
         self._lock = threading.Lock()
 
-    def observe(self, positions: int, seconds: float) -> None:
-        """A walk of ``positions`` took ``seconds``, from the send to the answer."""
+    def observe(self, positions: int, compute: float, walk: float | None = None) -> None:
+        """A round of ``positions`` cost the hops ``compute`` seconds in all; ``walk``: it went alone
+        and took that long, from the send to the answer."""
         with self._lock:
-            _fold(self._seconds, positions, seconds)
-
-    def observe_compute(self, positions: int, seconds: float) -> None:
-        """The hops computed a walk of ``positions`` in ``seconds`` in all (their entries' ``compute_ms``)."""
-        with self._lock:
-            _fold(self._compute, positions, seconds)
+            self._compute.setdefault(positions, deque(maxlen=_WINDOW)).append(compute)
+            if walk is not None:
+                self._network.append(max(walk - compute, 0.0))
 
     def estimate(self, positions: int) -> float | None:
-        """The measured time, else linear between the nearest measured sizes, else the nearest one."""
+        """A walk of ``positions`` alone: what the links add plus the hops' compute (``compute``)."""
+        compute = self.compute(positions)
         with self._lock:
-            known = dict(self._seconds)
-        return _interpolate(known, positions)
+            network = statistics.median(self._network) if self._network else None
+        return None if compute is None or network is None else network + compute
 
     def compute(self, positions: int) -> float | None:
-        """The hops' compute of a walk of ``positions``, estimated as ``estimate`` is."""
+        """The hops' compute of ``positions``: the median of the latest such rounds, else as the
+        measured sizes suggest (``_interpolate``)."""
         with self._lock:
-            known = dict(self._compute)
+            known = {n: statistics.median(v) for n, v in self._compute.items()}
         return _interpolate(known, positions)
 
     def chain_pays(self, positions: int, kept: float, hops: int) -> bool:
@@ -98,12 +118,19 @@ class WalkCosts:
         share = compute / hops
         return kept * max(walk - share, 0.0) > (1.0 - kept) * share
 
-    def best_drafts(self, available: int, q: float) -> int:
+    def best_drafts(self, available: int, q: float, *, explore: bool = False) -> int:
         """How many of ``available`` drafts to send, each kept with probability ``q``: the most
-        expected tokens per second, 0 (a plain step) included."""
+        expected tokens per second, 0 (a plain step) included. A route with no plain step measured
+        gets one; one with no chunk measured, a probe of ``PROBE_DRAFTS``. ``explore``: a step's
+        own drafts, which also re-probe a route where drafting has not paid for a while."""
+        with self._lock:
+            sizes = list(self._compute) if self._network else []
+        if 1 not in sizes:
+            return 0
+        if max(sizes) == 1:
+            return min(available, PROBE_DRAFTS)
         plain = self.estimate(1)
-        if plain is None:
-            return available  # nothing measured yet: measure a draft
+        assert plain is not None
         best, best_rate = 0, 1.0 / plain
         for d in range(1, available + 1):
             seconds = self.estimate(d + 1)
@@ -111,6 +138,15 @@ class WalkCosts:
             tokens = float(d + 1) if q >= 1.0 else (1.0 - q ** (d + 1)) / (1.0 - q)
             if seconds > 0 and tokens / seconds > best_rate:
                 best, best_rate = d, tokens / seconds
+        if explore and available:
+            with self._lock:
+                if best:
+                    self._declined, self._reprobe = 0, _REPROBE_FIRST
+                else:
+                    self._declined += 1
+                    if self._declined >= self._reprobe:
+                        self._declined, self._reprobe = 0, min(2 * self._reprobe, _REPROBE_MOST)
+                        return min(available, PROBE_DRAFTS)
         return best
 
 
@@ -118,15 +154,15 @@ class Drafter:
     """What every drafter shares: the text so far, the acceptance estimate, and the choice of how
     many of its candidates to send (``propose``). Not thread-safe: one per generation."""
 
-    def __init__(self, k: int, costs: WalkCosts | None = None) -> None:
-        if k < 1:
-            raise ValueError("a drafter needs k >= 1")
+    def __init__(self, k: int, costs: WalkCosts | None = None, *, minimum: int = 0) -> None:
+        if k < 1 or not 0 <= minimum <= k:
+            raise ValueError("a drafter needs k >= 1 and 0 <= minimum <= k")
         self.k = k
+        self.minimum = minimum  # drafts sent whenever there are that many, paying or not (--draft-min)
         self.costs = costs if costs is not None else WalkCosts()
         self._tokens: list[int] = []
         self.drafted = 0  # drafts proposed, and accepted by the route, over the generation
         self.accepted = 0
-        self._verifies = 0  # verify chunks of this generation
         self._kept = 0.0  # kept drafts and rejections, fading with every token (_FADE)
         self._rejected = 0.0
 
@@ -156,17 +192,17 @@ class Drafter:
         """The drafts worth sending now: the candidates, cut to the length that the route's walk
         costs and the acceptance so far make the fastest (possibly none)."""
         found = self.candidates(limit)
-        if not found:
-            return found
-        if not self._verifies:  # this text's first draft is verified in full: it measures q
-            return found
-        return found[: self.costs.best_drafts(len(found), self.acceptance)]
+        return found[: self.paying(len(found), explore=True)] if found else found
+
+    def paying(self, available: int, *, explore: bool = False) -> int:
+        """How many of ``available`` drafts to send: as many as pay on the route (``WalkCosts.best_drafts``),
+        and at least ``minimum``."""
+        return max(self.costs.best_drafts(available, self.acceptance, explore=explore), min(available, self.minimum))
 
     def record(self, drafted: int, accepted: int) -> None:
         """The route kept ``accepted`` of ``drafted`` drafts."""
         self.drafted += drafted
         self.accepted += accepted
-        self._verifies += 1
         self._kept += accepted
         self._rejected += accepted < drafted  # at most one rejection per chunk: it ends the chunk
 
@@ -174,10 +210,12 @@ class Drafter:
 class PromptLookup(Drafter):
     """Prompt-lookup drafting for one generation."""
 
-    def __init__(self, k: int, costs: WalkCosts | None = None, *, max_ngram: int = 4, min_ngram: int = 3) -> None:
+    def __init__(
+        self, k: int, costs: WalkCosts | None = None, *, minimum: int = 0, max_ngram: int = 4, min_ngram: int = 3
+    ) -> None:
         if k < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError("prompt lookup needs k >= 1 and 1 <= min_ngram <= max_ngram")
-        super().__init__(k, costs)
+        super().__init__(k, costs, minimum=minimum)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         # n-gram -> where its latest occurrence's continuation starts (an index into _tokens)
         self._after: dict[tuple[int, ...], int] = {}
@@ -212,28 +250,28 @@ class DraftSource(Protocol):
 class ModelDraft(Drafter):
     """Draft-model drafting for one generation: the model's greedy continuation of the text so far."""
 
-    def __init__(self, model: DraftSource, k: int, costs: WalkCosts | None = None) -> None:
-        super().__init__(k, costs)
+    def __init__(self, model: DraftSource, k: int, costs: WalkCosts | None = None, *, minimum: int = 0) -> None:
+        super().__init__(k, costs, minimum=minimum)
         self.model = model
 
     def continuation(self, text: Sequence[int], limit: int) -> list[int]:
         return self.model.draft(text, limit) if limit >= 1 and text else []
 
 
-def _fold(seconds: dict[int, float], positions: int, value: float) -> None:
-    old = seconds.get(positions)
-    seconds[positions] = value if old is None else (1 - _EMA) * old + _EMA * value
-
-
 def _interpolate(known: dict[int, float], positions: int) -> float | None:
-    """The measured value, else linear between the nearest measured sizes, else the nearest one."""
+    """The measured value, else linear between the nearest measured sizes; past the largest, on the
+    line through the two largest (never falling: noise can make a larger size look cheaper); below
+    the smallest, the smallest's value."""
     if positions in known:
         return known[positions]
-    below = [n for n in known if n < positions]
+    below = sorted(n for n in known if n < positions)
     above = [n for n in known if n > positions]
     if below and above:
-        a, b = max(below), min(above)
+        a, b = below[-1], min(above)
         return known[a] + (known[b] - known[a]) * (positions - a) / (b - a)
-    if below or above:
-        return known[max(below)] if below else known[min(above)]
-    return None
+    if above:
+        return known[min(above)]
+    if len(below) >= 2:
+        a, b = below[-2], below[-1]
+        return known[b] + max(known[b] - known[a], 0.0) * (positions - b) / (b - a)
+    return known[below[-1]] if below else None
