@@ -35,6 +35,7 @@ like the penalties.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -342,26 +343,23 @@ class Sampler:
     def _choose(self, logits: Logits, position: int | None, stream: int = 0) -> int:
         if self.params.greedy:
             return int(np.argmax(logits))
-        candidates, probs = self._distribution(logits)
-        return int(candidates[self._rng_for(position, stream).choice(probs.shape[0], p=probs)])
+        return self._spread(logits).draw(self._rng_for(position, stream).random())[0]
 
     def _draw(
         self, logits: Logits, position: int | None, stream: int = 0, *, log_z: float | None = None
     ) -> tuple[int, Draw]:
-        """``_choose`` and what it drew from. The draw is ``Generator.choice``'s own: one uniform,
-        searched in the running sum of the probabilities normalized by its last value. ``log_z``:
-        that of ``logits``, if the caller has it."""
+        """``_choose`` and what it drew from: one uniform, searched in the running sum of the
+        probabilities normalized by its last value (``_Spread.draw``). ``log_z``: that of ``logits``,
+        if the caller has it."""
         if self.params.greedy:
             token = int(np.argmax(logits))
             return token, _greedy_draw(logits, token, stream, log_z)
-        candidates, probs = self._distribution(logits)
-        running = np.cumsum(probs)
-        total = float(running[-1])
-        index = _drawn_index(running, total, self._rng_for(position, stream).random())
-        n = min(COMMITTED, candidates.shape[0])
-        draw = Draw(tuple(int(t) for t in candidates[:n]), tuple(float(p) for p in probs[:n]), total,
-                    int(candidates.shape[0]), stream)  # fmt: skip
-        return int(candidates[index]), draw
+        spread = self._spread(logits)
+        token, total = spread.draw(self._rng_for(position, stream).random())
+        n = min(COMMITTED, spread.head_ids.shape[0])
+        draw = Draw(tuple(spread.head_ids[:n].tolist()), tuple(spread.head_probs[:n].tolist()), total, spread.size,
+                    stream)  # fmt: skip
+        return token, draw
 
     def _constrained(self, logits: Logits, position: int | None) -> tuple[int, Draw]:
         """The choice when the grammar refused the unconstrained one: the most likely allowed token,
@@ -374,40 +372,146 @@ class Sampler:
         return self._draw(self.grammar.mask(logits), position, stream=GRAMMAR_STREAM)
 
     def _distribution(self, logits: Logits) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-        """The candidate tokens and their probabilities after temperature, top-k and top-p, the most
-        likely first: the first ``SORTED_HEAD`` sorted (ties: the lower id first), the rest after
-        them in id order. A draw is from the same distribution in any fixed order, and sorting a
-        150K vocabulary at every step took 17 ms. Top-p keeps the smallest sorted prefix that
-        reaches its mass, sorting the rest too only when the head holds less."""
+        """The candidate tokens and their probabilities in draw order (``_spread``, laid out whole)."""
+        spread = self._spread(logits)
+        if spread.rest_probs is None:
+            return spread.head_ids, spread.head_probs.copy()
+        rest = np.ones(spread.rest_probs.shape[0], dtype=bool)
+        rest[spread.head_at] = False
+        ids = np.flatnonzero(rest) if spread.ids is None else spread.ids[rest]
+        return np.concatenate((spread.head_ids, ids)), np.concatenate((spread.head_probs, spread.rest_probs[rest]))
+
+    def _spread(self, logits: Logits) -> _Spread:
+        """The distribution a sampled draw is from, after temperature, top-k and top-p, in draw order:
+        the most likely ``SORTED_HEAD`` candidates first, sorted (ties: the lower id first; every
+        candidate tied with the last of them joins it), then the rest in id order. A draw is from
+        the same distribution in any fixed order, and sorting a 150K vocabulary at every step took
+        17 ms. Top-p keeps the smallest sorted prefix that reaches its mass, sorting a head 8 times
+        as large (and so on, up to everything) only when the head holds less.
+
+        Everything is computed where it lies, in id order and in this thread's scratch arrays
+        (``_SCRATCH``): the probabilities once, the head taken from them, the rest left in place
+        with the head's entries zeroed (a zero adds nothing to a running sum, so the draw's sums
+        are those of the compact layout, to the bit). Laying the vocabulary out in draw order, and
+        the fresh pages of every new vocabulary-sized array, cost 3.6 ms of a 150K vocabulary's
+        sampling at every step; this way, about 1.3 ms."""
         p = self.params
-        values = logits.astype(np.float64)
-        if 0 < p.top_k < values.shape[0]:
-            candidates = np.sort(np.argpartition(values, -p.top_k)[-p.top_k :])  # in id order, as below
-            values = values[candidates]
+        if 0 < p.top_k < logits.shape[0]:
+            ids: npt.NDArray[np.int64] | None = np.sort(np.argpartition(logits, -p.top_k)[-p.top_k :])  # id order
+            size = p.top_k
         else:
-            candidates = np.arange(values.shape[0])
-        head = min(SORTED_HEAD, values.shape[0])
-        if head < values.shape[0]:
-            top = np.argpartition(values, -head)[-head:]
-            top = top[np.lexsort((candidates[top], -values[top]))]
-            rest = np.ones(values.shape[0], dtype=bool)
-            rest[top] = False
-            order = np.concatenate((top, np.flatnonzero(rest)))
-        else:
-            order = np.lexsort((candidates, -values))
-        candidates, values = candidates[order], values[order] / p.temperature
-        probs = np.exp(values - values[0])
+            ids, size = None, logits.shape[0]
+        scratch = _SCRATCH.arrays(size)
+        values, probs = scratch.values, scratch.probs
+        np.divide(logits if ids is None else logits[ids], p.temperature, out=values, dtype=np.float64)
+        at = _sorted_head(values, min(SORTED_HEAD, size), scratch)
+        np.subtract(values, values[at[0]], out=probs)
+        np.exp(probs, out=probs)
         probs /= probs.sum()
         if p.top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            running = np.cumsum(probs)
-            if running[head - 1] < p.top_p and head < probs.shape[0]:  # past the sorted head: sort it all
-                full = np.lexsort((candidates, -values))
-                candidates, probs = candidates[full], probs[full]
-                running = np.cumsum(probs)
-            cut = int(np.searchsorted(running, p.top_p)) + 1
-            candidates, probs = candidates[:cut], probs[:cut] / probs[:cut].sum()
-        return candidates, probs
+            head = at.shape[0]
+            while float(np.cumsum(probs[at])[-1]) < p.top_p and head < size:  # past the head: a larger one
+                head = min(head * 8, size)
+                at = _sorted_head(values, head, scratch)
+            head_probs = probs[at]
+            cut = int(np.searchsorted(np.cumsum(head_probs), p.top_p)) + 1
+            kept = head_probs[:cut]
+            at = at[:cut]
+            return _Spread(_ids_at(ids, at), kept / kept.sum(), None, None, at, cut)
+        head_probs = probs[at]
+        if at.shape[0] == size:
+            return _Spread(_ids_at(ids, at), head_probs, None, None, at, size)
+        probs[at] = 0.0
+        return _Spread(_ids_at(ids, at), head_probs, probs, ids, at, size, scratch.running)
+
+
+@dataclass(slots=True)
+class _Work:
+    """One draw's scratch arrays (views of this thread's ``_Scratch``), each as long as the candidates."""
+
+    values: npt.NDArray[np.float64]
+    probs: npt.NDArray[np.float64]
+    running: npt.NDArray[np.float64]
+    sorting: npt.NDArray[np.float64]
+    marks: npt.NDArray[np.bool_]
+
+
+class _Scratch(threading.local):
+    """Vocabulary-sized arrays a sampled draw works in, one set per thread (a draw never awaits, so
+    one thread's draws never overlap): a fresh array of that size is fresh pages, each a fault."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.whole = _work(0)
+
+    def arrays(self, n: int) -> _Work:
+        if n > self.size:
+            self.whole = _work(n)
+            self.size = n
+        w = self.whole
+        return _Work(w.values[:n], w.probs[:n], w.running[:n], w.sorting[:n], w.marks[:n])
+
+
+def _work(n: int) -> _Work:
+    return _Work(np.empty(n), np.empty(n), np.empty(n), np.empty(n), np.empty(n, dtype=bool))
+
+
+_SCRATCH = _Scratch()
+
+
+@dataclass(frozen=True, slots=True)
+class _Spread:
+    """A sampled draw's candidates: the sorted head (``head_ids``, ``head_probs``; ``head_at``:
+    where they lie among the candidates in id order) and, unless top-p cut within it, every
+    candidate's probability in id order with the head's zeroed (``rest_probs``; their ids
+    ``ids``, ``None`` for the whole vocabulary); ``size``: how many candidates in all;
+    ``running``: scratch for the draw's running sum."""
+
+    head_ids: npt.NDArray[np.int64]
+    head_probs: npt.NDArray[np.float64]
+    rest_probs: npt.NDArray[np.float64] | None
+    ids: npt.NDArray[np.int64] | None
+    head_at: npt.NDArray[np.int64]
+    size: int
+    running: npt.NDArray[np.float64] | None = None
+
+    def draw(self, uniform: float) -> tuple[int, float]:
+        """The token ``uniform`` picks, and the total: ``_drawn_index`` over the running sum of the
+        probabilities in draw order, the head's and then the rest's, added one after another."""
+        head_run = np.cumsum(self.head_probs)
+        if self.rest_probs is None:
+            total = float(head_run[-1])
+            return int(self.head_ids[_drawn_index(head_run, total, uniform)]), total
+        assert self.running is not None
+        rest, first = self.rest_probs, float(self.rest_probs[0])
+        rest[0] = head_run[-1] + first  # the running sum goes on from the head's (its first addition)
+        running = np.cumsum(rest, out=self.running)
+        rest[0] = first
+        total = float(running[-1])
+        head_norm = head_run / total
+        if head_norm[-1] > uniform:
+            return int(self.head_ids[int(np.searchsorted(head_norm, uniform, side="right"))]), total
+        running /= total
+        index = int(np.searchsorted(running, uniform, side="right"))  # never a zeroed entry: it adds nothing
+        return (index if self.ids is None else int(self.ids[index])), total
+
+
+def _ids_at(ids: npt.NDArray[np.int64] | None, at: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    return at if ids is None else ids[at]
+
+
+def _sorted_head(values: npt.NDArray[np.float64], k: int, scratch: _Work) -> npt.NDArray[np.int64]:
+    """Where the ``k`` largest ``values`` lie, and every value tied with the least of them, the
+    largest first (ties: the lower index first)."""
+    n = values.shape[0]
+    if k < n:
+        sorting = scratch.sorting
+        sorting[:] = values
+        sorting.partition(n - k)
+        at = np.flatnonzero(np.greater_equal(values, sorting[n - k], out=scratch.marks))
+    else:
+        at = np.arange(n)
+    return at[np.lexsort((at, -values[at]))]
 
 
 def _greedy_draw(logits: Logits, token: int, stream: int, log_z: float | None = None) -> Draw:

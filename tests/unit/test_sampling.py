@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from meshnet.sampling import SORTED_HEAD, Draw, Sampler, SamplingParams, check_draw
+from meshnet.sampling import SORTED_HEAD, Draw, Sampler, SamplingParams, _drawn_index, check_draw
 
 
 def _logits(seed: int = 0, vocab: int = 64) -> np.ndarray:
@@ -519,3 +519,30 @@ def test_the_distribution_sorts_its_head_and_is_the_full_sorts_distribution(peak
         reference = _sorted_reference(logits, params)
         assert set(candidates.tolist()) == set(reference)
         assert np.allclose(probs, [reference[t] for t in candidates.tolist()], rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_k=400),
+     SamplingParams(temperature=0.6, top_p=0.7), SamplingParams(temperature=2.0, top_p=0.999)],
+    ids=["plain", "top-k", "top-p", "wide-top-p"],
+)  # fmt: skip
+def test_a_draw_in_place_picks_what_the_laid_out_distribution_picks(params: SamplingParams):
+    """The draw works where the probabilities lie (the head sorted, the rest in id order with the
+    head's entries zeroed): for any uniform, including each boundary of the running sum, it picks
+    the token ``_drawn_index`` picks over the distribution laid out in draw order, with its total."""
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal(3000) * 2).astype(np.float32)
+    logits[rng.choice(3000, 6, replace=False)] += 9
+    logits[100:140] = logits[7]  # ties across the head's edge: every tied token joins the head
+    sampler = Sampler(params)
+    candidates, probs = sampler._distribution(logits)
+    running = np.cumsum(probs)
+    total = float(running[-1])
+    edges = (running / total)[:: max(1, len(running) // 200)]
+    for uniform in [*rng.random(300), *edges, *np.nextafter(edges, 0), 0.0]:
+        if uniform >= 1.0:
+            continue
+        token, drawn_total = sampler._spread(logits).draw(float(uniform))
+        assert drawn_total == total
+        assert token == candidates[_drawn_index(running, total, float(uniform))]
