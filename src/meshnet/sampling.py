@@ -434,6 +434,7 @@ class _Work:
     running: npt.NDArray[np.float64]
     sorting: npt.NDArray[np.float64]
     marks: npt.NDArray[np.bool_]
+    floats: npt.NDArray[np.float32]
 
 
 class _Scratch(threading.local):
@@ -449,11 +450,12 @@ class _Scratch(threading.local):
             self.whole = _work(n)
             self.size = n
         w = self.whole
-        return _Work(w.values[:n], w.probs[:n], w.running[:n], w.sorting[:n], w.marks[:n])
+        return _Work(w.values[:n], w.probs[:n], w.running[:n], w.sorting[:n], w.marks[:n], w.floats[:n])
 
 
 def _work(n: int) -> _Work:
-    return _Work(np.empty(n), np.empty(n), np.empty(n), np.empty(n), np.empty(n, dtype=bool))
+    return _Work(np.empty(n), np.empty(n), np.empty(n), np.empty(n), np.empty(n, dtype=bool),
+                 np.empty(n, dtype=np.float32))  # fmt: skip
 
 
 _SCRATCH = _Scratch()
@@ -517,13 +519,18 @@ def _sorted_head(values: npt.NDArray[np.float64], k: int, scratch: _Work) -> npt
 def _greedy_draw(logits: Logits, token: int, stream: int, log_z: float | None = None) -> Draw:
     """A greedy choice's commitment: ``token`` first, then the most likely others (ties: lower id
     first, as ``argmax``), with their probabilities under ``logits`` at temperature 1."""
-    n = min(COMMITTED, logits.shape[0])
-    best = np.argpartition(logits, -n)[-n:]
+    size = logits.shape[0]
+    n = min(COMMITTED, size)
+    work = _SCRATCH.arrays(size)
+    floats = work.floats
+    floats[:] = logits
+    floats.partition(size - n)  # in place: no vocabulary-sized index array
+    best = np.flatnonzero(np.greater_equal(logits, floats[size - n], out=work.marks))  # ties at the edge too
     best = best[np.lexsort((best, -logits[best].astype(np.float64)))]
     ids = [token, *(int(t) for t in best if int(t) != token)][:n]
     log_z = _log_z(logits) if log_z is None else log_z
     probs = tuple(np.clip(np.exp(logits[ids].astype(np.float64) - log_z), 0.0, 1.0).tolist())
-    return Draw(tuple(ids), probs, 1.0, int(logits.shape[0]), stream)
+    return Draw(tuple(ids), probs, 1.0, int(size), stream)
 
 
 def _logprob(logits: Logits, token: int) -> float:
@@ -531,6 +538,10 @@ def _logprob(logits: Logits, token: int) -> float:
 
 
 def _log_z(logits: Logits) -> float:
-    # float32 keeps this ~30 µs for a 50K vocabulary: it runs on every decode step.
+    # float32 keeps this ~30 µs for a 50K vocabulary: it runs on every decode step (in this
+    # thread's scratch: a fresh vocabulary-sized array is fresh pages, each a fault).
     top = float(np.max(logits))
-    return top + float(np.log(np.sum(np.exp(logits - np.float32(top)), dtype=np.float64)))
+    floats = _SCRATCH.arrays(logits.shape[0]).floats
+    np.subtract(logits, np.float32(top), out=floats)
+    np.exp(floats, out=floats)
+    return top + float(np.log(np.sum(floats, dtype=np.float64)))
