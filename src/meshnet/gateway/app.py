@@ -54,7 +54,7 @@ from meshnet.gateway.origin import HostPolicy, OriginGuard
 from meshnet.gateway.prompt import chat_tokens
 from meshnet.gateway.telemetry import EventType, GenerationTelemetry, TelemetryHub
 from meshnet.gateway.tools import ParsedReply, ToolPlan
-from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response, read_body
+from meshnet.httputil import EXCEPTION_HANDLERS, error_body, error_response, read_body, tls_or_default
 from meshnet.ids import GenerationId, new_generation_id, parse_generation_id
 from meshnet.models.families import certification
 from meshnet.protocol.headers import GENERATION_ID
@@ -760,7 +760,7 @@ async def swarm(state: GatewayState, _: Request) -> Response:
         local = {"node": "local", "layers": str(info.layers), "health": {"status": "ok"}}
         return JSONResponse({"tracker": None, "nodes": [local], "sessions": sessions})
     # Members' answers are read bounded, typed and without their errors' text (gateway.swarm_view).
-    async with httpx.AsyncClient(timeout=swarm_view.PROBE_S, verify=state.tracker_tls or True) as client:
+    async with httpx.AsyncClient(timeout=swarm_view.PROBE_S, verify=tls_or_default(state.tracker_tls)) as client:
         listed = await swarm_view.fetch_json(client, f"{state.tracker}/v1/nodes", swarm_view.MAX_NODES_BYTES)
         nodes = listed.get("nodes") if isinstance(listed, dict) else None
         if not isinstance(nodes, list):

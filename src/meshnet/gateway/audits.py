@@ -40,7 +40,7 @@ import httpx
 import numpy as np
 
 from meshnet.errors import HopFailed, MeshnetError
-from meshnet.httputil import error_message
+from meshnet.httputil import error_message, tls_or_default
 from meshnet.ids import SessionId
 from meshnet.protocol.audits import AuditRequest, AuditStatement, Finding, answer_at, judge, statement_signed_by
 from meshnet.protocol.hops import HopTransport
@@ -236,7 +236,8 @@ class Audits:
 
     # -- the audit thread --------------------------------------------------------------------
     def _work(self) -> None:
-        with httpx.Client(verify=self._tls or True, timeout=httpx.Timeout(AUDIT_TIMEOUT_S, connect=5.0)) as client:
+        timeout = httpx.Timeout(AUDIT_TIMEOUT_S, connect=5.0)
+        with httpx.Client(verify=tls_or_default(self._tls), timeout=timeout) as client:
             while True:
                 job = self._queue.get()
                 try:

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from meshnet.fsutil import PRIVATE_MODE, write_atomic
-from meshnet.httputil import error_message
+from meshnet.httputil import error_message, tls_or_default
 from meshnet.protocol.messages import HopAnswer, HopEntry
 from meshnet.protocol.signing import HopKey, claim_of, countersign
 from meshnet.routes import Hop, RoutePlan
@@ -132,7 +132,7 @@ class BillingOutbox:
     ) -> None:
         """``client``: makes the delivery thread's HTTP client (default: one for ``tracker_url`` with
         ``tls``; tests hand it an in-process tracker's)."""
-        self._client = client or (lambda: httpx.Client(timeout=timeout_s, verify=tls or True))
+        self._client = client or (lambda: httpx.Client(timeout=timeout_s, verify=tls_or_default(tls)))
         self.tracker_url = tracker_url.rstrip("/")
         # The gateway's key: it countersigns every report (the key pinned with the session's route)
         self.key = key if key is not None else HopKey.generate()

@@ -36,6 +36,7 @@ from meshnet.gateway.chat_template import ChatTemplate
 from meshnet.gateway.generation import GenerationService
 from meshnet.gateway.metrics import GatewayMetrics
 from meshnet.gateway.telemetry import TelemetryHub
+from meshnet.httputil import tls_or_default
 
 __all__ = ["LEARN_EVERY_S", "Learner", "ModelCatalog", "ServedModel"]
 
@@ -120,7 +121,7 @@ class ModelCatalog:
         """The served models the swarm can route end to end right now (all of them without a tracker)."""
         if self.tracker is None:
             return self.entries()
-        async with httpx.AsyncClient(timeout=_TIMEOUT_S, verify=self.tracker_tls or True) as client:
+        async with httpx.AsyncClient(timeout=_TIMEOUT_S, verify=tls_or_default(self.tracker_tls)) as client:
             try:
                 views = (await client.get(f"{self.tracker}/v1/models")).json()["models"]
                 ready = {str(v["id"]) for v in views if v.get("routable") is True}
@@ -149,7 +150,7 @@ class ModelCatalog:
         if self.learn is None or self.tracker is None:
             return []
         learned = []
-        with httpx.Client(timeout=_TIMEOUT_S, verify=self.tracker_tls or True) as client:
+        with httpx.Client(timeout=_TIMEOUT_S, verify=tls_or_default(self.tracker_tls)) as client:
             try:
                 views = client.get(f"{self.tracker}/v1/models").json()["models"]
             except (httpx.HTTPError, ValueError, KeyError, TypeError):

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet.errors import Conflict, InvalidRequest, ModelMismatch
-from meshnet.httputil import EXCEPTION_HANDLERS, read_body, service_url
+from meshnet.httputil import EXCEPTION_HANDLERS, read_body, service_url, tls_or_default
 from meshnet.layers import LayerRange
 from meshnet.models.families import family_of_model_type
 from meshnet.protocol.prefix import FILTER_BITS, PrefixFilter
@@ -422,7 +422,7 @@ def create_tracker_app(
         """Whether the node registered under an id still serves at its address as that id: then a
         registration of the id from another address is a takeover, not a restart, and is refused."""
         try:
-            async with httpx.AsyncClient(timeout=TAKEOVER_PROBE_S, verify=client_tls or True) as client:
+            async with httpx.AsyncClient(timeout=TAKEOVER_PROBE_S, verify=tls_or_default(client_tls)) as client:
                 answer = await client.get(f"{held.url}/v1/health")
             return answer.status_code == 200 and answer.json().get("node_id") == held.node_id
         except (httpx.HTTPError, ValueError, AttributeError):
