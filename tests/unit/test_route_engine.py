@@ -518,6 +518,40 @@ def test_a_tail_answering_a_token_outside_the_vocabulary_is_replaced(swarm: Loca
     assert repair.failed_node == "c" and "not a token of this model's vocabulary" in repair.reason
 
 
+def test_a_relayed_entry_forged_on_the_way_is_found_at_the_end_and_no_node_is_paid(tmp_path: Path) -> None:
+    """Decode answers check the tail's signature at once (it covers the tokens) and the other hops'
+    on their latest entries at the end (Usage.check_receipts): a tail that rewrites the head's
+    entry it relays leaves the text alone and voids the session's pay."""
+    from meshnet.protocol.messages import HopAnswer, TokenAnswer
+
+    swarm = LocalSwarm(tmp_path / "forged", channels=True)
+    try:
+        expected = reference(tmp_path, 6)
+
+        async def run() -> tuple[list[int], list[EngineStep]]:
+            await swarm.layout()
+            liar = swarm.nodes["c"]
+            honest_handle = liar.handle
+
+            async def handle(request: Any, *args: Any, **kwargs: Any) -> HopAnswer | None:
+                answer = await honest_handle(request, *args, **kwargs)
+                if isinstance(answer, TokenAnswer) and request.start > len(PROMPT):
+                    head = dataclasses.replace(answer.hops[0], compute_ms=0.01)  # not what the head signed
+                    return dataclasses.replace(answer, hops=(head, *answer.hops[1:]))
+                return answer
+
+            liar.handle = handle  # type: ignore[method-assign]
+            return await generate(swarm.engine(), 6)
+
+        tokens, steps = swarm.run(run)
+        assert tokens == expected and changes(steps) == []
+        outbox = swarm.engines[0].outbox
+        # nothing billed, nothing sent: the tracker would refuse the forged receipt too (dropped)
+        assert outbox.wait_idle(10) and (outbox.delivered, outbox.dropped) == (0, 0)
+    finally:
+        swarm.close()
+
+
 @pytest.mark.parametrize("dead", ["a", "b", "c"])
 def test_in_a_private_swarm_a_dead_hops_standby_restores_its_kv_snapshot_and_only_the_rest_is_replayed(
     tmp_path: Path, dead: str

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from meshnet.errors import InvalidRequest, RouteInconsistent
+from meshnet.gateway.billing_outbox import Usage
 from meshnet.layers import LayerRange
 from meshnet.protocol.messages import AnswerKind, HopAnswer, HopEntry, TokenAnswer, VerifyAnswer, answer_from_json
 from meshnet.protocol.signing import HopKey, check_public_key, check_signatures
@@ -77,6 +78,31 @@ def test_a_hop_cannot_make_up_another_hops_entry() -> None:
     garbled = dataclasses.replace(head, signature="!" * 86)
     with pytest.raises(RouteInconsistent, match="node head"):
         check_signatures(SESSION, ROUTE, dataclasses.replace(answer, hops=(garbled, tail)))
+
+
+def test_tail_only_checks_the_tails_signature_and_that_the_others_carry_one() -> None:
+    answer = wire(honest())
+    head, tail = answer.hops
+    changed = dataclasses.replace(head, compute_ms=0.5)
+    check_signatures(SESSION, ROUTE, dataclasses.replace(answer, hops=(changed, tail)), tail_only=True)
+    with pytest.raises(RouteInconsistent, match="is not signed"):
+        check_signatures(SESSION, ROUTE, dataclasses.replace(answer, hops=(dataclasses.replace(head, signature=None),
+                                                                          tail)), tail_only=True)  # fmt: skip
+    with pytest.raises(RouteInconsistent, match="node tail"):
+        check_signatures(SESSION, ROUTE, dataclasses.replace(answer, token=43), tail_only=True)
+
+
+def test_receipts_checked_late_void_the_pay_when_a_relayed_entry_was_forged() -> None:
+    answer = wire(honest())
+    keys = {h.node: h.key for h in ROUTE}
+    usage = Usage()
+    usage.add(ROUTE, decode=2)
+    usage.signed(answer, SESSION, keys)
+    assert set(usage.unchecked) == {"head"}  # the tail's was checked with its tokens
+    assert usage.check_receipts() == [] and not usage.unchecked and len(usage.records()) == 2
+    head, tail = answer.hops
+    usage.signed(dataclasses.replace(answer, hops=(dataclasses.replace(head, compute_ms=0.5), tail)), SESSION, keys)
+    assert usage.check_receipts() == ["head"] and usage.records() == []  # which relaying hop forged it is unknown
 
 
 def test_a_hop_that_answers_alone_and_signs_the_token_itself_is_caught_before_the_tail_is_blamed() -> None:

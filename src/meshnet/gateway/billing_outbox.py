@@ -27,7 +27,7 @@ import queue
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ import httpx
 from meshnet.fsutil import PRIVATE_MODE, write_atomic
 from meshnet.httputil import error_message, tls_or_default
 from meshnet.protocol.messages import HopAnswer, HopEntry
-from meshnet.protocol.signing import HopKey, claim_of, countersign
+from meshnet.protocol.signing import HopKey, claim_of, countersign, signed_by
 from meshnet.routes import Hop, RoutePlan
 from meshnet.tracker.billing import MAX_DECODE_S
 
@@ -71,6 +71,10 @@ class Usage:
     receipts: dict[str, tuple[HopEntry, HopAnswer | None]] = field(default_factory=dict)
     # Nodes caught lying in an answer they signed (a token their committed draw does not give): unpaid.
     unpaid: set[str] = field(default_factory=set)
+    # Receipts whose signature is not checked yet: node -> (session, the key pinned for it). Decode
+    # answers check only the tail's signature at once (it protects the tokens); the rest are checked
+    # once, on the latest entry, before the receipts are used (``check_receipts``).
+    unchecked: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def add(self, hops: Iterable[Hop], *, prefill: int = 0, decode: int = 0) -> None:
         for hop in hops:
@@ -78,12 +82,31 @@ class Usage:
             entry.prefill_tokens += prefill
             entry.decode_tokens += decode
 
-    def signed(self, answer: HopAnswer) -> None:
-        """The entries of an answer the gateway verified: each node's becomes its receipt so far."""
+    def signed(self, answer: HopAnswer, session: str = "", keys: Mapping[str, str | None] | None = None) -> None:
+        """The entries of an answer the gateway verified: each node's becomes its receipt so far.
+        ``keys``: the pinned keys of the nodes whose signatures it did not check yet (of ``session``)."""
         last = len(answer.hops) - 1
         for i, entry in enumerate(answer.hops):
             if entry.signature is not None:
                 self.receipts[entry.node] = (entry, answer if i == last else None)
+                key = keys.get(entry.node) if keys is not None and i != last else None
+                if key is not None:
+                    self.unchecked[entry.node] = (session, key)
+                else:
+                    self.unchecked.pop(entry.node, None)
+
+    def check_receipts(self) -> list[str]:
+        """Check the signatures not checked yet, on each node's latest entry; the nodes whose entry
+        does not carry its own signature (empty: all did). Such an entry was made up or changed by
+        a relaying hop that cannot be told apart from it, so then no node is paid (``void``)."""
+        bad = []
+        for node, (session, key) in sorted(self.unchecked.items()):
+            if not signed_by(key, session, self.receipts[node][0], None):  # (never the tail's: checked at once)
+                bad.append(node)
+        self.unchecked.clear()
+        if bad:
+            self.void()
+        return bad
 
     def receipt(self, node: str) -> dict[str, Any] | None:
         """``node``'s receipt as the tracker takes it (``None``: it signed no entry)."""

@@ -458,7 +458,14 @@ class RouteEngine:
 
     async def _finish(self, run: _Run, outcome: str) -> None:
         """A generation ended: take what its audit needs (if it is audited) while its route still
-        holds the session, close the route, bill it, then audit it."""
+        holds the session, close the route, bill it, then audit it. The hops' latest entries are
+        checked first (their signatures: ``Usage.check_receipts``); one that is not its hop's voids
+        the session's pay."""
+        forged = run.usage.check_receipts()
+        if forged:
+            _log.warning("session %s: the latest entries of %s do not carry their own signatures (another hop made "
+                        "them up or changed them): no node of the session is paid", run.plan.session_id,
+                        ", ".join(forged))  # fmt: skip
         job = await self._audit_job(run) if run.audited and outcome == "completed" else None
         await self._close(run.plan)
         await asyncio.to_thread(self.outbox.submit, run.plan, run.usage, outcome)  # it spools to disk
@@ -915,7 +922,7 @@ class RouteEngine:
         way back stops the generation instead (``RouteInconsistent``), and a tail is blamed only for
         what it signed."""
         plan = run.plan
-        check_signatures(plan.session_id, plan.hops, answer)
+        check_signatures(plan.session_id, plan.hops, answer, tail_only=True)  # the others: at the end (_verified)
         tail, n_vocab = plan.hops[-1], self.info.n_vocab
         if not isinstance(answer, TokenAnswer | VerifyAnswer):
             raise HopFailed(f"the tail {tail.node} answered a step with {answer.kind}", failed_hop=tail.url)
@@ -1102,13 +1109,16 @@ def _verified(run: _Run, answer: HopAnswer, expected: ChunkLedger | None = None)
     """Raise ``RouteInconsistent`` unless ``answer``'s entries show the route holding what ``expected``
     (by default the run's ledger) says, each computed from what the hop before it sent
     (``verify_hops``), and each signed by its own hop's key, the tail's over the answer too
-    (``check_signatures``; for an answer with tokens ``_check_tokens`` checked them before looking
-    at its tokens). The entries become the nodes' receipts for the session (``Usage.signed``)."""
+    (``check_signatures``; for an answer with tokens ``_check_tokens`` checked the tail's before
+    looking at its tokens, and the others' are checked on the latest entries at the end). The
+    entries become the nodes' receipts for the session (``Usage.signed``)."""
     plan = run.plan
     verify_hops(run.ledger if expected is None else expected, plan.hops, answer.hops)
     if answer.kind not in CLAIMED_KINDS:
         check_signatures(plan.session_id, plan.hops, answer)
-    run.usage.signed(answer)
+        run.usage.signed(answer)
+    else:  # only the tail's signature is checked yet: the others' are, on the latest, at the end
+        run.usage.signed(answer, plan.session_id, {h.node: h.key for h in plan.hops})
     if run.audited and isinstance(answer, TokenAnswer | VerifyAnswer):
         _keep_answer(run, answer, answer.position)
 
