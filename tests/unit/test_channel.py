@@ -27,7 +27,7 @@ from meshnet.ids import SessionId
 from meshnet.node import channel
 from meshnet.node.channel import Direct
 from meshnet.protocol import channel_client
-from meshnet.protocol.channel import CHANNEL_PATH, Kind, decode_frame, encode_frame, ws_url
+from meshnet.protocol.channel import CHANNEL_PATH, Fields, Kind, decode_frame, encode_frame, ws_url
 from meshnet.protocol.channel_client import Channels, ChannelUnavailable, _answer, _Report
 from meshnet.protocol.messages import HopAnswer, HopEntry, TokenAnswer
 from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_member_key
@@ -415,3 +415,11 @@ def test_a_node_without_a_channel_is_unavailable_and_not_redialed_at_every_step(
 
     with serve_in_thread(Starlette(routes=[])) as url:  # an HTTP server that takes no WebSocket
         asyncio.run(scenario(url))
+
+
+def test_a_steps_fields_are_looked_up_without_regard_to_case_as_http_headers_are() -> None:
+    fields = Fields({"X-Meshnet-Position": "7", "x-meshnet-position": "8", "X-MESHNET-DRAFT": "1,2"})
+    assert fields["x-meshnet-position"] == fields.get("X-Meshnet-Position") == "7"  # the first one wins
+    assert fields.get("X-Meshnet-Draft") == "1,2" and "x-meshnet-draft" in fields and 3 not in fields
+    assert fields.get("X-Meshnet-Rewind") is None and fields.get("X-Meshnet-Rewind", "0") == "0"
+    assert len(fields) == 2 and sorted(fields) == ["x-meshnet-draft", "x-meshnet-position"]

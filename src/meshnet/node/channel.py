@@ -21,10 +21,9 @@ import contextlib
 import logging
 import secrets
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from starlette.datastructures import Headers
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
@@ -36,6 +35,7 @@ from meshnet.protocol.channel import (
     MAX_HEADER_BYTES,
     ChannelFrame,
     Direct,
+    Fields,
     InOrder,
     Kind,
     decode_frame,
@@ -55,7 +55,7 @@ _HELLO_TIMEOUT_S = 5.0
 
 
 # (session, headers, body, verify, direct) -> the tail's answer, or None past a non-tail hop
-StepHandler = Callable[[SessionId, Headers, bytes, bool, Direct], Awaitable[dict[str, Any] | None]]
+StepHandler = Callable[[SessionId, Mapping[str, str], bytes, bool, Direct], Awaitable[dict[str, Any] | None]]
 
 
 class Peer:
@@ -126,7 +126,7 @@ async def _one_step(
         if len(step.body) > max_body:
             raise PayloadTooLarge(f"step body of {len(step.body)} bytes exceeds this node's limit of {max_body} bytes")
         direct = Direct(step.seq, step.returns, step.hops)
-        answer = await on_step(SessionId(step.session), Headers(headers=step.headers), step.body, step.verify, direct)
+        answer = await on_step(SessionId(step.session), Fields(step.headers), step.body, step.verify, direct)
         if answer is not None:
             await reply.send(token_frame(step.session, step.seq, answer))
     except MeshnetError as exc:

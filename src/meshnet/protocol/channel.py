@@ -26,7 +26,7 @@ import asyncio
 import functools
 import json
 import struct
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Generic, TypeGuard, TypeVar
@@ -44,6 +44,7 @@ __all__ = [
     "VERSION",
     "ChannelFrame",
     "Direct",
+    "Fields",
     "InOrder",
     "Kind",
     "Step",
@@ -85,6 +86,36 @@ class ChannelFrame:
 def encode_frame(kind: Kind, header: dict[str, Any], body: bytes = b"") -> bytes:
     raw = json.dumps(header, separators=(",", ":")).encode()
     return _PREFIX.pack(MAGIC, VERSION, int(kind), len(raw)) + raw + body
+
+
+class Fields(Mapping[str, str]):
+    """A ``STEP`` frame's ``X-Meshnet-*`` fields, looked up without regard to case as HTTP headers are
+    (the first of names that differ only in case wins, as in Starlette's ``Headers``). A dict of the
+    lowered names: ``Headers`` scans its whole list at every lookup, and reading a step takes about
+    twenty."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, raw: Mapping[str, str]) -> None:
+        fields: dict[str, str] = {}
+        for name, value in raw.items():
+            fields.setdefault(name.lower(), value)
+        self._fields = fields
+
+    def __getitem__(self, name: str) -> str:
+        return self._fields[name.lower()]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._fields.get(name.lower(), default)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._fields
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
 
 
 @dataclass(frozen=True, slots=True)
