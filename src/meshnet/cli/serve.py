@@ -60,17 +60,22 @@ def add_allow_uncertified(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def whole_at_least(text: str, least: int, what: str) -> int:
+    """``text`` as a whole number of at least ``least``, else argparse's error expecting ``what``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
 def gpu_layers_arg(text: str) -> int:
     """An argparse type for ``--gpu-layers``: ``all`` is -1 (every layer), else a whole number >= 0."""
     if text.strip().lower() == "all":
         return -1
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected all or a whole number of layers (0: CPU only), got {text!r}")
-    return value
+    return whole_at_least(text, 0, "all or a whole number of layers (0: CPU only)")
 
 
 def add_gpu_layers(parser: argparse.ArgumentParser, *, what: str = "the model") -> None:

@@ -36,6 +36,7 @@ from meshnet.cli.serve import (
     resolve_gguf,
     setup_logging,
     usage_error,
+    whole_at_least,
 )
 from meshnet.cli.vocab import add_gateway_source
 from meshnet.errors import MeshnetError
@@ -293,24 +294,12 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
 
 def whole_number(text: str) -> int:
     """An argparse type: a whole number of at least 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 0, got {text!r}")
-    return value
+    return whole_at_least(text, 0, "a whole number of at least 0")
 
 
 def at_least_one(text: str) -> int:
     """An argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return value
+    return whole_at_least(text, 1, "a whole number of at least 1")
 
 
 def add_decode_batch(parser: argparse.ArgumentParser) -> None:
