@@ -63,7 +63,7 @@ MAX_GRAMMAR_BYTES = 64 * 1024
 GREEDY_BELOW = 1e-5
 
 COMMITTED = 20  # the candidates a draw commits to
-SORTED_HEAD = 256  # candidates a draw orders by probability; the rest follow in id order (Sampler._distribution)
+SORTED_HEAD = 256  # candidates a draw orders by probability; the rest follow in id order (Sampler._spread)
 GRAMMAR_STREAM = 3  # the random stream of a draw the grammar constrained (``Sampler._constrained``)
 
 Logits = npt.NDArray[np.float32]
