@@ -91,17 +91,19 @@ class WalkCosts:
 
     def estimate(self, positions: int) -> float | None:
         """A walk of ``positions`` alone: what the links add plus the hops' compute (``compute``)."""
-        compute = self.compute(positions)
-        with self._lock:
-            network = statistics.median(self._network) if self._network else None
-        return None if compute is None or network is None else network + compute
+        return _walk(*self._medians(), positions)
 
     def compute(self, positions: int) -> float | None:
         """The hops' compute of ``positions``: the median of the latest such rounds, else as the
         measured sizes suggest (``_interpolate``)."""
+        return _interpolate(self._medians()[1], positions)
+
+    def _medians(self) -> tuple[float | None, dict[int, float]]:
+        """What the links add (``None``: nothing measured) and the compute by size, each the median
+        of its latest measurements: taken once per decision, which weighs many sizes."""
         with self._lock:
-            known = {n: statistics.median(v) for n, v in self._compute.items()}
-        return _interpolate(known, positions)
+            network = statistics.median(self._network) if self._network else None
+            return network, {n: statistics.median(v) for n, v in self._compute.items()}
 
     def chain_pays(self, positions: int, kept: float, hops: int) -> bool:
         """Whether to send a round of ``positions`` through ``hops`` hops before the verdict on the
@@ -112,7 +114,8 @@ class WalkCosts:
         later: it saves a walk less one hop's share of the compute when it is of use, and costs
         that share when it is void (the next round waits behind it at each hop; the tail does not
         compute it at all). Nothing measured yet: no (a synchronous round measures first)."""
-        walk, compute = self.estimate(positions), self.compute(positions)
+        network, known = self._medians()
+        walk, compute = _walk(network, known, positions), _interpolate(known, positions)
         if walk is None or compute is None or hops < 1:
             return False
         share = compute / hops
@@ -123,17 +126,14 @@ class WalkCosts:
         expected tokens per second, 0 (a plain step) included. A route with no plain step measured
         gets one; one with no chunk measured, a probe of ``PROBE_DRAFTS``. ``explore``: a step's
         own drafts, which also re-probe a route where drafting has not paid for a while."""
-        with self._lock:
-            sizes = list(self._compute) if self._network else []
-        if 1 not in sizes:
+        network, known = self._medians()
+        if network is None or 1 not in known:
             return 0
-        if max(sizes) == 1:
+        if max(known) == 1:
             return min(available, PROBE_DRAFTS)
-        plain = self.estimate(1)
-        assert plain is not None
-        best, best_rate = 0, 1.0 / plain
+        best, best_rate = 0, 1.0 / (network + known[1])
         for d in range(1, available + 1):
-            seconds = self.estimate(d + 1)
+            seconds = _walk(network, known, d + 1)
             assert seconds is not None
             tokens = float(d + 1) if q >= 1.0 else (1.0 - q ** (d + 1)) / (1.0 - q)
             if seconds > 0 and tokens / seconds > best_rate:
@@ -256,6 +256,12 @@ class ModelDraft(Drafter):
 
     def continuation(self, text: Sequence[int], limit: int) -> list[int]:
         return self.model.draft(text, limit) if limit >= 1 and text else []
+
+
+def _walk(network: float | None, known: dict[int, float], positions: int) -> float | None:
+    """A walk of ``positions`` alone, from the medians (``WalkCosts._medians``)."""
+    compute = _interpolate(known, positions)
+    return None if compute is None or network is None else network + compute
 
 
 def _interpolate(known: dict[int, float], positions: int) -> float | None:
