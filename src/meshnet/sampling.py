@@ -371,16 +371,6 @@ class Sampler:
             return token, Draw((token,), (prob,), 1.0, int(logits.shape[0]), GRAMMAR_STREAM)
         return self._draw(self.grammar.mask(logits), position, stream=GRAMMAR_STREAM)
 
-    def _distribution(self, logits: Logits) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-        """The candidate tokens and their probabilities in draw order (``_spread``, laid out whole)."""
-        spread = self._spread(logits)
-        if spread.rest_probs is None:
-            return spread.head_ids, spread.head_probs.copy()
-        rest = np.ones(spread.rest_probs.shape[0], dtype=bool)
-        rest[spread.head_at] = False
-        ids = np.flatnonzero(rest) if spread.ids is None else spread.ids[rest]
-        return np.concatenate((spread.head_ids, ids)), np.concatenate((spread.head_probs, spread.rest_probs[rest]))
-
     def _spread(self, logits: Logits) -> _Spread:
         """The distribution a sampled draw is from, after temperature, top-k and top-p, in draw order:
         the most likely ``SORTED_HEAD`` candidates first, sorted (ties: the lower id first; every
@@ -408,21 +398,21 @@ class Sampler:
         np.subtract(values, values[at[0]], out=probs)
         np.exp(probs, out=probs)
         probs /= probs.sum()
+        head_probs = probs[at]
         if p.top_p < 1.0:
-            head = at.shape[0]
-            while float(np.cumsum(probs[at])[-1]) < p.top_p and head < size:  # past the head: a larger one
+            head, running = at.shape[0], np.cumsum(head_probs)
+            while running[-1] < p.top_p and head < size:  # past the head: a larger one
                 head = min(head * 8, size)
                 at = _sorted_head(values, head, scratch)
-            head_probs = probs[at]
-            cut = int(np.searchsorted(np.cumsum(head_probs), p.top_p)) + 1
+                head_probs = probs[at]
+                running = np.cumsum(head_probs)
+            cut = int(np.searchsorted(running, p.top_p)) + 1
             kept = head_probs[:cut]
-            at = at[:cut]
-            return _Spread(_ids_at(ids, at), kept / kept.sum(), None, None, at, cut)
-        head_probs = probs[at]
+            return _Spread(_ids_at(ids, at[:cut]), kept / kept.sum(), None, None, cut)
         if at.shape[0] == size:
-            return _Spread(_ids_at(ids, at), head_probs, None, None, at, size)
+            return _Spread(_ids_at(ids, at), head_probs, None, None, size)
         probs[at] = 0.0
-        return _Spread(_ids_at(ids, at), head_probs, probs, ids, at, size, scratch.running)
+        return _Spread(_ids_at(ids, at), head_probs, probs, ids, size, scratch.running)
 
 
 @dataclass(slots=True)
@@ -463,17 +453,15 @@ _SCRATCH = _Scratch()
 
 @dataclass(frozen=True, slots=True)
 class _Spread:
-    """A sampled draw's candidates: the sorted head (``head_ids``, ``head_probs``; ``head_at``:
-    where they lie among the candidates in id order) and, unless top-p cut within it, every
-    candidate's probability in id order with the head's zeroed (``rest_probs``; their ids
-    ``ids``, ``None`` for the whole vocabulary); ``size``: how many candidates in all;
-    ``running``: scratch for the draw's running sum."""
+    """A sampled draw's candidates: the sorted head (``head_ids``, ``head_probs``) and, unless top-p
+    cut within it, every candidate's probability in id order with the head's zeroed (``rest_probs``;
+    their ids ``ids``, ascending, ``None`` for the whole vocabulary); ``size``: how many candidates
+    in all; ``running``: scratch for the draw's running sum."""
 
     head_ids: npt.NDArray[np.int64]
     head_probs: npt.NDArray[np.float64]
     rest_probs: npt.NDArray[np.float64] | None
     ids: npt.NDArray[np.int64] | None
-    head_at: npt.NDArray[np.int64]
     size: int
     running: npt.NDArray[np.float64] | None = None
 

@@ -251,7 +251,7 @@ def test_sampled_verify_keeps_the_target_distribution():
     logits = _logits(3, vocab=8)
     params = SamplingParams(temperature=0.8, top_k=6)
     sampler = Sampler(params)
-    candidates, probs = sampler._distribution(logits)
+    candidates, probs = _laid_out(sampler, logits)
     target = np.zeros(8)
     target[candidates] = probs
     rows = np.stack([logits, logits])
@@ -482,8 +482,20 @@ def test_a_draw_the_grammar_constrained_is_committed_on_its_own_stream_and_re_de
     assert checked > 50  # about half the unconstrained choices are odd
 
 
+def _laid_out(sampler: Sampler, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The candidate tokens and their probabilities in draw order: the sampler's head, then the rest
+    in id order (``Sampler._spread``, laid out whole)."""
+    spread = sampler._spread(logits)
+    if spread.rest_probs is None:
+        return spread.head_ids, spread.head_probs.copy()
+    rest = np.ones(spread.rest_probs.shape[0], dtype=bool)
+    rest[spread.head_ids if spread.ids is None else np.searchsorted(spread.ids, spread.head_ids)] = False
+    ids = np.flatnonzero(rest) if spread.ids is None else spread.ids[rest]
+    return np.concatenate((spread.head_ids, ids)), np.concatenate((spread.head_probs, spread.rest_probs[rest]))
+
+
 def _sorted_reference(logits: np.ndarray, params: SamplingParams) -> dict[int, float]:
-    """The distribution by a full sort of the vocabulary (what ``_distribution`` computed before it
+    """The distribution by a full sort of the vocabulary (what the sampler computed before it
     sorted only its head): token id -> probability."""
     candidates, values = np.arange(logits.shape[0]), logits.astype(np.float64)
     if 0 < params.top_k < values.shape[0]:
@@ -509,7 +521,7 @@ def test_the_distribution_sorts_its_head_and_is_the_full_sorts_distribution(peak
             logits[rng.choice(vocab, 8, replace=False)] += 12
         params = SamplingParams(temperature=float(rng.choice([0.5, 1.0, 1.7])), top_p=float(rng.choice([1.0, 0.9])),
                                 top_k=int(rng.choice([0, 40, 400])), seed=1)  # fmt: skip
-        candidates, probs = Sampler(params)._distribution(logits)
+        candidates, probs = _laid_out(Sampler(params), logits)
         head = min(SORTED_HEAD, candidates.shape[0])
         assert np.all(np.diff(probs[:head]) <= 0)  # the head is sorted, most likely first
         if head < candidates.shape[0]:
@@ -536,7 +548,7 @@ def test_a_draw_in_place_picks_what_the_laid_out_distribution_picks(params: Samp
     logits[rng.choice(3000, 6, replace=False)] += 9
     logits[100:140] = logits[7]  # ties across the head's edge: every tied token joins the head
     sampler = Sampler(params)
-    candidates, probs = sampler._distribution(logits)
+    candidates, probs = _laid_out(sampler, logits)
     running = np.cumsum(probs)
     total = float(running[-1])
     edges = (running / total)[:: max(1, len(running) // 200)]
