@@ -282,8 +282,9 @@ class Sampler:
         if not n:
             return ()
         n = min(n, logits.shape[0])
-        best = np.argpartition(logits, -n)[-n:]
-        best = best[np.argsort(-logits[best], kind="stable")]
+        work = _SCRATCH.arrays(logits.shape[0])
+        best = _at_least_kth(logits, n, work.marks, work.floats)
+        best = best[np.lexsort((best, -logits[best].astype(np.float64)))][:n]  # ties: the lower id first
         log_z = _log_z(logits)
         return tuple((int(t), float(logits[t]) - log_z) for t in best)
 
@@ -494,14 +495,40 @@ def _sorted_head(values: npt.NDArray[np.float64], k: int, scratch: _Work) -> npt
     """Where the ``k`` largest ``values`` lie, and every value tied with the least of them, the
     largest first (ties: the lower index first)."""
     n = values.shape[0]
-    if k < n:
-        sorting = scratch.sorting
-        sorting[:] = values
-        sorting.partition(n - k)
-        at = np.flatnonzero(np.greater_equal(values, sorting[n - k], out=scratch.marks))
-    else:
-        at = np.arange(n)
+    at = _at_least_kth(values, k, scratch.marks, scratch.sorting) if k < n else np.arange(n)
     return at[np.lexsort((at, -values[at]))]
+
+
+_SAMPLED = 1024  # values sampled to find the k-th largest's neighbourhood (at least 8k)
+
+
+def _at_least_kth(
+    values: npt.NDArray[np.floating], k: int, marks: npt.NDArray[np.bool_], sorting: npt.NDArray[np.floating]
+) -> npt.NDArray[np.int64]:
+    """Where every value at least the ``k``-th largest lies (ties with it included), in index order.
+
+    The ``k``-th largest of an evenly strided sample is a bound: ``k`` values are at least it, so the
+    ``k`` largest are among the values at least it, about ``k`` x the stride of them, and only those
+    are partitioned (a 50K vocabulary, k = 20: ~30 µs against ~250 for partitioning everything). Too
+    small a vocabulary for a sample, or a NaN among the values (which partitioning counts as the
+    largest), partitions everything (in ``sorting``: no vocabulary-sized allocation)."""
+    n = values.shape[0]
+    stride = n // max(_SAMPLED, 8 * k)
+    if stride >= 2 and not np.isnan(values.max()):
+        sample = values[::stride]
+        bound = np.partition(sample, sample.shape[0] - k)[sample.shape[0] - k]
+        near = np.flatnonzero(np.greater_equal(values, bound, out=marks))
+        if near.shape[0] >= k:
+            inside = values[near]
+            edge = np.partition(inside, near.shape[0] - k)[near.shape[0] - k]
+            kept: npt.NDArray[np.int64] = near[inside >= edge]
+            return kept
+    if sorting.dtype == values.dtype:
+        sorting[:] = values
+    else:
+        sorting = values.copy()
+    sorting.partition(n - k)
+    return np.flatnonzero(np.greater_equal(values, sorting[n - k], out=marks))
 
 
 def _greedy_draw(logits: Logits, token: int, stream: int, log_z: float | None = None) -> Draw:
@@ -510,10 +537,7 @@ def _greedy_draw(logits: Logits, token: int, stream: int, log_z: float | None = 
     size = logits.shape[0]
     n = min(COMMITTED, size)
     work = _SCRATCH.arrays(size)
-    floats = work.floats
-    floats[:] = logits
-    floats.partition(size - n)  # in place: no vocabulary-sized index array
-    best = np.flatnonzero(np.greater_equal(logits, floats[size - n], out=work.marks))  # ties at the edge too
+    best = _at_least_kth(logits, n, work.marks, work.floats)  # ties at the edge too
     best = best[np.lexsort((best, -logits[best].astype(np.float64)))]
     ids = [token, *(int(t) for t in best if int(t) != token)][:n]
     log_z = _log_z(logits) if log_z is None else log_z

@@ -164,6 +164,9 @@ class ShardBackend(Protocol):
 
     def decode_many(self, steps: Sequence[DecodeStep]) -> list[ShardOutput | MeshnetError]: ...
 
+    @property
+    def shares_cores(self) -> bool: ...
+
     def rewind(self, sid: SessionId, position: int) -> None: ...
 
     def snapshot(self, sid: SessionId) -> bytes: ...
@@ -227,6 +230,11 @@ class ShardBase(abc.ABC, Generic[S]):
 
         self._store = SessionStore(limits, new_state=self._new_state_locked, free_state=free, truncate_state=truncate)
         self._store.demote = demote
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether every forward takes a machine-wide core lease, which may wait for another process's compute."""
+        return not isinstance(self.core_lease, contextlib.nullcontext)
 
     def _new_state_locked(self, sid: SessionId) -> S:
         with self._compute:

@@ -73,6 +73,8 @@ def _node_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        # this loop's worker threads, counted: a short decode step runs on the loop while none is busy (node.offload)
+        node.calls.install(asyncio.get_running_loop(), shares_cores=shard.shares_cores)
         tasks = [asyncio.create_task(_sweep(node))]
         bench = SelfBenchmark(shard)
         benching: set[asyncio.Task[None]] = set()

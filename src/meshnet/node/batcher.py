@@ -6,6 +6,9 @@ alone; the steps that arrive while a batch computes queue up and go together as 
 So one session sees no added latency, and under load each compute call serves every session
 that is waiting — continuous batching, the way llama-server's slots and vLLM's scheduler work.
 
+A batch computes on a worker thread, or on the event loop itself when it is short and nothing else
+runs on a worker thread (``node.offload``).
+
 A shard batches only where it measured that a batch gives every session the bits of its own step
 (``ShardInfo.decode_batch``); a node whose shard does not runs each step on its own, as before.
 """
@@ -16,21 +19,25 @@ import asyncio
 from collections.abc import Callable
 
 from meshnet.backends.shard import DecodeStep, ShardBackend, ShardOutput
+from meshnet.node.offload import ShardCalls
 
 __all__ = ["DecodeBatcher"]
 
-_Waiting = tuple[DecodeStep, "asyncio.Future[ShardOutput]"]
+_Waiting = tuple[DecodeStep, "asyncio.Future[tuple[ShardOutput, float]]"]
 
 
 class DecodeBatcher:
     """Gathers concurrent decode steps into ``decode_many`` calls, one call at a time.
 
-    ``on_batch(steps)`` is told the size of every call (metrics). Each step's own error (wrong
-    position, busy session, bad input) fails only that step's ``step()`` call."""
+    ``on_batch(steps)`` is told the size of every call (metrics); ``calls`` runs them (node.offload).
+    Each step's own error (wrong position, busy session, bad input) fails only that step's ``step()`` call."""
 
-    def __init__(self, shard: ShardBackend, on_batch: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, shard: ShardBackend, on_batch: Callable[[int], None] | None = None, calls: ShardCalls | None = None
+    ) -> None:
         self._shard = shard
         self._on_batch = on_batch
+        self._calls = calls or ShardCalls()
         self._queue: list[_Waiting] = []
         self._drain: asyncio.Task[None] | None = None
 
@@ -38,8 +45,9 @@ class DecodeBatcher:
     def waiting(self) -> int:
         return len(self._queue)
 
-    async def step(self, step: DecodeStep) -> ShardOutput:
-        future: asyncio.Future[ShardOutput] = asyncio.get_running_loop().create_future()
+    async def step(self, step: DecodeStep) -> tuple[ShardOutput, float]:
+        """The step's output, and the seconds its batch's compute call took."""
+        future: asyncio.Future[tuple[ShardOutput, float]] = asyncio.get_running_loop().create_future()
         self._queue.append((step, future))
         if self._drain is None:
             # A task of its own: a caller that is cancelled (its client went away) must not take
@@ -48,17 +56,16 @@ class DecodeBatcher:
         return await future
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
                 steps = [step for step, _ in batch]
                 if self._on_batch is not None:
                     self._on_batch(len(steps))
+                seconds = 0.0
                 try:
-                    results: list[ShardOutput | BaseException] = list(
-                        await loop.run_in_executor(None, self._shard.decode_many, steps)
-                    )
+                    outs, seconds = await self._calls.step(self._shard.decode_many, steps)
+                    results: list[ShardOutput | BaseException] = list(outs)
                 except Exception as exc:  # a fault of the shard call itself: every step in it failed
                     results = [exc] * len(batch)
                 for (_, future), result in zip(batch, results, strict=True):
@@ -67,6 +74,6 @@ class DecodeBatcher:
                     if isinstance(result, BaseException):
                         future.set_exception(result)
                     else:
-                        future.set_result(result)
+                        future.set_result((result, seconds))
         finally:
             self._drain = None

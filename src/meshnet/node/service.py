@@ -44,6 +44,7 @@ from meshnet.backends.shard import DecodeStep, ShardOutput, compute_chunks, veri
 from meshnet.errors import InvalidRequest, MeshnetError, SessionBusy
 from meshnet.ids import SessionId
 from meshnet.node.checks import check_drafts, check_model, shard_inputs
+from meshnet.node.offload import timed_off_loop
 from meshnet.node.service_base import ChannelSend, NodeConfig
 from meshnet.node.service_tail import TailParts
 from meshnet.node.session import NodeSession
@@ -192,16 +193,20 @@ class NodeService(TailParts):
         self, sid: SessionId, *, start: int, tokens: np.ndarray | None, hidden: np.ndarray | None,
         sizes: tuple[int, ...], verify: bool,
     ) -> tuple[np.ndarray | None, np.ndarray | None, float]:  # fmt: skip
-        began = time.perf_counter()
-        if self.batcher is not None and sizes == (1,) and not verify:
+        """The chunk's output and its compute in ms: the shard call's own time, not the hand-offs
+        to and from a worker thread (``node.offload``: a decode step may skip them)."""
+
+        def compute() -> ShardOutput:
+            return self._compute(sid, start=start, tokens=tokens, hidden=hidden, sizes=sizes, verify=verify)
+
+        if sizes != (1,) or verify:
+            out, seconds = await timed_off_loop(compute)
+        elif self.batcher is not None:
             token = None if tokens is None else int(tokens[0])
-            out = await self.batcher.step(DecodeStep(sid, start, token=token, hidden=hidden))
+            out, seconds = await self.batcher.step(DecodeStep(sid, start, token=token, hidden=hidden))
         else:
-            loop = asyncio.get_running_loop()
-            out = await loop.run_in_executor(
-                None, lambda: self._compute(sid, start=start, tokens=tokens, hidden=hidden, sizes=sizes, verify=verify)
-            )
-        return out.hidden, out.logits, 1000 * (time.perf_counter() - began)
+            out, seconds = await self.calls.step(compute)
+        return out.hidden, out.logits, 1000 * seconds
 
     def _compute(
         self, sid: SessionId, *, start: int, tokens: np.ndarray | None, hidden: np.ndarray | None,

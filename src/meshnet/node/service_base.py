@@ -27,6 +27,7 @@ from meshnet.node.audit import AuditLane
 from meshnet.node.authority import ClosedSessions
 from meshnet.node.batcher import DecodeBatcher
 from meshnet.node.metrics import NodeMetrics
+from meshnet.node.offload import ShardCalls
 from meshnet.node.prefix_cache import PrefixCache
 from meshnet.node.sampling_lane import DEFAULT_SAMPLE_DEADLINE_S, SamplingLane
 from meshnet.node.session import NodeSession, SeamLogs
@@ -101,9 +102,11 @@ class ServiceBase:
         self.transport = transport
         self.channel_send = channel_send
         self.metrics = metrics or NodeMetrics()
+        self.calls = ShardCalls()  # where decode steps compute: a worker thread or the loop (node.offload)
         # Decode steps of different sessions that arrive together compute as one batch, where
         # the shard measured that a batch keeps every session's bits (node.batcher).
-        self.batcher = DecodeBatcher(shard, self.metrics.batch) if shard.info.decode_batch > 1 else None
+        batches = shard.info.decode_batch > 1
+        self.batcher = DecodeBatcher(shard, self.metrics.batch, self.calls) if batches else None
         self.traffic = Traffic()  # queue depth and measured speed, for the tracker (node.advert)
         self.logs = SeamLogs(config.seam_log_bytes)
         self.audits = AuditLane()  # an auditor's re-executions, one at a time
