@@ -253,7 +253,9 @@ def run() -> Section:
     section.add("seam bytes independent of context", "yes" if equal else "no", "equal", equal)
     section.notes.append(
         "Per-hop overhead = (ms per decoded token - the route's own compute per token, summed over its hops "
-        "from the route.health telemetry) ÷ 3 hops; the gateways run on the same nodes, one after the other."
+        "from the route.health telemetry) ÷ 3 hops; the gateways run on the same nodes, one after the other. A hop's "
+        "compute is its shard call's own time: hand-offs to and from a worker thread count as overhead (results "
+        "before 2026-12-04 counted them as compute)."
     )
     section.notes.append(
         "Where the time goes: each node counts, for every decode step, its shard compute and its whole time on the "

@@ -56,6 +56,7 @@ class RoutePlan:
     trusted_only: bool = False  # pinned over trusted nodes only (and so is every route that replaces it)
     cached_tokens: int = 0  # the prompt positions the tracker expects the route's prefix caches to hold
     prefix_namespace: bytes = b""  # the prefix-cache namespace its prompt blocks are hashed in (the API key's)
+    max_tokens: int = 0  # the most tokens the generation on it asked for (0: not said)
 
     @property
     def layers(self) -> int:

@@ -192,6 +192,8 @@ def _sampled(swarm: LocalSwarm, *, speculative: bool, seeds: range, n: int) -> l
         options: dict[str, Any] = {"speculative": "draft", "draft_model": Mode(), "draft_tokens": 3}
         engine = swarm.engine(**(options if speculative else {}), pipeline_rounds=4)
         for seed in seeds:
+            if seed % 20 == 0:
+                await swarm.heartbeat()  # the runs take longer than the tracker's node TTL on a slow machine
             tokens, _ = await generate(engine, n, params=SamplingParams(temperature=2.0, seed=seed))
             out.append(tokens[:n])
 

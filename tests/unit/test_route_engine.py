@@ -107,7 +107,11 @@ class LocalSwarm:
                               channel_send=self.transport.channel_send)  # fmt: skip
         self.transport.add(url, service)
         self.nodes[node_id] = service
-        info = service.info
+        await self._register(service)
+        return service
+
+    async def _register(self, service: NodeService) -> None:
+        node_id, url, info = service.config.node_id, service.config.url, service.info
         body = {"node_id": node_id, "url": url, "model": info.model_id, "layers": str(info.layers),
                 "total_layers": TOTAL, "backend": info.backend, "kv_bytes_free": service.shard.store.free_bytes(),
                 "hop_key": service.config.hop_key.public, "prefill_tps": 1000.0, "decode_tps": 100.0,
@@ -115,7 +119,12 @@ class LocalSwarm:
         async with self.tracker(node_id, "node") as client:
             response = await client.post(f"{TRACKER}/v1/nodes", json=body)
         assert response.status_code in (200, 201), response.text
-        return service
+
+    async def heartbeat(self) -> None:
+        """Every node registers again, as a node's heartbeat does: a test longer than the tracker's node
+        TTL (15 s) keeps its nodes."""
+        for service in self.nodes.values():
+            await self._register(service)
 
     async def layout(self, *extra: tuple[str, str]) -> None:
         for node_id, layers in (*LAYOUT, *extra):
@@ -615,3 +624,63 @@ def test_an_audited_generation_collects_every_hops_seam_log_before_the_route_clo
     assert job is not None and sorted(job.logs) == ["a", "b"] and job.withheld == {}
     assert sum(job.chunks) == len(PROMPT) + 5  # the last token's position was never sent
     assert job.answers and all(entry.node == "c" for entry, _ in job.answers.values())
+
+
+def test_the_next_step_leaves_before_an_answer_is_checked_and_none_past_max_tokens(tmp_path: Path) -> None:
+    """Over the decode channel a plain step's answer sends the next step at once, with its token
+    (``RouteEngine._step_ahead``): the checks, the telemetry and the consumer run while the route
+    computes. Not after the token ``max_tokens`` ends on: the route computes no step nobody takes."""
+    swarm = LocalSwarm(tmp_path / "ahead", channels=True)
+    try:
+        expected = reference(tmp_path, 6)
+        in_flight: list[int] = []
+
+        async def run() -> tuple[list[int], list[EngineStep]]:
+            await swarm.layout()
+            engine = swarm.engine()
+            check = engine._check_tokens
+
+            def counted(answer: Any, run: Any) -> Any:
+                in_flight.append(len(run.rounds))
+                return check(answer, run)
+
+            engine._check_tokens = counted  # type: ignore[method-assign]
+            return await generate(engine, 6)
+
+        tokens, steps = swarm.run(run)
+        tail_steps = swarm.nodes["c"].metrics.decode_steps._value.get()
+    finally:
+        swarm.close()
+    assert tokens == expected and changes(steps) == []
+    assert in_flight[-5:] == [1, 1, 1, 1, 0]  # the decode answers: the next step out, but after the 6th token
+    assert tail_steps == 5
+
+
+def test_a_step_ahead_the_consumer_never_takes_is_drained_and_the_route_closes(tmp_path: Path) -> None:
+    """A stop the engine cannot see coming (a stop string, a client gone) leaves a step ahead in
+    flight: it is drained like a void round before the route closes, and nothing of it is billed."""
+    swarm = LocalSwarm(tmp_path / "stopped", channels=True)
+    try:
+        expected = reference(tmp_path, 3)
+
+        async def run() -> list[int]:
+            await swarm.layout()
+            engine = swarm.engine()
+            plan_of = engine.plan
+
+            async def plan(**kwargs: Any) -> RoutePlan:  # the consumer asked for more than it takes
+                return await plan_of(**{**kwargs, "max_tokens": 50})
+
+            engine.plan = plan  # type: ignore[method-assign]
+            tokens, _ = await generate(engine, 3)
+            return tokens
+
+        tokens = swarm.run(run)
+        tail = swarm.nodes["c"]
+        computed = tail.metrics.decode_steps._value.get()
+        open_sessions = len(tail.shard.store)
+    finally:
+        swarm.close()
+    assert tokens == expected
+    assert computed == 3  # two steps taken, one ahead and drained
+    assert open_sessions == 0

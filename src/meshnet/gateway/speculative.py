@@ -174,6 +174,15 @@ class Drafter:
             self._tokens.append(int(token))
 
     @property
+    def seen(self) -> int:
+        """How many tokens of the text it was told (``extend``)."""
+        return len(self._tokens)
+
+    def forget(self, length: int) -> None:
+        """The text is its first ``length`` tokens again (what it was told after them did not stand)."""
+        del self._tokens[length:]
+
+    @property
     def acceptance(self) -> float:
         """The estimated chance that a draft is kept: recent kept drafts against recent rejections."""
         kept, rejected = self._kept + _PRIOR_KEPT, self._rejected + _PRIOR_REJECTED
