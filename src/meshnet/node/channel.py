@@ -151,7 +151,8 @@ class Dialer:
         """Send one frame to the hop at ``url``, dialing it first if need be; ``HopFailed`` names it."""
         try:
             connection = await self._dial(url)
-            await asyncio.wait_for(connection.send(data), timeout_s)
+            async with asyncio.timeout(timeout_s):  # in this task: wait_for's task of its own cost a loop turn
+                await connection.send(data)
         except (OSError, TimeoutError, WebSocketException, InvalidRequest) as exc:
             self._open.pop(url, None)
             raise HopFailed(f"next hop {url} failed on its decode channel: {type(exc).__name__}: {exc}",
