@@ -4,7 +4,8 @@ runs on a worker thread — the event loop itself.
 Every shard call used to go to a worker thread so that a long one (a prefill chunk, a snapshot)
 never stalls the event loop. For a decode step that hand-off is most of a hop's cost beyond its
 compute: waking a worker, and the worker waking the loop with the result, took 0.25 ms of every
-decode step on each hop of a 2-core machine (``make bench --only route``). A step that takes a few
+decode step on each hop of the bundled 3-node route on a 2-core machine (timestamps at each hand-off;
+a token of that route took 1 ms less without them). A step that takes a few
 milliseconds gains nothing from leaving the loop: the loop could do nothing else for the shard
 meanwhile, and llama.cpp runs its own threads for the compute either way.
 
