@@ -148,7 +148,11 @@ def test_a_second_concurrent_request_on_a_session_is_refused(middle: Proc, tail:
     assert post(middle, sid, activations(2, 1), start=0, tail_url=tail.url, sample=False).status_code == 202
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         big = pool.submit(post, middle, sid, activations(50, 2), start=2, sample=True)
-        time.sleep(0.05)
+        deadline = time.monotonic() + 30  # once the big one is in flight there (on a loaded machine its
+        while time.monotonic() < deadline and not big.done():  # upload can take longer than any fixed sleep)
+            if httpx.get(f"{middle.url}/v1/sessions/{sid}", timeout=10).json()["busy"]:
+                break
+            time.sleep(0.002)
         second = pool.submit(post, middle, sid, activations(1, 3), position=52)
         big_answer, second_answer = big.result(), second.result()
     assert big_answer.status_code == 200, big_answer.text

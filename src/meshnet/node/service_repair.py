@@ -187,6 +187,7 @@ class RepairParts(SnapshotParts):
             "position": self.shard.store.get(sid).position,
             "seq": s.seq,
             "broken": s.broken,
+            "busy": s.busy,  # a request of it is in flight on this node
             **s.ledger.describe(),
         }
 
