@@ -76,7 +76,7 @@ class ShardCalls:
         self.pool: WorkerPool | None = None  # installed by the node's app (``install``)
         self.shares_cores = False
         self.last_s: float | None = None  # the last decode call's compute
-        self.inline = 0  # decode calls run on the loop (metrics, tests)
+        self.inline = 0  # decode calls run on the loop (tests)
 
     def install(self, loop: asyncio.AbstractEventLoop, *, shares_cores: bool) -> None:
         """Make a fresh ``WorkerPool`` the loop's default executor; from now on decode steps may run on
@@ -98,15 +98,10 @@ class ShardCalls:
     async def step(self, work: Callable[..., T], *args: Any) -> tuple[T, float]:
         """``work(*args)`` — a decode call — and the seconds it computed (hand-offs not counted)."""
         if self.on_loop():
-            return self.here(work, *args)
-        result, seconds = await asyncio.get_running_loop().run_in_executor(None, _timed, work, *args)
-        self.last_s = seconds
-        return result, seconds
-
-    def here(self, work: Callable[..., T], *args: Any) -> tuple[T, float]:
-        """``work(*args)`` on the loop, now (only where ``on_loop`` said so), and the seconds it took."""
-        self.inline += 1
-        result, seconds = _timed(work, *args)
+            self.inline += 1
+            result, seconds = _timed(work, *args)
+        else:
+            result, seconds = await timed_off_loop(work, *args)
         self.last_s = seconds
         return result, seconds
 
