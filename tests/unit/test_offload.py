@@ -127,3 +127,36 @@ def test_the_batcher_runs_a_lone_step_on_the_loop_once_installed() -> None:
     loop_thread = asyncio.run(main())
     assert shard.threads[0] != loop_thread  # the first call: a worker thread
     assert shard.threads[1:] == [loop_thread] * 3  # then on the loop, the batch of three too
+
+
+def test_on_the_loop_a_lone_step_leads_its_batch_and_a_cancelled_leader_hands_it_over() -> None:
+    class Shard:
+        def __init__(self) -> None:
+            self.calls: list[list[str]] = []
+
+        def decode_many(self, steps: Sequence[DecodeStep]) -> list[ShardOutput | MeshnetError]:
+            self.calls.append([str(s.sid) for s in steps])
+            return [ShardOutput(hidden=np.full((1, 2), s.position, dtype=np.float32)) for s in steps]
+
+    shard = Shard()
+
+    async def main() -> None:
+        calls = ShardCalls()
+        calls.install(asyncio.get_running_loop(), shares_cores=False)
+        batcher = DecodeBatcher(shard, calls=calls)  # type: ignore[arg-type]
+        await batcher.step(DecodeStep(SessionId("warm"), 0, token=1))  # the first call: a worker thread
+        # steps that arrive in one loop turn: one call, computed by the first of them in its own task
+        both = await asyncio.gather(*(batcher.step(DecodeStep(SessionId(n), 1, token=1)) for n in "ab"))
+        assert [float(o.hidden[0, 0]) for o, _ in both] == [1, 1]  # type: ignore[index]
+        # the leader's client goes away during its one loop turn: the step that joined it still computes
+        leader = asyncio.ensure_future(batcher.step(DecodeStep(SessionId("c"), 2, token=1)))
+        await asyncio.sleep(0)  # the leader now waits out its turn
+        joined = asyncio.ensure_future(batcher.step(DecodeStep(SessionId("d"), 2, token=1)))
+        leader.cancel()
+        out, _ = await asyncio.wait_for(joined, 5)
+        assert float(out.hidden[0, 0]) == 2  # type: ignore[index]
+        assert leader.cancelled()
+
+    asyncio.run(main())
+    assert shard.calls[1] == ["a", "b"]
+    assert shard.calls[2][-1] == "d"

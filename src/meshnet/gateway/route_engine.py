@@ -156,7 +156,7 @@ class _Round:
     start: int
     chunk: list[int]
     guess: bool
-    task: asyncio.Task[HopAnswer]
+    task: asyncio.Future[HopAnswer]
     sent: float  # when (time.monotonic)
     alone: bool  # nothing was in flight before it: its walk time is the route's (WalkCosts)
     ahead: bool = False  # sent before the answer it continues was checked, with that answer's token (_step_ahead)
@@ -205,7 +205,7 @@ class _Run:
     rounds: collections.deque[_Round] = dataclasses.field(default_factory=collections.deque)
     answered_at: float = 0.0  # when the newest round's answer came
     pipelined: bool = False  # a round went before the verdict on the one before it (a repair resends the step)
-    void: list[asyncio.Task[HopAnswer]] = dataclasses.field(default_factory=list)  # voided rounds still out
+    void: list[asyncio.Future[HopAnswer]] = dataclasses.field(default_factory=list)  # voided rounds still out
     budget: int = 0  # the most tokens the consumer takes (the plan's max_tokens; 0: not said)
     generated: int = 0  # tokens handed to the consumer
 
@@ -1186,7 +1186,7 @@ def _sent(run: _Run, chunk: Sequence[int]) -> None:
         run.add([token])
 
 
-def _consume(task: asyncio.Task[Any]) -> None:
+def _consume(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()  # a void round's outcome: of no use, and not worth a warning
 

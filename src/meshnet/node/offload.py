@@ -98,10 +98,15 @@ class ShardCalls:
     async def step(self, work: Callable[..., T], *args: Any) -> tuple[T, float]:
         """``work(*args)`` — a decode call — and the seconds it computed (hand-offs not counted)."""
         if self.on_loop():
-            self.inline += 1
-            result, seconds = _timed(work, *args)
-        else:
-            result, seconds = await timed_off_loop(work, *args)
+            return self.here(work, *args)
+        result, seconds = await timed_off_loop(work, *args)
+        self.last_s = seconds
+        return result, seconds
+
+    def here(self, work: Callable[..., T], *args: Any) -> tuple[T, float]:
+        """``work(*args)`` on the loop, now (the caller checked ``on_loop``), and its seconds."""
+        self.inline += 1
+        result, seconds = _timed(work, *args)
         self.last_s = seconds
         return result, seconds
 

@@ -21,11 +21,12 @@ no more, with no watchdog beside it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +69,46 @@ class _Report:
 
 
 class _Waiter:
-    def __init__(self, urls: Sequence[str]) -> None:
-        self.urls = frozenset(urls)
-        self.box: asyncio.Queue[_Report | _Closed] = asyncio.Queue()
+    """A step waiting for its answer: ``answer`` is settled by the first report that decides it
+    (``Channels._report``), right where the frame is read: a task in between would cost every token
+    a loop turn. What takes a request to decide (a closed channel, the deadline) runs in ``tasks``."""
+
+    def __init__(self, key: tuple[str, int], urls: Sequence[str], answer: asyncio.Future[HopAnswer], probe: Probe,
+                 timeout_s: float) -> None:  # fmt: skip
+        self.key = key
+        self.seq = key[1]
+        self.urls = tuple(urls)
+        self.members = frozenset(urls)
+        self.answer = answer
+        self.probe = probe
+        self.timeout_s = timeout_s
+        self.timer: asyncio.TimerHandle | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def settle(self, item: _Report | _Closed | HopFailed) -> None:
+        if self.answer.done():
+            return
+        if isinstance(item, HopFailed):
+            self.answer.set_exception(item)
+            return
+        try:
+            self.answer.set_result(_answer(item, self.urls))
+        except Exception as exc:  # the failure the report stands for
+            self.answer.set_exception(exc)
+
+    def run(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def end(self) -> None:
+        """The answer is settled or of no more use: no timer, no request still out for it."""
+        if self.timer is not None:
+            self.timer.cancel()
+        current = asyncio.current_task()
+        for task in list(self.tasks):
+            if task is not current:
+                task.cancel()
 
 
 class _NodeChannel:
@@ -193,79 +231,95 @@ class Channels:
         body: bytes,
         timeout_s: float,
         probe: Probe,
-    ) -> asyncio.Task[HopAnswer]:
-        """Send a step to the route of nodes at ``urls`` (head first); once it is sent, the task that
-        waits for the tail's answer (cancel it when the answer is of no more use). A session's steps
-        reach every hop in the order they were started, so several can be in flight (pipelined
+    ) -> asyncio.Future[HopAnswer]:
+        """Send a step to the route of nodes at ``urls`` (head first); once it is sent, the future of
+        the tail's answer (cancel it when the answer is of no more use). A session's steps reach
+        every hop in the order they were started, so several can be in flight (pipelined
         speculation rounds).
 
         Raises ``ChannelUnavailable`` (before anything was sent) when a node takes no channel; the
-        task raises ``HopFailed`` naming the hop that failed, ``BadGateway`` for an error of the head's
-        own. ``await probe(url, seq)`` says whether the node at ``url`` has computed step ``seq``
-        (``None``: it cannot say); it locates a failure: a hop whose channel closed is named only
-        once the hop before it has computed the step (else that one's own report is awaited, so a
-        repair always has an upstream that holds the step), and after ``timeout_s`` of silence the
+        future raises ``HopFailed`` naming the hop that failed, ``BadGateway`` for an error of the
+        head's own. ``await probe(url, seq)`` says whether the node at ``url`` has computed step
+        ``seq`` (``None``: it cannot say); it locates a failure: a hop whose channel closed is named
+        only once the hop before it has computed the step (else that one's own report is awaited, so
+        a repair always has an upstream that holds the step), and after ``timeout_s`` of silence the
         first hop that has not computed it is named. The deadline covers sending the step too: a
         head that takes no more bytes for ``timeout_s`` is located the same way (part of the frame
         may have gone out, so it is no ``ChannelUnavailable``)."""
         channels = [await self._channel(url) for url in urls]
         seq = next(self._seq)
-        waiter = _Waiter(urls)
+        loop = asyncio.get_running_loop()
         key = (session, seq)
+        waiter = _Waiter(key, urls, loop.create_future(), probe, timeout_s)
         frame = step_frame(session, seq, verb=verb, headers=headers, body=body, returns=[c.return_id for c in channels])
         self._waiters[key] = waiter
+        waiter.answer.add_done_callback(functools.partial(self._forget, waiter))  # cancelled by its consumer
         try:
             for channel in channels:  # one that closed before the waiter was registered never tells it
                 if channel.closed:
-                    waiter.box.put_nowait(_Closed(channel.url, "closed"))
-            deadline = asyncio.get_running_loop().time() + timeout_s
+                    self._report(waiter, _Closed(channel.url, "closed"))
+            deadline = loop.time() + timeout_s
             try:
                 async with asyncio.timeout_at(deadline):
                     await channels[0].send(frame)
             except TimeoutError:
                 raise await silent_hop(urls, seq, timeout_s, probe) from None
         except BaseException:
-            self._waiters.pop(key, None)
+            if waiter.answer.done() and not waiter.answer.cancelled():
+                waiter.answer.exception()  # settled by a closed channel: what is raised here says it
+            waiter.answer.cancel()
+            self._forget(waiter)
             raise
-        return asyncio.ensure_future(self._wait_answer(key, waiter, urls, seq, deadline=deadline, timeout_s=timeout_s,
-                                                     probe=probe))  # fmt: skip
+        if not waiter.answer.done():
+            waiter.timer = loop.call_at(deadline, lambda: waiter.run(self._silent(waiter)))
+        return waiter.answer
 
-    async def _wait_answer(
-        self, key: tuple[str, int], waiter: _Waiter, urls: Sequence[str], seq: int, *, deadline: float,
-        timeout_s: float, probe: Probe,
-    ) -> HopAnswer:  # fmt: skip
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        item = await waiter.box.get()
-                except TimeoutError:
-                    raise await silent_hop(urls, seq, timeout_s, probe) from None
-                if isinstance(item, _Closed):
-                    at = urls.index(item.url)
-                    if at > 0 and await probe(urls[at - 1], seq) is not True:
-                        continue  # the hop before it has not sent the step yet: its report will name the lost one
-                return _answer(item, urls)
-        finally:
-            self._waiters.pop(key, None)
+    def _report(self, waiter: _Waiter, item: _Report | _Closed) -> None:
+        """A frame (or a lost channel) for a waiting step: it settles the step, unless it is a closed
+        channel past the head, which counts only once the hop before it has computed the step."""
+        if waiter.answer.done():
+            return
+        if isinstance(item, _Closed):
+            at = waiter.urls.index(item.url)
+            if at > 0:
+                waiter.run(self._closed(waiter, item, at))
+                return
+        self._settle(waiter, item)
+
+    def _settle(self, waiter: _Waiter, item: _Report | _Closed | HopFailed) -> None:
+        waiter.settle(item)
+        self._forget(waiter)  # now: the session's next step may start before the answer's callbacks run
+
+    async def _closed(self, waiter: _Waiter, item: _Closed, at: int) -> None:
+        if await waiter.probe(waiter.urls[at - 1], waiter.seq) is True:
+            self._settle(waiter, item)
+        # else the hop before it has not sent the step yet: its report will name the lost one
+
+    async def _silent(self, waiter: _Waiter) -> None:
+        self._settle(waiter, await silent_hop(waiter.urls, waiter.seq, waiter.timeout_s, waiter.probe))
+
+    def _forget(self, waiter: _Waiter, _: object = None) -> None:
+        if self._waiters.get(waiter.key) is waiter:
+            del self._waiters[waiter.key]
+        waiter.end()
 
     def deliver(self, report: _Report) -> None:
         header = report.frame.header
         key = (header.get("session"), header.get("seq"))
         waiter = self._waiters.get(key)  # type: ignore[arg-type]
-        if waiter is not None and report.url not in waiter.urls:
+        if waiter is not None and report.url not in waiter.members:
             log.warning("node %s sent a %s for a step of a route it is not on; ignored", report.url,
                         report.frame.kind.name)  # fmt: skip
         elif waiter is not None:
-            waiter.box.put_nowait(report)
+            self._report(waiter, report)
         elif report.frame.kind is Kind.ERROR:
             log.warning("node %s reported an error for no waiting step: %s", report.url, header.get("error"))
 
     def lost(self, channel: _NodeChannel, reason: str) -> None:
         if self._open.get(channel.url) is channel:
             del self._open[channel.url]
-        for waiter in [w for w in self._waiters.values() if channel.url in w.urls]:
-            waiter.box.put_nowait(_Closed(channel.url, reason))
+        for waiter in [w for w in self._waiters.values() if channel.url in w.members]:
+            self._report(waiter, _Closed(channel.url, reason))
 
     async def aclose(self) -> None:
         """Close every channel (their waiting steps fail as for a lost channel); each close is bounded."""

@@ -100,9 +100,9 @@ class HopTransport(Protocol):
 
     async def start_step(
         self, route: Sequence[str], request: HopRequest, *, timeout_s: float
-    ) -> asyncio.Task[HopAnswer] | None:
+    ) -> asyncio.Future[HopAnswer] | None:
         """Send a decode step over the decode channel to the route of nodes at ``route`` (head first);
-        the task that waits for the tail's answer, which comes straight back (cancel it when the
+        the future of the tail's answer, which comes straight back (cancel it when the
         answer is of no more use). ``None``: a node of the route takes no channel (nothing was sent:
         ``send`` it instead). A session's steps reach every hop in the order they were started
         (pipelined speculation keeps several in flight)."""
@@ -211,7 +211,7 @@ class HttpTransport:
 
     async def start_step(
         self, route: Sequence[str], request: HopRequest, *, timeout_s: float
-    ) -> asyncio.Task[HopAnswer] | None:
+    ) -> asyncio.Future[HopAnswer] | None:
         if self.channels is None:
             return None
         headers, body = http_binding.encode_step(request)
@@ -339,7 +339,7 @@ class LocalTransport:
 
     async def start_step(
         self, route: Sequence[str], request: HopRequest, *, timeout_s: float
-    ) -> asyncio.Task[HopAnswer] | None:
+    ) -> asyncio.Future[HopAnswer] | None:
         if not self.channels:
             return None  # every step is sent
         seq = next(self._seq)
