@@ -86,7 +86,7 @@ class ScriptedHop:
 
     async def on_step(
         self, sid: SessionId, headers: Headers, body: bytes, verify: bool, direct: Direct
-    ) -> dict[str, Any] | None:
+    ) -> tuple[dict[str, Any], int | None] | None:
         self.steps.append((sid, dict(headers), body, verify, direct))
         if sid == "broken":
             raise SessionBroken("session broken on this node", failed_hop=self.blame)
@@ -99,7 +99,7 @@ class ScriptedHop:
             self.log.append(("in", sid, direct.seq))
             await asyncio.sleep(0.05)
             self.log.append(("out", sid, direct.seq))
-        return {"token": 7, "logprob": -0.5, "position": 3, "hops": [*direct.hops, TAIL_ENTRY]}
+        return {"token": 7, "logprob": -0.5, "position": 3, "hops": [*direct.hops, TAIL_ENTRY]}, None
 
     def app(self) -> Starlette:
         async def endpoint(websocket: WebSocket) -> None:

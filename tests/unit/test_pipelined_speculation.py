@@ -67,10 +67,10 @@ class Guesses:
         self.rounds: list[HopRequest] = []
         start_step = swarm.transport.start_step
 
-        async def recorded(route: Sequence[str], request: HopRequest, *, timeout_s: float) -> Any:
+        async def recorded(route: Sequence[str], request: HopRequest, *, timeout_s: float, **kw: Any) -> Any:
             if request.guess is not None:
                 self.rounds.append(request)
-            return await start_step(route, request, timeout_s=timeout_s)
+            return await start_step(route, request, timeout_s=timeout_s, **kw)
 
         swarm.transport.start_step = recorded  # type: ignore[method-assign]
 

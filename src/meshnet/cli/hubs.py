@@ -159,6 +159,7 @@ class _Engines:
             pipeline_rounds=args.pipeline_rounds,
             draft_model=draft,
             decode_channel=args.decode_channel == "on",
+            relay=args.relay == "on",
             outbox=self.outbox,
             client_tls=self.client_tls,
             trusted_only=args.trusted_only,

@@ -290,6 +290,13 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
         help="send decode steps over kept-open WebSockets, the tail's token straight back to the gateway "
         "(default on; off: one HTTP request per hop, answers back through every hop)",
     )
+    parser.add_argument(
+        "--relay",
+        choices=("on", "off"),
+        default="on",
+        help="on the decode channel, let the route's tail send a plain step's next step to the head itself, so "
+        "the token's loop skips the gateway (default on; off: the gateway sends every step)",
+    )
 
 
 def whole_number(text: str) -> int:

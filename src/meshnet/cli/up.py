@@ -280,7 +280,7 @@ def _gateway(
         "--pipeline-rounds", str(args.pipeline_rounds),
         *(["--draft-gguf", str(args.draft_gguf)] if args.draft_gguf else []),
         *(["--core-lease", str(workdir / "cores.lock")] if lease and args.draft_gguf else []),
-        "--decode-channel", args.decode_channel, "--audit-rate", str(args.audit_rate),
+        "--decode-channel", args.decode_channel, "--relay", args.relay, "--audit-rate", str(args.audit_rate),
         *(["--chat-template-file", str(args.chat_template_file)] if args.chat_template_file else []),
         *(["--api-keys", str(args.api_keys)] if args.api_keys else []),
         *(["--no-auth"] if args.no_auth else []),

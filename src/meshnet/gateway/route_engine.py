@@ -85,7 +85,7 @@ from meshnet.gateway.speculative import SPECULATIVE_MODES, Drafter, DraftSource,
 from meshnet.httputil import CLIENT_KEEP_ALIVE_S, error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
-from meshnet.protocol.channel_client import Channels
+from meshnet.protocol.channel_client import Channels, StepSlot
 from meshnet.protocol.closer import SessionCloser
 from meshnet.protocol.hops import HopTransport, HttpTransport, Sendable, acknowledged
 from meshnet.protocol.ledger import ChunkLedger, pack_chunks, verify_hops
@@ -160,6 +160,7 @@ class _Round:
     sent: float  # when (time.monotonic)
     alone: bool  # nothing was in flight before it: its walk time is the route's (WalkCosts)
     ahead: bool = False  # sent before the answer it continues was checked, with that answer's token (_step_ahead)
+    seq: int | None = None  # its decode-channel step number, when the gateway knows it (a credit can follow it)
 
     @property
     def end(self) -> int:
@@ -208,6 +209,8 @@ class _Run:
     void: list[asyncio.Future[HopAnswer]] = dataclasses.field(default_factory=list)  # voided rounds still out
     budget: int = 0  # the most tokens the consumer takes (the plan's max_tokens; 0: not said)
     generated: int = 0  # tokens handed to the consumer
+    # the tail's leave to relay the step after the round in flight (_grant): its slot, and that round's seq
+    credit: tuple[StepSlot, int] | None = None
 
     @functools.cached_property
     def sampling(self) -> str:
@@ -243,6 +246,7 @@ class RouteEngine:
         pipeline_rounds: int = PIPELINE_ROUNDS,
         draft_model: DraftSource | None = None,
         decode_channel: bool = True,
+        relay: bool = True,
         client_tls: ssl.SSLContext | None = None,
         trusted_only: bool = False,
         room_wait_s: float = ROOM_WAIT_S,
@@ -284,6 +288,8 @@ class RouteEngine:
         self.trusted_only = trusted_only  # every route (and the tracker's repairs of it) on trusted nodes only
         self.outbox = outbox if outbox is not None else BillingOutbox(self.tracker_url, tls=client_tls)
         self.decode_channel = decode_channel
+        self.relay = relay  # the tail sends a plain step's next step to the head itself (_grant)
+        self._stop_ids: frozenset[int] | None = None  # the tokens a generation ends with (a tail relays none)
         self._hops_client, self._tracker_client = hops, tracker
         self.closer = SessionCloser()  # every close retried until acknowledged
         self.room_wait_s = room_wait_s  # how long a generation waits for a hop with room (HopFull)
@@ -612,15 +618,25 @@ class RouteEngine:
     async def _start_round(self, run: _Run, start: int, chunk: list[int], *, guess: bool, ahead: bool = False) -> bool:
         """Send ``chunk`` at ``start`` over the decode channel; False: a hop takes no channel (nothing sent)."""
         request = self._step_request(run, start, chunk, guess=guess)
+        urls = [h.url for h in run.plan.hops]
+        # a plain step's number, so that the tail may be given leave to relay the step after it (_grant)
+        plain = self.relay and len(chunk) == 1 and len(urls) > 1
+        slot = await self.hops.reserve_step(urls, run.plan.session_id, timeout_s=self.timeout_s) if plain else None
         # no hop waits for another on the channel, so no nesting: one hop timeout bounds the walk
-        task = await self.hops.start_step([h.url for h in run.plan.hops], request, timeout_s=self.timeout_s)
+        task = await self.hops.start_step(urls, request, timeout_s=self.timeout_s, slot=slot)
         if task is None:
             return False
-        _sent(run, chunk)
-        now = time.monotonic()
-        run.pipelined = run.pipelined or guess
-        run.rounds.append(_Round(start, chunk, guess, task, now, alone=not run.rounds, ahead=ahead))
+        self._add_round(run, start, chunk, task, guess=guess, ahead=ahead, seq=None if slot is None else slot.seq)
         return True
+
+    def _add_round(
+        self, run: _Run, start: int, chunk: list[int], task: asyncio.Future[HopAnswer], *, guess: bool, ahead: bool,
+        seq: int | None,
+    ) -> None:  # fmt: skip
+        _sent(run, chunk)
+        run.pipelined = run.pipelined or guess
+        run.rounds.append(_Round(start, chunk, guess, task, time.monotonic(), alone=not run.rounds, ahead=ahead,
+                                 seq=seq))  # fmt: skip
 
     def _step_request(self, run: _Run, start: int, chunk: list[int], *, guess: bool = False) -> HopRequest:
         """A decode step for ``chunk[0]`` at ``start`` (a verify chunk with the drafts after it; ``guess``:
@@ -667,7 +683,7 @@ class RouteEngine:
         round_ = run.rounds.popleft()
         raw = await round_.task
         if not run.rounds:
-            await self._step_ahead(run, raw, round_.end, drafter)
+            await self._step_ahead(run, raw, round_.end, drafter, round_.seq)
         answer = self._check_tokens(raw, run)
         now = time.monotonic()
         took = now - max(round_.sent, run.answered_at)
@@ -689,9 +705,10 @@ class RouteEngine:
         if kept < round_.end or run.surplus:
             run.ledger.rewind(kept)
             run.surplus = True  # the hops before the tail hold what was dropped: the next round says so
+        await self._grant(run, drafter)  # the answer checked: the tail may relay the step after the next
         return answer
 
-    async def _step_ahead(self, run: _Run, raw: HopAnswer, end: int, drafter: Drafter | None) -> None:
+    async def _step_ahead(self, run: _Run, raw: HopAnswer, end: int, drafter: Drafter | None, seq: int | None) -> None:
         """Send the next step as soon as a plain step's answer is in, before that answer is checked and
         its token handed on: the checks, the telemetry and the consumer then run while the route
         computes (0.4 ms of every token of the bundled 3-node route on a 2-core machine). The
@@ -699,21 +716,101 @@ class RouteEngine:
         token there). If the checks then fail, the generation repairs or stops as it would have, and
         the step in flight is drained like a void round (``_drain``). Not when the generation ends with
         this token (its end of text, the context, the consumer's ``max_tokens``), when the hops are
-        due to snapshot their KV, and not for an audited or grammar-bound generation (as ``_chain``)."""
+        due to snapshot their KV, and not for an audited or grammar-bound generation (as ``_chain``).
+
+        Where the tail had leave to relay that step (``_grant``) and did, the step is already out: it
+        becomes the round in flight, and nothing is sent. ``seq``: the answered step's number."""
+        relayed = self._relayed(run, seq)
         if not isinstance(raw, TokenAnswer) or raw.position != end or run.audited or run.grammar:
-            return
+            return self._void_slot(run, relayed)
         token = raw.token
         if not 0 <= token < self.info.n_vocab or self.is_end_of_generation(token):
-            return
+            return self._void_slot(run, relayed)
         if end + 1 > self._context(run.plan) or (run.budget and run.generated + 1 >= run.budget):
-            return
+            return self._void_slot(run, relayed)
         if self._snapshot_due(run, end):
-            return
-        drafts: list[int] = []
+            return self._void_slot(run, relayed)
         if drafter is not None:
             drafter.extend([token])
+        if relayed is not None:
+            self._add_round(run, end, [token], relayed.answer, guess=True, ahead=True, seq=relayed.seq)
+            return None
+        drafts: list[int] = []
+        if drafter is not None:
             drafts = await self._drafts(drafter, run.plan, end + 1)
         await self._start_round(run, end, [token, *drafts], guess=True, ahead=True)
+        return None
+
+    def _relayed(self, run: _Run, seq: int | None) -> StepSlot | None:
+        """The step the tail relayed after the answered step ``seq``, if it had leave to and did; a
+        leave it did not use is withdrawn (its slot cancelled), one for another step is drained."""
+        if run.credit is None:
+            return None
+        (slot, after), run.credit = run.credit, None
+        if after == seq and slot.launched:
+            return slot
+        self._void_slot(run, slot)
+        return None
+
+    def _void_slot(self, run: _Run, slot: StepSlot | None) -> None:
+        """A step the tail relayed that the generation has no use for is drained like a void round
+        (the hops then hold a position too many: the next round drops it); one it did not relay is
+        withdrawn."""
+        if slot is None:
+            return
+        if not slot.launched:
+            slot.answer.cancel()
+            return
+        slot.answer.add_done_callback(_consume)
+        run.void.append(slot.answer)
+        run.surplus = True
+
+    async def _grant(self, run: _Run, drafter: Drafter | None) -> None:
+        """Give the tail leave to send the step after the one in flight to the head itself (a
+        ``CREDIT``): the token then goes round the route without the gateway — one link and the
+        gateway's own work less per token, which over a WAN is a whole one-way trip. Only for a
+        plain step after a plain step, where ``_step_ahead`` would send it: no drafts paying on
+        the text now (the gateway drafts only on steps it sends), the generation's end not at the
+        step (its ``max_tokens``, the context; the end of text the tail itself sees: ``stop``), no KV
+        snapshot due, nothing to rewind, no grammar or audit. The leave is for that one step; the
+        gateway gives the next once it has checked the answer before it."""
+        if not self.relay or run.credit is not None or len(run.rounds) != 1 or run.surplus:
+            return
+        flight = run.rounds[0]
+        if flight.seq is None or len(flight.chunk) != 1 or run.audited or run.grammar:
+            return
+        at = flight.end  # where the relayed step would start
+        if at + 1 > self._context(run.plan) or (run.budget and run.generated + 2 >= run.budget):
+            return
+        if self._snapshot_due(run, at) or self._would_draft(drafter, run.plan, at + 1):
+            return
+        urls = [h.url for h in run.plan.hops]
+        slot = await self.hops.reserve_step(urls, run.plan.session_id, timeout_s=self.timeout_s)
+        if slot is None:
+            return
+        given = await self.hops.credit(slot, after=flight.seq, model=self.info.model_id, route_id=run.plan.route_id,
+                                       stop=await self._stops())  # fmt: skip
+        if not given:
+            slot.answer.cancel()
+            return
+        run.credit = (slot, flight.seq)
+
+    def _would_draft(self, drafter: Drafter | None, plan: RoutePlan, length: int) -> bool:
+        """Whether the step after ``length`` tokens may carry drafts that pay (then the gateway sends
+        it): a draft model always drafts; prompt lookup where the text repeats and drafts pay."""
+        if drafter is None:
+            return False
+        if isinstance(drafter, ModelDraft):
+            return True
+        found = drafter.candidates(min(*(h.max_verify for h in plan.hops), self._context(plan) - length))
+        return bool(found) and drafter.paying(len(found)) > 0
+
+    async def _stops(self) -> frozenset[int]:
+        """The tokens a generation ends with (the vocabulary's end-of-generation ids), found once."""
+        if self._stop_ids is None:
+            n, eog = self.info.n_vocab, self.is_end_of_generation
+            self._stop_ids = await asyncio.to_thread(lambda: frozenset(t for t in range(n) if eog(t)))
+        return self._stop_ids
 
     def _void(self, run: _Run) -> None:
         """The rounds in flight are void: their answers are of no use (the tail voids them, every
@@ -740,6 +837,10 @@ class RouteEngine:
                 task.cancel()
             for task in tasks:
                 task.add_done_callback(_consume)
+        if run.credit is not None:  # the answers above said whether the tail relayed the step it had leave for
+            (slot, _), run.credit = run.credit, None
+            self._void_slot(run, slot)
+            await self._drain(run)
 
     async def _http_step(
         self, run: _Run, tokens: list[int], drafts: Sequence[int], cancel: asyncio.Event

@@ -38,7 +38,7 @@ from meshnet.node.placement import AutoPlacement
 from meshnet.node.service import ChannelSend, NodeConfig, NodeService
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
-from meshnet.protocol.channel import CHANNEL_PATH, Direct, step_frame_of
+from meshnet.protocol.channel import CHANNEL_PATH, Credit, Direct, step_frame_of
 from meshnet.protocol.hops import HttpTransport
 from meshnet.protocol.ledger import format_chunks
 from meshnet.protocol.messages import HopRequest, Verb
@@ -168,16 +168,22 @@ def _channel_endpoint(node: NodeService, peers: dict[str, channel.Peer]) -> Any:
 
         async def on_step(
             sid: SessionId, headers: Mapping[str, str], body: bytes, verify: bool, direct: Direct
-        ) -> dict[str, Any] | None:
+        ) -> tuple[dict[str, Any], int | None] | None:
             node.metrics.channel_steps.inc()
             verb = Verb.VERIFY if verify else Verb.DECODE
             hop = http_binding.decode_request(verb, sid, headers, body, max_body_bytes=config.max_body_bytes)
             answer = await node.handle(hop, direct, caller=caller)
-            return None if answer is None else answer.to_json()
+            if answer is None:
+                return None
+            return answer.to_json(), await node.relay(sid, direct, answer)  # the relayed step leaves first
+
+        def on_credit(credit: Credit) -> None:
+            node.take_credit(credit, caller)
 
         await channel.serve(
-            websocket, node_id=config.node_id, peers=peers, max_body_bytes=config.max_body_bytes, on_step=on_step
-        )
+            websocket, node_id=config.node_id, peers=peers, max_body_bytes=config.max_body_bytes, on_step=on_step,
+            on_credit=on_credit,
+        )  # fmt: skip
 
     return decode_channel
 

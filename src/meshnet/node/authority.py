@@ -9,7 +9,10 @@ the node learned from it so that every *later* request is checked too, not only 
   the gateway that opened it (the ticket's ``owner``) and, past the head, the hop before this
   node on the route. Every hop verb (prefill, decode-step, verify, a ``rewind``, replay, reroute,
   snapshot, ``GET``, ``DELETE``, decode-channel ``STEP`` frames) from anyone else is 403; a
-  ticket older than the epoch the node holds is 401 ``route_ticket_superseded``.
+  ticket older than the epoch the node holds is 401 ``route_ticket_superseded``. One exception:
+  at the head, the route's tail (``relayer``) may send a plain decode step over the decode
+  channel — the step a gateway's ``CREDIT`` let it relay — and nothing else. At the tail, the
+  ticket's ``head`` is the only place a relayed step may go.
 - ``ClosedSessions``: the sessions that ended here, for longer than any ticket of theirs lives, so
   a ticket replayed after the close cannot open the session again (401 ``route_ticket_closed``);
   only a later repair (a higher epoch, which the tracker signs only for an open session) can.
@@ -48,6 +51,8 @@ class SessionAuthority:
     drivers: frozenset[str]
     expires_at: float
     sent_epoch: int = -1  # the newest epoch whose ticket went to the next hop
+    relayer: str | None = None  # at the head: the route's tail, which may relay plain decode steps
+    head: str | None = None  # at the tail: the route's head, the only place it relays steps to
 
     @classmethod
     def of(cls, ticket: RouteTicket, token: str, node_id: str, opener: str | None) -> SessionAuthority:
@@ -56,11 +61,13 @@ class SessionAuthority:
         drivers = ticket.drivers(node_id)
         if not ticket.owner and ticket.index_of(node_id) == 0 and opener is not None:
             drivers = drivers | {opener}
-        return cls(ticket.epoch, token, drivers, ticket.expires_at)
+        relayer, head = _relay_ends(ticket, node_id)
+        return cls(ticket.epoch, token, drivers, ticket.expires_at, relayer=relayer, head=head)
 
-    def check(self, caller: str | None, sid: SessionId, node_id: str, what: str) -> None:
-        """``caller`` may ``what`` the session here: it is one of its drivers (``None``: in process)."""
-        if caller is None or caller in self.drivers:
+    def check(self, caller: str | None, sid: SessionId, node_id: str, what: str, *, relay: bool = False) -> None:
+        """``caller`` may ``what`` the session here: it is one of its drivers (``None``: in process);
+        ``relay``: a plain decode step over the decode channel, which the head takes from the tail too."""
+        if caller is None or caller in self.drivers or (relay and caller == self.relayer):
             return
         raise Forbidden(
             f"member {caller!r} may not {what} session {sid} on node {node_id}: only "
@@ -91,6 +98,7 @@ class SessionAuthority:
                 code=CODE_EXPIRED,
             )
         self.epoch, self.token, self.drivers = ticket.epoch, token, ticket.drivers(node_id)
+        self.relayer, self.head = _relay_ends(ticket, node_id)
         self.expires_at = max(self.expires_at, ticket.expires_at)
         return True
 
@@ -102,6 +110,14 @@ class SessionAuthority:
         if token is not None:
             self.sent_epoch = self.epoch
         return token
+
+
+def _relay_ends(ticket: RouteTicket, node_id: str) -> tuple[str | None, str | None]:
+    """At the head of a route of several hops, its tail's id; at the tail, its head's URL."""
+    i, hops = ticket.index_of(node_id), ticket.hops
+    if len(hops) < 2:
+        return None, None
+    return (hops[-1].node_id if i == 0 else None), (hops[0].url if i == len(hops) - 1 else None)
 
 
 class ClosedSessions:

@@ -6,7 +6,9 @@
   another; the steps of one session run one after another, in the order they came: a gateway keeps
   several pipelined speculation rounds of a session in flight). A step's ``TOKEN`` (tail) or
   ``ERROR`` (any hop) goes to the channel named by the step's ``returns`` — the gateway's own
-  channel to this hop — so the token skips every hop on its way back.
+  channel to this hop — so the token skips every hop on its way back. A ``CREDIT`` (gateway →
+  tail) is taken at once, in order with the frames around it (``on_credit``): the tail may then
+  relay the next step to the head itself (``NodeService.relay``).
 - ``Dialer``: this node's kept-open channels to its next hops, dialed on a session's first channel
   step and reused by every later step of every session.
 
@@ -34,6 +36,7 @@ from meshnet.ids import SessionId
 from meshnet.protocol.channel import (
     MAX_HEADER_BYTES,
     ChannelFrame,
+    Credit,
     Direct,
     Fields,
     InOrder,
@@ -41,21 +44,26 @@ from meshnet.protocol.channel import (
     decode_frame,
     encode_frame,
     error_frame,
+    read_credit,
     read_step,
     step_ids,
     token_frame,
     ws_url,
 )
 
-__all__ = ["Dialer", "Direct", "Peer", "StepHandler", "serve"]
+__all__ = ["CreditHandler", "Dialer", "Direct", "Peer", "StepHandler", "serve"]
 
 log = logging.getLogger("meshnet.node")
 
 _HELLO_TIMEOUT_S = 5.0
 
 
-# (session, headers, body, verify, direct) -> the tail's answer, or None past a non-tail hop
-StepHandler = Callable[[SessionId, Mapping[str, str], bytes, bool, Direct], Awaitable[dict[str, Any] | None]]
+# (session, headers, body, verify, direct) -> the tail's answer and the step it relayed after it
+# (None: it relayed none), or None past a non-tail hop
+StepHandler = Callable[
+    [SessionId, Mapping[str, str], bytes, bool, Direct], Awaitable[tuple[dict[str, Any], int | None] | None]
+]
+CreditHandler = Callable[[Credit], None]  # raises MeshnetError to refuse it
 
 
 class Peer:
@@ -76,8 +84,9 @@ class Peer:
 
 
 async def serve(
-    websocket: WebSocket, *, node_id: str, peers: dict[str, Peer], max_body_bytes: int, on_step: StepHandler
-) -> None:
+    websocket: WebSocket, *, node_id: str, peers: dict[str, Peer], max_body_bytes: int, on_step: StepHandler,
+    on_credit: CreditHandler | None = None,
+) -> None:  # fmt: skip
     """Run one accepted channel until the other side closes it."""
     await websocket.accept()
     channel_id = secrets.token_urlsafe(16)
@@ -99,6 +108,9 @@ async def serve(
                 frame: ChannelFrame | InvalidRequest = decode_frame(data)
             except InvalidRequest as exc:
                 frame = exc
+            if not isinstance(frame, InvalidRequest) and frame.kind is Kind.CREDIT:
+                await _credit(frame, peer, on_credit)
+                continue
             session = step_ids(frame)[0] if not isinstance(frame, InvalidRequest) else None
             step = _one_step(frame, peer, peers, max_body_bytes, on_step)
             task = asyncio.create_task(step) if session is None else in_order.start(session, step)
@@ -109,6 +121,17 @@ async def serve(
     finally:
         peers.pop(channel_id, None)
         # steps already taken run to the end: their reports go to their own return channels
+
+
+async def _credit(frame: ChannelFrame, peer: Peer, on_credit: CreditHandler | None) -> None:
+    """Take a ``CREDIT``; a refused one is an ``ERROR`` for its session (no step: ``seq`` null)."""
+    session, _ = step_ids(frame)
+    try:
+        if on_credit is None:
+            raise InvalidRequest("this node takes no CREDIT frames")
+        on_credit(read_credit(frame))
+    except MeshnetError as exc:
+        await peer.send(error_frame(session, None, exc))
 
 
 async def _one_step(
@@ -126,9 +149,9 @@ async def _one_step(
         if len(step.body) > max_body:
             raise PayloadTooLarge(f"step body of {len(step.body)} bytes exceeds this node's limit of {max_body} bytes")
         direct = Direct(step.seq, step.returns, step.hops)
-        answer = await on_step(SessionId(step.session), Fields(step.headers), step.body, step.verify, direct)
-        if answer is not None:
-            await reply.send(token_frame(step.session, step.seq, answer))
+        answered = await on_step(SessionId(step.session), Fields(step.headers), step.body, step.verify, direct)
+        if answered is not None:
+            await reply.send(token_frame(step.session, step.seq, *answered))
     except MeshnetError as exc:
         await reply.send(error_frame(session, seq, exc))
     except Exception as exc:  # never let one step take the channel down

@@ -18,6 +18,9 @@ class NodeMetrics:
         self.audits = Counter("meshnet_node_audits", "Hops of audited sessions this auditor re-executed", registry=r)
         self.channels = Gauge("meshnet_node_channels_open", "Decode channels dialed to this node, open now", registry=r)
         self.channel_steps = Counter("meshnet_node_channel_steps", "Decode steps taken over a channel", registry=r)
+        self.relayed = Counter(
+            "meshnet_node_relayed_steps", "Decode steps this tail sent to its route's head itself (CREDIT)", registry=r
+        )
         self.voided = Counter(
             "meshnet_node_voided_rounds", "Pipelined speculation rounds the tail dropped uncomputed", registry=r
         )

@@ -23,7 +23,9 @@ Speculative decoding (``verify``): a decode step with drafted tokens after it co
 position as a one-position step would (``shard.verify_chunk``). Penalties and grammars: the token
 ids travel beside the activations to the tail, which counts them. Decode channel
 (``node.channel``): a step may come with a ``Direct``; a hop passes it on over its own channel
-without waiting, and the tail sends its answer straight to the gateway.
+without waiting, and the tail sends its answer straight to the gateway — and, where the gateway
+gave it leave (a ``CREDIT``), first sends the next step to the route's head itself (``relay``), so
+the token's loop through the route skips the gateway.
 
 Concurrency: one request per session at a time (a second gets 409); compute is serialized by
 the shard backend; the tail's sampling under a grammar runs on worker threads under a per-token
@@ -35,13 +37,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
 import numpy as np
 
 from meshnet.backends.shard import DecodeStep, ShardOutput, compute_chunks, verify_chunk
-from meshnet.errors import InvalidRequest, MeshnetError, SessionBusy
+from meshnet.errors import Conflict, Forbidden, InvalidRequest, MeshnetError, SessionBusy
 from meshnet.ids import SessionId
 from meshnet.node.checks import check_drafts, check_model, shard_inputs
 from meshnet.node.offload import timed_off_loop
@@ -49,12 +52,24 @@ from meshnet.node.service_base import ChannelSend, NodeConfig
 from meshnet.node.service_tail import TailParts
 from meshnet.node.session import NodeSession
 from meshnet.protocol import headers as H
-from meshnet.protocol.channel import Direct
-from meshnet.protocol.messages import Accepted, HopAnswer, HopEntry, HopRequest, Payload, Replayed, Verb, Voided
+from meshnet.protocol.channel import Credit, Direct
+from meshnet.protocol.messages import (
+    Accepted,
+    HopAnswer,
+    HopEntry,
+    HopRequest,
+    Payload,
+    Replayed,
+    TokenAnswer,
+    Verb,
+    Voided,
+)
 from meshnet.protocol.wire import TensorFrame, encode_tensor
 from meshnet.routes import hop_timeout_s
 
 __all__ = ["ChannelSend", "NodeConfig", "NodeService"]
+
+log = logging.getLogger("meshnet.node")
 
 
 class NodeService(TailParts):
@@ -77,7 +92,8 @@ class NodeService(TailParts):
             raise InvalidRequest(f"a decode-channel step is never replayed: drop {H.REPLAY}")
         began = time.perf_counter()
         tokens, hidden = shard_inputs(self.info, request)
-        s = await self._session(request, client, caller)
+        plain = request.verb is Verb.DECODE and not request.rewind and request.start > 0
+        s = await self._session(request, client, caller, relay=direct is not None and plain)
         if s.busy:
             raise SessionBusy(
                 f"session {request.session} already has a request in flight on this node; send one at a time"
@@ -174,6 +190,55 @@ class NodeService(TailParts):
             await self._drop_rejected(s, answer, start=request.start, n=request.n)
             me = self._entry(s, me.compute_ms, positions=me.positions)
         return answer.after(me)
+
+    def take_credit(self, credit: Credit, caller: str | None = None) -> None:
+        """Keep a gateway's leave to relay the step after step ``credit.after`` (a ``CREDIT`` frame):
+        one per session, until this tail answers its next step (``relay``). Only a tail takes one,
+        from one of the session's drivers, for the session's own route and, in a private swarm,
+        naming the head its ticket names (the only place a relayed step may go)."""
+        sid = SessionId(credit.session)
+        s = self._existing(sid)
+        if not self.info.layers.is_tail:
+            raise InvalidRequest(f"node {self.config.node_id} is not a tail (layers {self.info.layers}): only a "
+                                 f"route's tail relays steps, so it takes no CREDIT for session {sid}")  # fmt: skip
+        self._check_driver(s, caller, None, "give leave to relay steps of")
+        if credit.route_id is not None and credit.route_id != s.route_id:
+            raise Conflict(f"session {sid} is pinned to route {s.route_id}, not {credit.route_id}")
+        if credit.model is not None:
+            check_model(self.info, credit.model)
+        head = s.auth.head if s.auth is not None else None
+        if head is not None and credit.head != head:
+            raise Forbidden(f"a CREDIT for session {sid} names {credit.head} as its head, but its ticket's route "
+                            f"starts at {head}: a tail relays steps only to its route's head")  # fmt: skip
+        s.credit = credit
+
+    async def relay(self, sid: SessionId, direct: Direct, answer: HopAnswer) -> int | None:
+        """Send the step after ``answer`` — its token, at its position — to the route's head, when a
+        ``CREDIT`` gave leave for the step after this one (``direct.seq``) and the token is not one
+        the generation ends with; the relayed step's number, or ``None`` (the gateway sends it). Any
+        answered step uses up the session's credit, so a credit never outlives the step it follows
+        (a repair, a rewind or a late credit leaves none behind). A failed send is only logged: the
+        answer says nothing was relayed, and the gateway sends the step itself."""
+        s = self._bound(sid)
+        if s is None:
+            return None
+        credit, s.credit = s.credit, None
+        if credit is None or credit.after != direct.seq or self.channel_send is None:
+            return None
+        if not isinstance(answer, TokenAnswer) or answer.token in credit.stop:
+            return None
+        ids = encode_tensor(np.asarray([[answer.token]], dtype=np.int32), "int32")
+        request = HopRequest(Verb.DECODE, sid, answer.position, 1, Payload(ids), model=credit.model,
+                             route_id=credit.route_id, guess=answer.token)  # fmt: skip
+        try:
+            timeout = hop_timeout_s(self.config.hop_timeout_s, len(credit.returns))
+            await self.channel_send(credit.head, request, Direct(credit.seq, credit.returns, ()), timeout)
+        except MeshnetError as exc:
+            log.warning("session %s: relaying step %d to %s failed (the gateway sends it): %s", sid, credit.seq,
+                        credit.head, exc.message)  # fmt: skip
+            return None
+        self.metrics.relayed.inc()
+        return credit.seq
 
     def _voided(self, s: NodeSession, request: HopRequest, direct: Direct | None) -> Voided:
         """The tail's answer to a pipelined round it drops unseen: the positions it holds."""

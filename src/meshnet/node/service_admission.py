@@ -64,9 +64,13 @@ class AdmissionParts(ServiceBase):
         auth.check(caller, signed.session_id, self.config.node_id, "open")
         return auth
 
-    def _check_driver(self, s: NodeSession, caller: str | None, ticket: str | None, what: str) -> None:
-        """In a private swarm, ``caller`` may ``what`` the session here. A ticket the request carries
-        is taken first: a newer epoch (a repair) names this hop's new upstream, an older one is refused."""
+    def _check_driver(
+        self, s: NodeSession, caller: str | None, ticket: str | None, what: str, *, relay: bool = False
+    ) -> None:
+        """In a private swarm, ``caller`` may ``what`` the session here (``relay``: a plain decode step
+        over the decode channel, which the head also takes from the route's tail). A ticket the request
+        carries is taken first: a newer epoch (a repair) names this hop's new upstream, an older one is
+        refused."""
         auth, verifier = s.auth, self.config.tickets
         if auth is None or verifier is None:
             return
@@ -74,9 +78,11 @@ class AdmissionParts(ServiceBase):
             node = self.config.node_id
             signed = verifier.verify(ticket, session_id=s.session, route_id=s.route_id, node_id=node, current=False)
             auth.learn(signed, ticket, node)
-        auth.check(caller, s.session, self.config.node_id, what)
+        auth.check(caller, s.session, self.config.node_id, what, relay=relay)
 
-    async def _session(self, request: HopRequest, client: str | None = None, caller: str | None = None) -> NodeSession:
+    async def _session(
+        self, request: HopRequest, client: str | None = None, caller: str | None = None, *, relay: bool = False
+    ) -> NodeSession:
         sid = request.session
         s = self._bound(sid)
         if s is None:
@@ -93,7 +99,7 @@ class AdmissionParts(ServiceBase):
             )  # fmt: skip
         if request.route_id is not None and request.route_id != s.route_id:
             raise Conflict(f"session {sid} is pinned to route {s.route_id}, not {request.route_id}")
-        self._check_driver(s, caller, request.ticket, "drive")
+        self._check_driver(s, caller, request.ticket, "drive", relay=relay)
         s.check_open()
         return s
 

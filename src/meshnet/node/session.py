@@ -18,6 +18,7 @@ from typing import Any
 from meshnet.errors import HopFull, MeshnetError, SessionBroken
 from meshnet.ids import SessionId
 from meshnet.node.authority import SessionAuthority
+from meshnet.protocol.channel import Credit
 from meshnet.protocol.ledger import ChunkLedger
 from meshnet.protocol.messages import PrefixClaim
 from meshnet.protocol.wire import TensorFrame
@@ -55,6 +56,7 @@ class NodeSession:
     prefix: PrefixClaim | None = None  # its prompt's blocks, for the prefix cache (node.prefix_cache)
     standby: tuple[str, str] | None = None  # (URL, ticket) of the standby its KV snapshot went to
     auth: SessionAuthority | None = None  # a private swarm's: who drives it here, its ticket's epoch
+    credit: Credit | None = None  # at the tail: a gateway's leave to relay the step after one (NodeService.relay)
 
     def check_open(self) -> None:
         if self.broken:

@@ -18,6 +18,11 @@ sends, so nothing large is ever parsed as JSON. Kinds:
   "answer": {...}}`` — the answer a ``decode-step``/``verify`` request would get, with every hop's entry.
 - ``ERROR`` (any hop → gateway, on the gateway's channel to that hop): ``{"session", "seq",
   "status", "error": {...}}`` — the error body the HTTP binding would send.
+- ``CREDIT`` (gateway → tail, on the gateway's channel to the tail): ``{"session", "after", "seq",
+  "head", "returns", "model", "route_id", "stop"}`` — leave to *relay*: once the tail has answered
+  step ``after`` with a token not in ``stop``, it sends the next decode step (that token, at the
+  answer's position) to ``head`` itself, as step ``seq`` returning to ``returns``, and says so in
+  its ``TOKEN`` (``"relayed": seq``). One use; a credit for any other step is dropped.
 """
 
 from __future__ import annotations
@@ -43,16 +48,20 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "VERSION",
     "ChannelFrame",
+    "Credit",
     "Direct",
     "Fields",
     "InOrder",
     "Kind",
     "Step",
+    "credit_frame",
     "decode_frame",
     "encode_frame",
     "error_frame",
+    "read_credit",
     "read_step",
     "read_token",
+    "relayed_of",
     "step_frame",
     "step_frame_of",
     "step_ids",
@@ -74,6 +83,7 @@ class Kind(IntEnum):
     STEP = 2
     TOKEN = 3
     ERROR = 4
+    CREDIT = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,9 +256,67 @@ def _is_seq(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def token_frame(session: str, seq: int, answer: dict[str, Any]) -> bytes:
-    """The tail's answer to a step (its answer record's ``to_json``), on the gateway's channel to the tail."""
-    return encode_frame(Kind.TOKEN, {"session": session, "seq": seq, "answer": answer})
+def token_frame(session: str, seq: int, answer: dict[str, Any], relayed: int | None = None) -> bytes:
+    """The tail's answer to a step (its answer record's ``to_json``), on the gateway's channel to the
+    tail; ``relayed``: the step the tail sent on after it with a ``CREDIT`` (its number)."""
+    header: dict[str, Any] = {"session": session, "seq": seq, "answer": answer}
+    if relayed is not None:
+        header["relayed"] = relayed
+    return encode_frame(Kind.TOKEN, header)
+
+
+def relayed_of(frame: ChannelFrame) -> int | None:
+    """The step a ``TOKEN`` frame says the tail relayed after it, if it says one."""
+    relayed = frame.header.get("relayed")
+    return relayed if _is_seq(relayed) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Credit:
+    """A gateway's leave for the tail to send the next decode step itself (``CREDIT``): after it has
+    answered step ``after`` of ``session`` with a token not in ``stop``, that token goes to ``head``
+    as step ``seq``, its reports to the channels ``returns`` names (head first), with the session's
+    ``model`` and ``route_id``."""
+
+    session: str
+    after: int
+    seq: int
+    head: str
+    returns: tuple[str, ...]
+    model: str | None
+    route_id: str | None
+    stop: frozenset[int]
+
+
+def credit_frame(credit: Credit) -> bytes:
+    header = {"session": credit.session, "after": credit.after, "seq": credit.seq, "head": credit.head,
+              "returns": list(credit.returns), "model": credit.model, "route_id": credit.route_id,
+              "stop": sorted(credit.stop)}  # fmt: skip
+    return encode_frame(Kind.CREDIT, header)
+
+
+def read_credit(frame: ChannelFrame) -> Credit:
+    """A ``CREDIT`` frame's fields, or ``InvalidRequest`` saying which is wrong."""
+    h = frame.header
+    session = h.get("session")
+    if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_ID:
+        raise InvalidRequest(f'a CREDIT frame needs "session": the session id, a string of 1..{MAX_SESSION_ID}')
+    after, seq = h.get("after"), h.get("seq")
+    if not _is_seq(after) or not _is_seq(seq):
+        raise InvalidRequest('a CREDIT frame needs "after" and "seq": the numbers of the step it follows and its own')
+    head = h.get("head")
+    if not isinstance(head, str) or not head.startswith(("http://", "https://")):
+        raise InvalidRequest('a CREDIT frame needs "head": the URL of the route\'s head')
+    returns = h.get("returns")
+    if not isinstance(returns, list) or not returns or not all(isinstance(r, str) for r in returns):
+        raise InvalidRequest('a CREDIT frame needs "returns": the return ids of every hop of the route, head first')
+    model, route_id = h.get("model"), h.get("route_id")
+    if not all(v is None or isinstance(v, str) for v in (model, route_id)):
+        raise InvalidRequest('a CREDIT frame\'s "model" and "route_id" are strings')
+    stop = h.get("stop", [])
+    if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
+        raise InvalidRequest('a CREDIT frame\'s "stop" is a list of token ids')
+    return Credit(session, after, seq, head, tuple(returns), model, route_id, frozenset(stop))
 
 
 def read_token(frame: ChannelFrame) -> HopAnswer:

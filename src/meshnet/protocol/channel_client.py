@@ -26,7 +26,7 @@ import itertools
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +34,21 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
 from meshnet.errors import BadGateway, HopFailed, InvalidRequest, hop_error
-from meshnet.protocol.channel import MAX_HEADER_BYTES, ChannelFrame, Kind, decode_frame, read_token, step_frame, ws_url
+from meshnet.protocol.channel import (
+    MAX_HEADER_BYTES,
+    ChannelFrame,
+    Credit,
+    Kind,
+    credit_frame,
+    decode_frame,
+    read_token,
+    relayed_of,
+    step_frame,
+    ws_url,
+)
 from meshnet.protocol.messages import HopAnswer
 
-__all__ = ["ChannelUnavailable", "Channels", "Probe", "silent_hop"]
+__all__ = ["ChannelUnavailable", "Channels", "Probe", "StepSlot", "silent_hop"]
 
 log = logging.getLogger("meshnet.gateway")
 
@@ -68,10 +79,12 @@ class _Report:
     frame: ChannelFrame
 
 
-class _Waiter:
-    """A step waiting for its answer: ``answer`` is settled by the first report that decides it
-    (``Channels._report``), right where the frame is read: a task in between would cost every token
-    a loop turn. What takes a request to decide (a closed channel, the deadline) runs in ``tasks``."""
+class StepSlot:
+    """A step's number and the future of its answer (``Channels.reserve``), and, while it waits,
+    what settles it: the first report that decides it (``Channels._report``), right where the frame
+    is read — a task in between would cost every token a loop turn. What takes a request to decide
+    (a closed channel, the deadline) runs in ``tasks``. ``launched``: the step is out — the gateway
+    sent it, or the tail relayed it (its ``TOKEN`` said so)."""
 
     def __init__(self, key: tuple[str, int], urls: Sequence[str], answer: asyncio.Future[HopAnswer], probe: Probe,
                  timeout_s: float) -> None:  # fmt: skip
@@ -84,6 +97,7 @@ class _Waiter:
         self.timeout_s = timeout_s
         self.timer: asyncio.TimerHandle | None = None
         self.tasks: set[asyncio.Task[None]] = set()
+        self.launched = False
 
     def settle(self, item: _Report | _Closed | HopFailed) -> None:
         if self.answer.done():
@@ -197,7 +211,7 @@ class Channels:
         self.tls = tls
         self._open: dict[str, _NodeChannel] = {}
         self._dialing: dict[str, asyncio.Lock] = {}
-        self._waiters: dict[tuple[str, int], _Waiter] = {}
+        self._waiters: dict[tuple[str, int], StepSlot] = {}
         self._seq = itertools.count()
         self._refused: dict[str, float] = {}  # url -> when its channel was refused: HTTP until then + _RETRY_S
 
@@ -231,11 +245,12 @@ class Channels:
         body: bytes,
         timeout_s: float,
         probe: Probe,
+        slot: StepSlot | None = None,
     ) -> asyncio.Future[HopAnswer]:
-        """Send a step to the route of nodes at ``urls`` (head first); once it is sent, the future of
-        the tail's answer (cancel it when the answer is of no more use). A session's steps reach
-        every hop in the order they were started, so several can be in flight (pipelined
-        speculation rounds).
+        """Send a step to the route of nodes at ``urls`` (head first), as ``slot``'s step if given
+        (``reserve``); once it is sent, the future of the tail's answer (cancel it when the answer is
+        of no more use). A session's steps reach every hop in the order they were started, so
+        several can be in flight (pipelined speculation rounds).
 
         Raises ``ChannelUnavailable`` (before anything was sent) when a node takes no channel; the
         future raises ``HopFailed`` naming the hop that failed, ``BadGateway`` for an error of the
@@ -247,34 +262,70 @@ class Channels:
         head that takes no more bytes for ``timeout_s`` is located the same way (part of the frame
         may have gone out, so it is no ``ChannelUnavailable``)."""
         channels = [await self._channel(url) for url in urls]
-        seq = next(self._seq)
-        loop = asyncio.get_running_loop()
-        key = (session, seq)
-        waiter = _Waiter(key, urls, loop.create_future(), probe, timeout_s)
-        frame = step_frame(session, seq, verb=verb, headers=headers, body=body, returns=[c.return_id for c in channels])
-        self._waiters[key] = waiter
-        waiter.answer.add_done_callback(functools.partial(self._forget, waiter))  # cancelled by its consumer
+        waiter = slot if slot is not None else await self.reserve(urls, session, timeout_s=timeout_s, probe=probe)
+        frame = step_frame(session, waiter.seq, verb=verb, headers=headers, body=body,
+                           returns=[c.return_id for c in channels])  # fmt: skip
         try:
             for channel in channels:  # one that closed before the waiter was registered never tells it
                 if channel.closed:
                     self._report(waiter, _Closed(channel.url, "closed"))
-            deadline = loop.time() + timeout_s
+            deadline = asyncio.get_running_loop().time() + timeout_s
             try:
                 async with asyncio.timeout_at(deadline):
                     await channels[0].send(frame)
             except TimeoutError:
-                raise await silent_hop(urls, seq, timeout_s, probe) from None
+                raise await silent_hop(urls, waiter.seq, timeout_s, probe) from None
         except BaseException:
             if waiter.answer.done() and not waiter.answer.cancelled():
                 waiter.answer.exception()  # settled by a closed channel: what is raised here says it
             waiter.answer.cancel()
             self._forget(waiter)
             raise
-        if not waiter.answer.done():
-            waiter.timer = loop.call_at(deadline, lambda: waiter.run(self._silent(waiter)))
+        self._launched(waiter)
         return waiter.answer
 
-    def _report(self, waiter: _Waiter, item: _Report | _Closed) -> None:
+    async def reserve(self, urls: Sequence[str], session: str, *, timeout_s: float, probe: Probe) -> StepSlot:
+        """A step number of ``session`` on the route at ``urls`` and the future of its answer, before the
+        step is sent: by ``start``, or by the route's tail after the step before it (a ``CREDIT``).
+        Reports for it are taken from now on; its deadline runs once it is out (``launched``). Cancel
+        its future if it is never used. ``ChannelUnavailable`` when a node takes no channel."""
+        for url in urls:
+            await self._channel(url)
+        seq = next(self._seq)
+        key = (session, seq)
+        waiter = StepSlot(key, urls, asyncio.get_running_loop().create_future(), probe, timeout_s)
+        self._waiters[key] = waiter
+        waiter.answer.add_done_callback(functools.partial(self._forget, waiter))  # cancelled by its consumer
+        return waiter
+
+    async def credit(self, slot: StepSlot, *, after: int, model: str | None, route_id: str | None,
+                     stop: Iterable[int]) -> bool:  # fmt: skip
+        """Give the route's tail leave to relay ``slot``'s step once it has answered step ``after``
+        (a ``CREDIT`` frame on this gateway's channel to it); False when it could not be sent (the
+        gateway sends the step itself)."""
+        session, seq = slot.key
+        channels = [self._open.get(url) for url in slot.urls]
+        if any(c is None or c.closed for c in channels):
+            return False
+        returns = tuple(c.return_id for c in channels if c is not None)
+        credit = Credit(session, after, seq, slot.urls[0], returns, model, route_id, frozenset(stop))
+        tail = channels[-1]
+        assert tail is not None
+        try:
+            await tail.send(credit_frame(credit))
+        except ChannelUnavailable:
+            return False
+        return True
+
+    def _launched(self, waiter: StepSlot) -> None:
+        """The step is out: its deadline runs from now."""
+        if waiter.launched or waiter.answer.done():
+            waiter.launched = True
+            return
+        waiter.launched = True
+        waiter.timer = asyncio.get_running_loop().call_later(waiter.timeout_s, lambda: waiter.run(self._silent(waiter)))
+
+    def _report(self, waiter: StepSlot, item: _Report | _Closed) -> None:
         """A frame (or a lost channel) for a waiting step: it settles the step, unless it is a closed
         channel past the head, which counts only once the hop before it has computed the step."""
         if waiter.answer.done():
@@ -286,19 +337,19 @@ class Channels:
                 return
         self._settle(waiter, item)
 
-    def _settle(self, waiter: _Waiter, item: _Report | _Closed | HopFailed) -> None:
+    def _settle(self, waiter: StepSlot, item: _Report | _Closed | HopFailed) -> None:
         waiter.settle(item)
         self._forget(waiter)  # now: the session's next step may start before the answer's callbacks run
 
-    async def _closed(self, waiter: _Waiter, item: _Closed, at: int) -> None:
+    async def _closed(self, waiter: StepSlot, item: _Closed, at: int) -> None:
         if await waiter.probe(waiter.urls[at - 1], waiter.seq) is True:
             self._settle(waiter, item)
         # else the hop before it has not sent the step yet: its report will name the lost one
 
-    async def _silent(self, waiter: _Waiter) -> None:
+    async def _silent(self, waiter: StepSlot) -> None:
         self._settle(waiter, await silent_hop(waiter.urls, waiter.seq, waiter.timeout_s, waiter.probe))
 
-    def _forget(self, waiter: _Waiter, _: object = None) -> None:
+    def _forget(self, waiter: StepSlot, _: object = None) -> None:
         if self._waiters.get(waiter.key) is waiter:
             del self._waiters[waiter.key]
         waiter.end()
@@ -311,6 +362,11 @@ class Channels:
             log.warning("node %s sent a %s for a step of a route it is not on; ignored", report.url,
                         report.frame.kind.name)  # fmt: skip
         elif waiter is not None:
+            relayed = relayed_of(report.frame) if report.frame.kind is Kind.TOKEN else None
+            if relayed is not None and report.url == waiter.urls[-1]:
+                slot = self._waiters.get((key[0], relayed))  # type: ignore[arg-type]
+                if slot is not None and slot.urls == waiter.urls:
+                    self._launched(slot)  # before the answer is settled: its reader sees the slot out
             self._report(waiter, report)
         elif report.frame.kind is Kind.ERROR:
             log.warning("node %s reported an error for no waiting step: %s", report.url, header.get("error"))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -34,7 +34,7 @@ from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
 from meshnet.protocol.channel import Direct, InOrder
-from meshnet.protocol.channel_client import Channels, ChannelUnavailable, Probe, silent_hop
+from meshnet.protocol.channel_client import Channels, ChannelUnavailable, Probe, StepSlot, silent_hop
 from meshnet.protocol.ledger import parse_chunks
 from meshnet.protocol.messages import (
     HopAnswer,
@@ -99,13 +99,25 @@ class HopTransport(Protocol):
         ...
 
     async def start_step(
-        self, route: Sequence[str], request: HopRequest, *, timeout_s: float
+        self, route: Sequence[str], request: HopRequest, *, timeout_s: float, slot: StepSlot | None = None
     ) -> asyncio.Future[HopAnswer] | None:
-        """Send a decode step over the decode channel to the route of nodes at ``route`` (head first);
-        the future of the tail's answer, which comes straight back (cancel it when the
-        answer is of no more use). ``None``: a node of the route takes no channel (nothing was sent:
-        ``send`` it instead). A session's steps reach every hop in the order they were started
-        (pipelined speculation keeps several in flight)."""
+        """Send a decode step over the decode channel to the route of nodes at ``route`` (head first),
+        as ``slot``'s step if given (``reserve_step``); the future of the tail's answer, which comes
+        straight back (cancel it when the answer is of no more use). ``None``: a node of the route
+        takes no channel (nothing was sent: ``send`` it instead). A session's steps reach every hop
+        in the order they were started (pipelined speculation keeps several in flight)."""
+        ...
+
+    async def reserve_step(self, route: Sequence[str], session: SessionId, *, timeout_s: float) -> StepSlot | None:
+        """A decode-channel step's number and answer before it is sent (``Channels.reserve``): for
+        ``start_step``, or for the route's tail to relay (``credit``). ``None``: no channel to relay on."""
+        ...
+
+    async def credit(
+        self, slot: StepSlot, *, after: int, model: str | None, route_id: str | None, stop: Iterable[int]
+    ) -> bool:
+        """Give the route's tail leave to send ``slot``'s step itself once it has answered step
+        ``after`` (a ``CREDIT``); False when it could not be given (nothing was)."""
         ...
 
     async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> bool | None:
@@ -210,7 +222,7 @@ class HttpTransport:
             raise HopFailed(f"the route's tail {tail} answered a malformed step ({exc})", failed_hop=tail) from None
 
     async def start_step(
-        self, route: Sequence[str], request: HopRequest, *, timeout_s: float
+        self, route: Sequence[str], request: HopRequest, *, timeout_s: float, slot: StepSlot | None = None
     ) -> asyncio.Future[HopAnswer] | None:
         if self.channels is None:
             return None
@@ -220,9 +232,28 @@ class HttpTransport:
             # no hop waits for another here, so no nesting: one hop timeout bounds the walk, as it
             # bounds the innermost HTTP hop's wait for everything below it
             return await self.channels.start(list(route), sid, verb=str(request.verb), headers=headers, body=body,
-                                             timeout_s=timeout_s, probe=seq_probe(self, sid, timeout_s))  # fmt: skip
+                                             timeout_s=timeout_s, probe=seq_probe(self, sid, timeout_s),
+                                             slot=slot)  # fmt: skip
+        except ChannelUnavailable:
+            if slot is not None:
+                slot.answer.cancel()
+            return None
+
+    async def reserve_step(self, route: Sequence[str], session: SessionId, *, timeout_s: float) -> StepSlot | None:
+        if self.channels is None:
+            return None
+        try:
+            return await self.channels.reserve(list(route), session, timeout_s=timeout_s,
+                                               probe=seq_probe(self, session, timeout_s))  # fmt: skip
         except ChannelUnavailable:
             return None
+
+    async def credit(
+        self, slot: StepSlot, *, after: int, model: str | None, route_id: str | None, stop: Iterable[int]
+    ) -> bool:
+        if self.channels is None:
+            return False
+        return await self.channels.credit(slot, after=after, model=model, route_id=route_id, stop=stop)
 
     async def delete(self, hop: str, session: SessionId, ticket: str | None = None) -> bool | None:
         headers = {} if ticket is None else {H.TICKET: ticket}
@@ -337,8 +368,16 @@ class LocalTransport:
         assert answer is not None  # only a decode-channel step answers nothing
         return answer
 
+    async def reserve_step(self, route: Sequence[str], session: SessionId, *, timeout_s: float) -> StepSlot | None:
+        return None  # the tails of this process relay no steps: the caller sends each
+
+    async def credit(
+        self, slot: StepSlot, *, after: int, model: str | None, route_id: str | None, stop: Iterable[int]
+    ) -> bool:
+        return False
+
     async def start_step(
-        self, route: Sequence[str], request: HopRequest, *, timeout_s: float
+        self, route: Sequence[str], request: HopRequest, *, timeout_s: float, slot: StepSlot | None = None
     ) -> asyncio.Future[HopAnswer] | None:
         if not self.channels:
             return None  # every step is sent
