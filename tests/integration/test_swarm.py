@@ -308,9 +308,11 @@ def test_penalties_on_the_route_are_serves(swarm: Proc, server: Proc, model_id: 
 def test_the_decode_channel_on_and_off_give_serves_text(swarm: Proc, server: Proc, model_id: str) -> None:
     """``meshnet up``'s gateway decodes over the channel; a second gateway on the same nodes sends
     HTTP requests per hop (``--decode-channel off``): both give ``serve``'s greedy text, streamed or
-    not, with drafts and without, and the nodes really took steps over their channels."""
+    not, with drafts and without, and the nodes really took steps over their channels — the tail
+    relaying most of them to the head itself (member TLS both ways, the head taking them from the tail)."""
     nodes = [n["url"] for n in httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["nodes"]]
     before = [_metric(swarm, url, "meshnet_node_channel_steps_total") for url in nodes]
+    relayed = sum(_metric(swarm, url, "meshnet_node_relayed_steps_total") for url in nodes)
     flags = ["--speculative", "off", "--decode-channel", "off"]
     flags += ["--swarm-dir", str(join_member(swarm, "gateway", "http-gateway"))]
     with meshnet_process(["gateway", "--tracker", tracker_url(swarm), "--port", "0", *flags]) as http_gateway:
@@ -320,6 +322,7 @@ def test_the_decode_channel_on_and_off_give_serves_text(swarm: Proc, server: Pro
             assert chat(http_gateway.url, model_id, prompt) == expected
     after = [_metric(swarm, url, "meshnet_node_channel_steps_total") for url in nodes]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    assert sum(_metric(swarm, url, "meshnet_node_relayed_steps_total") for url in nodes) - relayed >= N_TOKENS // 2
     assert all(_metric(swarm, url, "meshnet_node_channels_open") >= 1 for url in nodes)  # kept open between steps
 
 

@@ -27,7 +27,19 @@ from meshnet.ids import SessionId
 from meshnet.node import channel
 from meshnet.node.channel import Direct
 from meshnet.protocol import channel_client
-from meshnet.protocol.channel import CHANNEL_PATH, Fields, Kind, decode_frame, encode_frame, ws_url
+from meshnet.protocol.channel import (
+    CHANNEL_PATH,
+    Credit,
+    Fields,
+    Kind,
+    credit_frame,
+    decode_frame,
+    encode_frame,
+    read_credit,
+    relayed_of,
+    token_frame,
+    ws_url,
+)
 from meshnet.protocol.channel_client import Channels, ChannelUnavailable, _answer, _Report
 from meshnet.protocol.messages import HopAnswer, HopEntry, TokenAnswer
 from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_member_key
@@ -423,3 +435,58 @@ def test_a_steps_fields_are_looked_up_without_regard_to_case_as_http_headers_are
     assert fields.get("X-Meshnet-Draft") == "1,2" and "x-meshnet-draft" in fields and 3 not in fields
     assert fields.get("X-Meshnet-Rewind") is None and fields.get("X-Meshnet-Rewind", "0") == "0"
     assert len(fields) == 2 and sorted(fields) == ["x-meshnet-draft", "x-meshnet-position"]
+
+
+def test_a_credit_frame_reads_back_and_a_bad_one_says_what_is_wrong() -> None:
+    credit = Credit("ses-1", 7, 8, "https://head:7000", ("r1", "r2"), "m", "rte-1", frozenset({2, 0}))
+    assert read_credit(decode_frame(credit_frame(credit))) == credit
+    good = decode_frame(credit_frame(credit)).header
+    for field, value, needle in [
+        ("session", "", '"session"'),
+        ("after", -1, '"after" and "seq"'),
+        ("seq", True, '"after" and "seq"'),
+        ("head", "ftp://x", '"head"'),
+        ("returns", [], '"returns"'),
+        ("route_id", 3, '"model" and "route_id"'),
+        ("stop", ["eos"], '"stop"'),
+    ]:
+        with pytest.raises(InvalidRequest, match=needle):
+            read_credit(decode_frame(encode_frame(Kind.CREDIT, {**good, field: value})))
+    token = decode_frame(token_frame("ses-1", 7, {"token": 1}, relayed=8))
+    assert relayed_of(token) == 8 and relayed_of(decode_frame(token_frame("ses-1", 7, {"token": 1}))) is None
+
+
+def test_a_relayed_step_is_out_once_the_tails_token_says_so_and_a_credit_goes_to_the_tail() -> None:
+    """A reserved step waits unsent, without a deadline; the token of the step before it, from the
+    tail, saying it relayed that one, starts its deadline; a credit names every hop's return id."""
+    route = ["http://a", "http://b"]
+
+    async def scenario() -> None:
+        channels = Channels()
+
+        async def probe(url: str, _seq: int) -> bool | None:
+            return None
+
+        fakes = {url: _FakeChannel(url) for url in route}
+        channels._open.update(fakes)  # type: ignore[arg-type]
+        slot = await channels.reserve(route, "s", timeout_s=10.0, probe=probe)
+        assert not slot.launched and slot.timer is None
+        assert await channels.credit(slot, after=3, model="m", route_id="rte", stop=[0])
+        (sent,) = fakes["http://b"].sent
+        assert read_credit(decode_frame(sent)) == Credit("s", 3, slot.seq, "http://a", ("ret-http://a",
+                                                         "ret-http://b"), "m", "rte", frozenset({0}))  # fmt: skip
+        first = await channels.start(route, "s", verb="decode-step", headers={}, body=b"", timeout_s=10.0, probe=probe)
+        seq = next(s for (_, s) in channels._waiters if s != slot.seq)
+        answer = {"token": 5, "logprob": -0.1, "position": 4, "hops": [TAIL_ENTRY, TAIL_ENTRY]}
+        assert not slot.launched
+        channels.deliver(_Report("http://b", decode_frame(token_frame("s", seq, answer, relayed=slot.seq))))
+        assert isinstance(await first, TokenAnswer) and slot.launched and slot.timer is not None
+        channels.deliver(_Report("http://b", decode_frame(token_frame("s", slot.seq, answer))))
+        assert isinstance(await slot.answer, TokenAnswer)
+        assert not channels._waiters
+        unused = await channels.reserve(route, "s", timeout_s=10.0, probe=probe)
+        unused.answer.cancel()  # a leave withdrawn: nothing waits for it any more
+        await asyncio.sleep(0)
+        assert not channels._waiters
+
+    asyncio.run(scenario())

@@ -25,12 +25,13 @@ from starlette.testclient import TestClient
 
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, Stop, TokenStep
 from meshnet.backends.fake_shard import TOTAL, VOCAB, MixShard
-from meshnet.errors import BadGateway, Overloaded
+from meshnet.errors import BadGateway, Conflict, Forbidden, InvalidRequest, Overloaded, SessionNotFound
 from meshnet.gateway.billing_outbox import BillingOutbox
 from meshnet.gateway.route_engine import RouteEngine
 from meshnet.gateway.speculative import WalkCosts
 from meshnet.node.advert import LatencyProber, advert_fields
 from meshnet.node.service import NodeConfig, NodeService
+from meshnet.protocol.channel import Credit
 from meshnet.protocol.hops import LocalTransport
 from meshnet.protocol.tickets import TicketVerifier
 from meshnet.routes import RoutePlan
@@ -294,7 +295,10 @@ def test_a_hop_killed_in_decode_is_repaired_and_the_text_goes_on_identically(
     assert changes(steps) == ["repair"]
     repair = next(s for s in steps if isinstance(s, RouteChange))
     assert repair.failed_node == dead and [h.node for h in repair.plan.hops].count("spare") == 1
-    assert repair.replayed == len(PROMPT) + after - 1  # every position the route held before the step
+    # every position the route held before the step that failed: over the channel the tail may have
+    # relayed the step after the kill's token before the kill (its answer came first), one more
+    held = len(PROMPT) + after - 1
+    assert repair.replayed in ((held, held + 1) if swarm.transport.channels else (held,))
 
 
 def test_a_hop_killed_during_prefill_means_a_fresh_route_from_scratch(swarm: LocalSwarm) -> None:
@@ -654,6 +658,88 @@ def test_the_next_step_leaves_before_an_answer_is_checked_and_none_past_max_toke
     assert tokens == expected and changes(steps) == []
     assert in_flight[-5:] == [1, 1, 1, 1, 0]  # the decode answers: the next step out, but after the 6th token
     assert tail_steps == 5
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_the_tail_relays_each_plain_step_after_the_first_two_and_the_text_is_the_same(
+    tmp_path: Path, private: bool
+) -> None:
+    """Over the decode channel the gateway gives the tail leave (a ``CREDIT``) to send each plain
+    step's next step to the head itself, once the answer before it is checked and taken: the gateway
+    sends the first two decode steps, the tail every later one up to ``max_tokens`` and none past it;
+    with ``relay=False`` the gateway sends them all. The tokens are the same either way (in a private
+    swarm too, where the tail relays only to its ticket's head)."""
+    expected = reference(tmp_path, 12)
+    for relay in (True, False):
+        swarm = LocalSwarm(tmp_path / f"relay-{relay}", private=private, channels=True)
+        try:
+            sent: list[int] = []
+
+            async def run(swarm: LocalSwarm = swarm, relay: bool = relay, sent: list[int] = sent) -> list[int]:
+                await swarm.layout()
+                start_step = swarm.transport.start_step
+
+                async def counted(route: Sequence[str], request: Any, **kw: Any) -> Any:
+                    sent.append(request.start)
+                    return await start_step(route, request, **kw)
+
+                swarm.transport.start_step = counted  # type: ignore[method-assign]
+                return (await generate(swarm.engine(relay=relay), 12))[0]
+
+            tokens = swarm.run(run)
+            tail = swarm.nodes["c"].metrics
+            relayed, computed = tail.relayed._value.get(), tail.decode_steps._value.get()
+        finally:
+            swarm.close()
+        assert tokens == expected
+        assert computed == 11  # every token but the prefill's, none past max_tokens
+        assert (relayed, len(sent)) == ((9, 2) if relay else (0, 11))
+
+
+def test_a_leave_to_relay_is_for_one_step_of_the_tails_own_session_route_and_head(tmp_path: Path) -> None:
+    """A node takes a ``CREDIT`` only as the tail of a session it holds, on the session's route,
+    naming the head its ticket names; the credit waits for the step it names, and the next step the
+    tail answers uses it up whatever step that is."""
+    expected = reference(tmp_path, 5)
+    swarm = LocalSwarm(tmp_path / "credit", private=True, channels=True)
+    held: list[Credit | None] = []
+    try:
+
+        async def run() -> list[int]:
+            await swarm.layout()
+            tail, middle = swarm.nodes["c"], swarm.nodes["b"]
+
+            def on_step(step: EngineStep, tokens: list[int]) -> None:
+                if not isinstance(step, TokenStep) or len(tokens) not in (2, 3):
+                    return
+                (sid,) = tail.shard.store.ids()
+                session = tail._bound(sid)
+                assert session is not None
+                if len(tokens) == 3:  # the step after the credit was answered: it is used up
+                    held.append(session.credit)
+                    return
+                credit = Credit(sid, 10_000, 10_001, "https://a.local:7000", ("r",), None, session.route_id,
+                                frozenset())  # fmt: skip
+                with pytest.raises(SessionNotFound):
+                    tail.take_credit(dataclasses.replace(credit, session="ses-unknown"))
+                with pytest.raises(InvalidRequest, match="not a tail"):
+                    middle.take_credit(credit)
+                with pytest.raises(Conflict, match="pinned to route"):
+                    tail.take_credit(dataclasses.replace(credit, route_id="rte-other"))
+                with pytest.raises(Forbidden, match="only to its route's head"):
+                    tail.take_credit(dataclasses.replace(credit, head="https://b.local:7000"))
+                tail.take_credit(credit)
+                held.append(session.credit)
+
+            return (await generate(swarm.engine(relay=False), 5, on_step=on_step))[0]
+
+        tokens = swarm.run(run)
+        relayed = swarm.nodes["c"].metrics.relayed._value.get()
+    finally:
+        swarm.close()
+    assert tokens == expected
+    assert held[0] is not None and held[0].after == 10_000 and held[1:] == [None]
+    assert relayed == 0  # the step it named never came
 
 
 def test_a_step_ahead_the_consumer_never_takes_is_drained_and_the_route_closes(tmp_path: Path) -> None:

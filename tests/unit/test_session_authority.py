@@ -16,8 +16,9 @@ import pytest
 
 from meshnet.errors import Forbidden, HopFailed, SessionGone, SessionNotFound, Unauthorized
 from meshnet.ids import RouteId, SessionId
-from meshnet.node.authority import CODE_NOT_DRIVER, ClosedSessions
+from meshnet.node.authority import CODE_NOT_DRIVER, ClosedSessions, SessionAuthority
 from meshnet.node.service import NodeConfig, NodeService
+from meshnet.protocol.channel import Direct
 from meshnet.protocol.messages import HopRequest, Payload, RerouteRequest, TokenAnswer, Verb
 from meshnet.protocol.tickets import (
     CODE_CLOSED,
@@ -112,6 +113,39 @@ def test_only_the_gateway_and_the_upstream_hop_drive_a_session_on_every_verb() -
 
     asyncio.run(attacks())
     assert asyncio.run(decode(swarm, route[0], tokens, 8)) == want
+
+
+def test_the_head_takes_a_relayed_decode_step_from_the_routes_tail_and_nothing_else() -> None:
+    """The relay exception: at the head, the route's tail may send a plain decode step over the decode
+    channel (the step a gateway's ``CREDIT`` let it relay) — not over HTTP, not a verify chunk, not a
+    rewind; no other hop may; and the tail's ticket names the only head it relays to."""
+    signer = TicketSigner.generate()
+    swarm, urls = ticketed_swarm(signer)
+    route = urls[:3]
+    ticket = route_ticket(SID, RouteId("r1"), "mix", ticket_hops(route), ttl_s=60, owner=GW)
+    token, tokens = _open(swarm, route, ticket, signer)
+    head = swarm.transport.services[route[0]]
+    position = len(PROMPT) + len(tokens) - 1
+    direct = Direct(99, tuple(route), ())
+
+    async def attempts() -> None:
+        with pytest.raises(Forbidden):  # over HTTP
+            await head.handle(step(tokens[-1], position), caller="tail")
+        with pytest.raises(Forbidden):
+            await head.handle(step(tokens[-1], position, drafts=[5]), direct, caller="tail")
+        with pytest.raises(Forbidden):
+            await head.handle(step(tokens[-1], position, rewind=True), direct, caller="tail")
+        with pytest.raises(Forbidden):  # the middle is no relayer
+            await head.handle(step(tokens[-1], position), direct, caller="middle")
+
+    asyncio.run(attempts())
+    at_head = SessionAuthority.of(ticket, token, "head", None)
+    at_tail = SessionAuthority.of(ticket, token, "tail", None)
+    at_head.check("tail", SID, "head", "drive", relay=True)
+    assert (at_head.relayer, at_head.head, at_tail.relayer, at_tail.head) == ("tail", None, None, route[0])
+    alone = route_ticket(SID, RouteId("r1"), "mix", ticket_hops(route[:1]), ttl_s=60, owner=GW)
+    assert SessionAuthority.of(alone, token, "head", None).relayer is None  # a one-hop route relays nothing
+    assert head.session_state(SID, GW)["position"] == position  # nothing the attempts sent was computed
 
 
 def test_a_repair_rebinds_the_hops_after_it_and_supersedes_every_older_ticket() -> None:

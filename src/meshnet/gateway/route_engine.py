@@ -455,7 +455,7 @@ class RouteEngine:
                         drafter.extend(tokens[drafter.seen :])
                 if full:
                     break
-                await self._snapshot_when_due(run, len(tokens) - 1)  # the route holds every token but the newest
+                await self._taken(run, len(tokens) - 1, drafter)
                 answer = await self._next_answer(run, tokens, drafter, cancel)
             outcome = "completed"
         except Stop:
@@ -631,12 +631,13 @@ class RouteEngine:
 
     def _add_round(
         self, run: _Run, start: int, chunk: list[int], task: asyncio.Future[HopAnswer], *, guess: bool, ahead: bool,
-        seq: int | None,
+        seq: int | None, timed: bool = True,
     ) -> None:  # fmt: skip
+        """A round in flight; ``timed``: it went from here, so its walk is the route's when it went alone."""
         _sent(run, chunk)
         run.pipelined = run.pipelined or guess
-        run.rounds.append(_Round(start, chunk, guess, task, time.monotonic(), alone=not run.rounds, ahead=ahead,
-                                 seq=seq))  # fmt: skip
+        alone = timed and not run.rounds
+        run.rounds.append(_Round(start, chunk, guess, task, time.monotonic(), alone=alone, ahead=ahead, seq=seq))
 
     def _step_request(self, run: _Run, start: int, chunk: list[int], *, guess: bool = False) -> HopRequest:
         """A decode step for ``chunk[0]`` at ``start`` (a verify chunk with the drafts after it; ``guess``:
@@ -705,7 +706,6 @@ class RouteEngine:
         if kept < round_.end or run.surplus:
             run.ledger.rewind(kept)
             run.surplus = True  # the hops before the tail hold what was dropped: the next round says so
-        await self._grant(run, drafter)  # the answer checked: the tail may relay the step after the next
         return answer
 
     async def _step_ahead(self, run: _Run, raw: HopAnswer, end: int, drafter: Drafter | None, seq: int | None) -> None:
@@ -732,8 +732,8 @@ class RouteEngine:
             return self._void_slot(run, relayed)
         if drafter is not None:
             drafter.extend([token])
-        if relayed is not None:
-            self._add_round(run, end, [token], relayed.answer, guess=True, ahead=True, seq=relayed.seq)
+        if relayed is not None:  # (its walk began at the tail: not one the gateway can time, WalkCosts)
+            self._add_round(run, end, [token], relayed.answer, guess=True, ahead=True, seq=relayed.seq, timed=False)
             return None
         drafts: list[int] = []
         if drafter is not None:
@@ -772,15 +772,16 @@ class RouteEngine:
         plain step after a plain step, where ``_step_ahead`` would send it: no drafts paying on
         the text now (the gateway drafts only on steps it sends), the generation's end not at the
         step (its ``max_tokens``, the context; the end of text the tail itself sees: ``stop``), no KV
-        snapshot due, nothing to rewind, no grammar or audit. The leave is for that one step; the
-        gateway gives the next once it has checked the answer before it."""
+        snapshot due, nothing to rewind, no grammar or audit. The leave is for that one step, given
+        once the answer before it is checked and its tokens taken by the consumer: a consumer that
+        stops (a stop string, a client gone) leaves no more steps computed than without relaying."""
         if not self.relay or run.credit is not None or len(run.rounds) != 1 or run.surplus:
             return
         flight = run.rounds[0]
         if flight.seq is None or len(flight.chunk) != 1 or run.audited or run.grammar:
             return
         at = flight.end  # where the relayed step would start
-        if at + 1 > self._context(run.plan) or (run.budget and run.generated + 2 >= run.budget):
+        if at + 1 > self._context(run.plan) or (run.budget and run.generated + 1 >= run.budget):
             return
         if self._snapshot_due(run, at) or self._would_draft(drafter, run.plan, at + 1):
             return
@@ -892,6 +893,12 @@ class RouteEngine:
             change = RouteChange("repair", error.message, failed.node, run.plan, run.retries, replayed, _since(began))
             await run.emit(change)
             return answer
+
+    async def _taken(self, run: _Run, held: int, drafter: Drafter | None) -> None:
+        """The consumer took an answer's tokens and the route holds every token but the newest (``held``
+        positions): the hops snapshot their KV when due, and the tail may get leave to relay (``_grant``)."""
+        await self._snapshot_when_due(run, held)
+        await self._grant(run, drafter)
 
     def _snapshot_due(self, run: _Run, held: int) -> bool:
         """Whether the hops snapshot their KV (``_snapshot``) once the route holds ``held`` positions."""

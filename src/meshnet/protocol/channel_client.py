@@ -288,9 +288,12 @@ class Channels:
         """A step number of ``session`` on the route at ``urls`` and the future of its answer, before the
         step is sent: by ``start``, or by the route's tail after the step before it (a ``CREDIT``).
         Reports for it are taken from now on; its deadline runs once it is out (``launched``). Cancel
-        its future if it is never used. ``ChannelUnavailable`` when a node takes no channel."""
+        its future if it is never used. ``ChannelUnavailable`` when the channel to a node is not open
+        (``start`` dials them first; a leave to relay is not worth waiting for a dial)."""
         for url in urls:
-            await self._channel(url)
+            channel = self._open.get(url)
+            if channel is None or channel.closed:
+                raise ChannelUnavailable(f"no decode channel open to node {url}")
         seq = next(self._seq)
         key = (session, seq)
         waiter = StepSlot(key, urls, asyncio.get_running_loop().create_future(), probe, timeout_s)

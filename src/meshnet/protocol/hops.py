@@ -33,7 +33,7 @@ from meshnet.httputil import error_field, error_message
 from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
-from meshnet.protocol.channel import Direct, InOrder
+from meshnet.protocol.channel import Credit, Direct, InOrder
 from meshnet.protocol.channel_client import Channels, ChannelUnavailable, Probe, StepSlot, silent_hop
 from meshnet.protocol.ledger import parse_chunks
 from meshnet.protocol.messages import (
@@ -88,6 +88,10 @@ class LocalHop(Protocol):
     async def receive_snapshot(self, sid: SessionId, ticket: str | None, body: bytes) -> dict[str, Any]: ...
 
     async def drop_snapshot(self, sid: SessionId, ticket: str | None) -> None: ...
+
+    def take_credit(self, credit: Credit) -> None: ...
+
+    async def relay(self, sid: SessionId, direct: Direct, answer: HopAnswer) -> int | None: ...
 
 
 class HopTransport(Protocol):
@@ -324,8 +328,9 @@ class LocalTransport:
 
     ``channels``: decode-channel steps too (``start_step``), with the channel's semantics: every hop
     passes the step on without waiting (its ``channel_send`` is ``channel_send`` here), a session's
-    steps run on each hop one after another in the order they came, and the tail's answer (or any
-    hop's error) goes straight back to the caller, whose reading of it is the channel client's."""
+    steps run on each hop one after another in the order they came, the tail's answer (or any
+    hop's error) goes straight back to the caller, whose reading of it is the channel client's, and
+    a tail given leave (``credit``) relays the next step to the head itself, as over the channel."""
 
     def __init__(self, *, channels: bool = False) -> None:
         self.services: dict[str, LocalHop] = {}
@@ -334,6 +339,7 @@ class LocalTransport:
         self._waiting: dict[int, tuple[tuple[str, ...], asyncio.Future[HopAnswer]]] = {}
         self._in_order: InOrder[tuple[str, str]] = InOrder()  # (hop, session): its steps one after another
         self._steps: set[asyncio.Task[None]] = set()
+        self._slots: dict[int, StepSlot] = {}  # reserved steps, which a tail may relay
 
     def add(self, url: str, service: LocalHop) -> None:
         self.services[url] = service
@@ -369,22 +375,42 @@ class LocalTransport:
         return answer
 
     async def reserve_step(self, route: Sequence[str], session: SessionId, *, timeout_s: float) -> StepSlot | None:
-        return None  # the tails of this process relay no steps: the caller sends each
+        if not self.channels:
+            return None
+        seq = next(self._seq)
+        urls = tuple(route)
+        answer: asyncio.Future[HopAnswer] = asyncio.get_running_loop().create_future()
+        self._waiting[seq] = (urls, answer)
+        slot = StepSlot((session, seq), urls, answer, seq_probe(self, session, timeout_s), timeout_s)
+        self._slots[seq] = slot
+        answer.add_done_callback(lambda _: (self._waiting.pop(seq, None), self._slots.pop(seq, None)))
+        return slot
 
     async def credit(
         self, slot: StepSlot, *, after: int, model: str | None, route_id: str | None, stop: Iterable[int]
     ) -> bool:
-        return False
+        tail = self.services.get(slot.urls[-1])
+        if tail is None:
+            return False
+        credit = Credit(slot.key[0], after, slot.seq, slot.urls[0], slot.urls, model, route_id, frozenset(stop))
+        try:
+            tail.take_credit(credit)
+        except MeshnetError:
+            return False
+        return True
 
     async def start_step(
         self, route: Sequence[str], request: HopRequest, *, timeout_s: float, slot: StepSlot | None = None
     ) -> asyncio.Future[HopAnswer] | None:
         if not self.channels:
             return None  # every step is sent
-        seq = next(self._seq)
         urls = tuple(route)
-        answer: asyncio.Future[HopAnswer] = asyncio.get_running_loop().create_future()
-        self._waiting[seq] = (urls, answer)
+        if slot is None:
+            seq = next(self._seq)
+            answer: asyncio.Future[HopAnswer] = asyncio.get_running_loop().create_future()
+            self._waiting[seq] = (urls, answer)
+        else:
+            seq, answer, slot.launched = slot.seq, slot.answer, True
         self._dispatch(urls[0], request, Direct(seq, urls, ()))
         return asyncio.ensure_future(self._wait(seq, answer, request.session, timeout_s))
 
@@ -416,8 +442,13 @@ class LocalTransport:
             error = MeshnetError(f"the node failed on this step: {type(exc).__name__}: {exc}")
             self._deliver(direct.seq, hop, error)
             return
-        if answer is not None:
-            self._deliver(direct.seq, hop, answer)
+        if answer is None:
+            return
+        relayed = await service.relay(request.session, direct, answer)  # as the node's channel does
+        slot = None if relayed is None else self._slots.get(relayed)
+        if slot is not None:
+            slot.launched = True
+        self._deliver(direct.seq, hop, answer)
 
     def _deliver(self, seq: int, hop: str, outcome: HopAnswer | MeshnetError) -> None:
         """The caller's reading of a hop's report, as the channel client reads it (``channel_client``)."""
