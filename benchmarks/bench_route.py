@@ -159,14 +159,17 @@ def run() -> Section:
                 ["gateway", "--tracker", tracker_url(plain), "--port", "0", "--speculative", "off",
                  "--decode-channel", "off"]
             ) as http_gateway,
+            meshnet_process(
+                ["gateway", "--tracker", tracker_url(plain), "--port", "0", "--speculative", "off", "--relay", "off"]
+            ) as gateway_sends,
         ):  # fmt: skip
             urls = {"serve": serve.url, "route": swarm.url, "plain": plain.url, "split": split.url}
             model = httpx.get(f"{serve.url}/v1/models", timeout=10).json()["data"][0]["id"]
             view = httpx.get(f"{plain.url}/v1/swarm", timeout=30).json()["nodes"]
             nodes = [n["url"] for n in sorted(view, key=lambda n: int(n["layers"].split(":")[0]))]
-            for url in (*urls.values(), http_gateway.url):
+            for url in (*urls.values(), http_gateway.url, gateway_sends.url):
                 _stream(url, model, "warm up", 8)
-            overhead: dict[str, list[tuple[float, float]]] = {"channel": [], "http": [], "tls": []}
+            overhead: dict[str, list[tuple[float, float]]] = {"channel": [], "http": [], "tls": [], "sends": []}
             before = _hop_times(nodes)
             for _ in range(ROUNDS):
                 overhead["channel"].append(_overhead_ms(plain.url, model, 3))
@@ -175,6 +178,7 @@ def run() -> Section:
             for _ in range(ROUNDS):
                 overhead["http"].append(_overhead_ms(http_gateway.url, model, 3))
                 overhead["tls"].append(_overhead_ms(swarm.url, model, 3))
+                overhead["sends"].append(_overhead_ms(gateway_sends.url, model, 3))
             decode: dict[str, list[float]] = {name: [] for name in urls}
             prefill: dict[str, list[float]] = {name: [] for name in urls}
             order = list(urls.items())
@@ -230,17 +234,21 @@ def run() -> Section:
     section.add("per-hop overhead, HTTP per hop", f"{per_hop['http']:.2f} ms")
     section.add("per-hop overhead, decode channel", f"{per_hop['channel']:.2f} ms", "≤ 0.5", per_hop["channel"] <= 0.5)
     section.add("per-hop overhead, decode channel over TLS", f"{per_hop['tls']:.2f} ms")
+    section.add("route step, decode channel, --relay off (the gateway sends every step; --no-tls)",
+                f"{step['sends']:.2f} ms")  # fmt: skip
+    section.add("per-hop overhead, decode channel, --relay off", f"{per_hop['sends']:.2f} ms")
     # where a step's time goes (decode channel, --no-tls): each hop's compute and the rest of its time
     # (checks, bookkeeping, thread hand-offs, encoding, the send), then the legs between them
     computes = [1000 * c / n for n, c, _ in spent]
     glues = [1000 * (h - c) / n for n, c, h in spent]
     on_hops = sum(1000 * h / n for n, _, h in spent)
-    legs = (step["channel"] - on_hops) / (len(spent) + 1)
+    legs = (step["channel"] - on_hops) / len(spent)  # the tail relays: head → middle → tail → head
     shown = ", ".join(f"{c:.2f}" for c in computes)
     section.add("per hop (head, middle, tail): compute per step", f"{shown} ms")
     shown = ", ".join(f"{g:.2f}" for g in glues)
     section.add("per hop (head, middle, tail): the rest of its time per step", f"{shown} ms")
-    section.add("per leg (gateway→head, 2 seams, tail→gateway), the gateway's own work included", f"{legs:.2f} ms")
+    section.add("per leg (2 seams, and tail→head: the tail relays the next step), the relay's send included",
+                f"{legs:.2f} ms")  # fmt: skip
     section.add(f"serve prefill ({long_tokens}-token prompt)", f"{fill['serve']:.1f} tok/s")
     section.add("route prefill (pipelined 128-token chunks)", f"{fill['route']:.1f} tok/s")
     section.add("route ÷ serve prefill", f"{p_ratio:.3f}", "≥ 0.9", p_ratio >= 0.9)
@@ -260,8 +268,9 @@ def run() -> Section:
     section.notes.append(
         "Where the time goes: each node counts, for every decode step, its shard compute and its whole time on the "
         "hop (from the request's arrival to the step leaving it; Prometheus meshnet_node_decode_*); a leg is what "
-        "is left of the step, shared by the 4 legs: framing, the loopback socket, process wake-ups on 2 cores, and "
-        "the gateway's own work for the token."
+        "is left of the step, shared by the 3 legs of the token's loop (the tail relays each plain step's next step "
+        "to the head; the gateway's own work for the token runs beside it): framing, the loopback socket, process "
+        "wake-ups on 2 cores, and the tail's send of the relayed step and of the token."
     )
     section.notes.append(
         "Seam bytes: activation body bytes each node sent onward per decode step (its Prometheus counter); "

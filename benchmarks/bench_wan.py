@@ -10,15 +10,19 @@ are started once per cell (round trip x seams), and stopped before the next.
 The gateways of a cell, measured in alternating rounds, each on an open-ended prompt (its text
 copies nothing) and a copy-heavy one (rewrite a given text), greedy:
 
-- ``off``: the decode channel without drafts (autoregressive);
+- ``off``: the decode channel without drafts (autoregressive), the tail relaying each plain step's
+  next step to the head itself (the default, ``--relay on``);
+- ``no-relay``: the same with ``--relay off`` (the gateway sends every step), only in the 20 ms x
+  3 seams cell;
 - ``ngram``: the decode channel with prompt-lookup drafts, verify rounds pipelined (the default);
 - ``ngram-sync``: the same with ``--pipeline-rounds 1`` (one verify round in flight at a time);
 - ``http``: HTTP per hop, no drafts (``--decode-channel off``, every answer walks back through
   every hop), the old baseline, only in the 20 ms x 3 seams cell (it is slow).
 
 The floor a route could reach per token: the nodes' own compute (``compute_ms_per_token`` from the
-route's telemetry) + the round trip the token's loop through the route pays, one one-way leg per
-seam + the leg back to the gateway. ``MESHNET_WAN_QUICK=1`` runs only the 5 ms x 3 seams cell,
+route's telemetry) + the round trip the token's loop through the route pays: with the tail relaying,
+one one-way leg per seam (head → … → tail → head); without, one more (tail → gateway → head).
+``MESHNET_WAN_QUICK=1`` runs only the 5 ms x 3 seams cell,
 briefly (a smoke test of the harness, not a measurement).
 """
 
@@ -54,6 +58,7 @@ PROMPTS = {"open-ended": DECODE_PROMPT, "copy-heavy": COPY_PROMPT}
 PIPELINE_FLAG = "--pipeline-rounds"
 GATEWAYS = {  # name: gateway flags
     "off": ("--speculative", "off"),
+    "no-relay": ("--speculative", "off", "--relay", "off"),
     "ngram": ("--speculative", "ngram"),
     "ngram-sync": ("--speculative", "ngram", PIPELINE_FLAG, "1"),
     "http": ("--speculative", "off", "--decode-channel", "off"),
@@ -159,7 +164,7 @@ def report(section: Section, cell: Cell, m: Measured) -> None:
     goals = (cell.rtt_ms, cell.seams) == BASELINE
     off = median([v for kind in PROMPTS for v in m.ms[("off", kind)]])
     work = median(m.compute)
-    legs = cell.seams + 1  # one one-way leg per seam, and the leg back to the gateway
+    legs = cell.seams  # the token's loop with the tail relaying: head → … → tail → head, one leg per seam
     floor = work + legs * cell.rtt_ms / 2
     real_floor = work + legs * m.leg_ms
     at = f"{cell.label}:"
@@ -175,6 +180,16 @@ def report(section: Section, cell: Cell, m: Measured) -> None:
         f"≤ {goal:g}" if goals else "",
         off / floor <= goal if goals else None,
     )
+    if "no-relay" in cell.gateways:
+        plain = median([v for kind in PROMPTS for v in m.ms[("no-relay", kind)]])
+        loop = work + (legs + 1) * cell.rtt_ms / 2  # one leg more: tail → gateway → head
+        section.add(f"{at} autoregressive, --relay off (the gateway sends every step)", f"{plain:.1f} ms/token")
+        section.add(f"{at} --relay off ÷ its floor (compute + {legs + 1} one-way legs)", f"{plain / loop:.2f}")
+        section.add(f"{at} relay on ÷ off, tokens/s", f"{plain / off:.2f}")
+        section.add(
+            f"{at} autoregressive ÷ (Σ compute + Σ RTT), the floor as the issue words it",
+            f"{off / (work + cell.seams * cell.rtt_ms):.2f}",
+        )
     if "http" in cell.gateways:
         http = median([v for kind in PROMPTS for v in m.ms[("http", kind)]])
         section.add(f"{at} HTTP per hop, no drafts (--decode-channel off)", f"{http:.1f} ms/token")
@@ -209,7 +224,7 @@ def run() -> Section:
             if quick and (rtt, seams) != QUICK_CELL:
                 continue
             baseline = (rtt, seams) == BASELINE
-            names = ("off", "ngram", "ngram-sync", *(("http",) if baseline else ()))
+            names = ("off", "ngram", "ngram-sync", *(("no-relay", "http") if baseline else ()))
             long = baseline and not quick
             cells.append(Cell(rtt, seams, BASELINE_TOKENS if long else tokens, BASELINE_ROUNDS if long else rounds,
                               names))  # fmt: skip
@@ -218,9 +233,9 @@ def run() -> Section:
         "on open-ended and copy-heavy text" + (" (quick smoke run, not a measurement)" if quick else ""),
         f"{'MESHNET_WAN_QUICK=1 ' if quick else ''}python benchmarks/run.py --only wan  (per cell: one llama.cpp "
         f"node per seam, threads cores ÷ nodes (at least 1), each behind a user-space delay proxy adding half "
-        f"the round trip each way; gateways off, ngram and ngram-sync (--pipeline-rounds 1), and HTTP per hop in "
-        f"the {BASELINE[1]} seams x {BASELINE[0]} ms cell; {tokens} greedy tokens of an open-ended and of a "
-        f"copy-heavy request, median of {rounds} alternating rounds"
+        f"the round trip each way; gateways off, ngram and ngram-sync (--pipeline-rounds 1), and off with --relay "
+        f"off and HTTP per hop in the {BASELINE[1]} seams x {BASELINE[0]} ms cell; {tokens} greedy tokens of an "
+        f"open-ended and of a copy-heavy request, median of {rounds} alternating rounds"
         f"{'' if quick else f' ({BASELINE_TOKENS} tokens, {BASELINE_ROUNDS} rounds in that cell)'} after a warm-up "
         "round)",
     )
@@ -228,12 +243,14 @@ def run() -> Section:
         threads = max(1, CORES // cell.seams)
         report(section, cell, measure(cell, threads))
     section.notes.append(
-        "Floor: the route's compute per token plus the round trip the token's loop pays: gateway → head → … → "
-        "tail one way, one leg per seam, and the tail's token straight back to the gateway, one more leg. A full "
-        "round trip per seam (Σ RTT taken literally) is what HTTP per hop pays; the decode channel walks each "
-        "seam one way only, so that would be no floor for it. What is left above the floor: the delay proxy's "
-        "own cost per leg (the measured leg, on the idle machine) and each hop's glue (thread hand-offs; "
-        "`route` measures it per hop on loopback)."
+        "Floor: the route's compute per token plus the round trip the token's loop pays. With the tail relaying "
+        "each plain step's next step to the head (the default), the loop is head → … → tail → head: one one-way "
+        "leg per seam. With --relay off the token goes tail → gateway → head: one leg more (that gateway's floor). "
+        "A full round trip per seam (Σ RTT taken literally, as the issue words the floor) is what HTTP per hop "
+        "pays; the decode channel walks each seam one way only, so that would be no floor for it, and its row is "
+        "there only for the issue's wording. What is left above the floor: the delay proxy's own cost per leg "
+        "(the measured leg, on the idle machine) and each hop's and the gateway's own work per token (`route` "
+        "measures it per hop on loopback)."
     )
     section.notes.append(
         "Speculation ÷ off is the tokens/s ratio of the same prompt in the same cell; drafts kept are summed over "
