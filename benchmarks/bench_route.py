@@ -1,7 +1,9 @@
 """The networked route (`meshnet up`, 3 llama.cpp node processes) vs `meshnet serve`, over HTTP.
 
 A second gateway on the same nodes sends decode steps as HTTP requests per hop
-(``--decode-channel off``): the per-hop overhead of both is measured against the nodes' own compute.
+(``--decode-channel off``), a third sends every step itself (``--relay off``: the tail relays
+none), measured in alternating rounds with the default: the per-hop overhead of each is measured
+against the nodes' own compute.
 
 Both run on this machine at once but are measured one after the other (idle llama.cpp threads
 sleep), alternating rounds so drift hits both. Decode tok/s is measured the same way as in
@@ -170,15 +172,18 @@ def run() -> Section:
             for url in (*urls.values(), http_gateway.url, gateway_sends.url):
                 _stream(url, model, "warm up", 8)
             overhead: dict[str, list[tuple[float, float]]] = {"channel": [], "http": [], "tls": [], "sends": []}
-            before = _hop_times(nodes)
-            for _ in range(ROUNDS):
-                overhead["channel"].append(_overhead_ms(plain.url, model, 3))
-            after = _hop_times(nodes)
-            spent = [tuple(a - b for a, b in zip(x, y, strict=True)) for x, y in zip(after, before, strict=True)]
+            spent = [(0.0, 0.0, 0.0)] * len(nodes)  # the nodes' decode counters over the default gateway's rounds
+            for r in range(ROUNDS):  # it and the same nodes' gateway that relays nothing, alternating
+                for name in ("channel", "sends") if r % 2 == 0 else ("sends", "channel"):
+                    before = _hop_times(nodes)
+                    overhead[name].append(_overhead_ms(plain.url if name == "channel" else gateway_sends.url, model, 3))
+                    if name == "channel":
+                        after = _hop_times(nodes)
+                        spent = [tuple(t + a - b for t, a, b in zip(total, x, y, strict=True))
+                                 for total, x, y in zip(spent, after, before, strict=True)]  # fmt: skip
             for _ in range(ROUNDS):
                 overhead["http"].append(_overhead_ms(http_gateway.url, model, 3))
                 overhead["tls"].append(_overhead_ms(swarm.url, model, 3))
-                overhead["sends"].append(_overhead_ms(gateway_sends.url, model, 3))
             decode: dict[str, list[float]] = {name: [] for name in urls}
             prefill: dict[str, list[float]] = {name: [] for name in urls}
             order = list(urls.items())
