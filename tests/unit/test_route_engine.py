@@ -742,6 +742,34 @@ def test_a_leave_to_relay_is_for_one_step_of_the_tails_own_session_route_and_hea
     assert relayed == 0  # the step it named never came
 
 
+def test_a_tail_that_takes_no_leave_gets_three_and_then_the_gateway_sends_every_step(tmp_path: Path) -> None:
+    """A tail that refuses every ``CREDIT`` (an older node, one that cannot reach its head) costs the
+    generation nothing but three refused credits: then the gateway stops offering them and sends each
+    step itself, with the same tokens."""
+    expected = reference(tmp_path, 12)
+    swarm = LocalSwarm(tmp_path / "refusing", channels=True)
+    offered: list[int] = []
+    try:
+
+        async def run() -> list[int]:
+            await swarm.layout()
+            tail = swarm.nodes["c"]
+
+            def refuse(credit: Credit, caller: str | None = None) -> None:
+                offered.append(credit.seq)
+                raise InvalidRequest("this node takes no CREDIT frames")
+
+            tail.take_credit = refuse  # type: ignore[method-assign]
+            return (await generate(swarm.engine(), 12))[0]
+
+        tokens = swarm.run(run)
+        relayed = swarm.nodes["c"].metrics.relayed._value.get()
+    finally:
+        swarm.close()
+    assert tokens == expected and relayed == 0
+    assert len(offered) == 3
+
+
 def test_a_step_ahead_the_consumer_never_takes_is_drained_and_the_route_closes(tmp_path: Path) -> None:
     """A stop the engine cannot see coming (a stop string, a client gone) leaves a step ahead in
     flight: it is drained like a void round before the route closes, and nothing of it is billed."""

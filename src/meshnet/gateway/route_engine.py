@@ -131,6 +131,9 @@ ROOM_WAIT_MAX_STEP_S = 4.0
 # Pipelined speculation: verify rounds in flight at most, each sent before the verdict on the one
 # before it while the measured acceptance makes that pay (WalkCosts.chain_pays)
 PIPELINE_ROUNDS = 4
+# leaves to relay the tail left unused in a row before a generation stops giving them (an older tail
+# that takes no CREDIT, one that cannot reach the head: each miss costs a frame each way, nothing more)
+_UNUSED_LEAVES = 3
 AUDIT_MAX_POSITIONS = 16384  # a longer session is not audited: every hop's seam log would cross the network
 _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
 
@@ -211,6 +214,7 @@ class _Run:
     generated: int = 0  # tokens handed to the consumer
     # the tail's leave to relay the step after the round in flight (_grant): its slot, and that round's seq
     credit: tuple[StepSlot, int] | None = None
+    unused: int = 0  # leaves in a row the tail did not use (it takes no CREDIT, or cannot reach the head)
 
     @functools.cached_property
     def sampling(self) -> str:
@@ -748,7 +752,9 @@ class RouteEngine:
             return None
         (slot, after), run.credit = run.credit, None
         if after == seq and slot.launched:
+            run.unused = 0
             return slot
+        run.unused += 1
         self._void_slot(run, slot)
         return None
 
@@ -777,6 +783,8 @@ class RouteEngine:
         stops (a stop string, a client gone) leaves no more steps computed than without relaying."""
         if not self.relay or run.credit is not None or len(run.rounds) != 1 or run.surplus:
             return
+        if run.unused >= _UNUSED_LEAVES:  # this route's tail does not relay: the gateway sends every step
+            return
         flight = run.rounds[0]
         if flight.seq is None or len(flight.chunk) != 1 or run.audited or run.grammar:
             return
@@ -792,6 +800,7 @@ class RouteEngine:
         given = await self.hops.credit(slot, after=flight.seq, model=self.info.model_id, route_id=run.plan.route_id,
                                        stop=await self._stops())  # fmt: skip
         if not given:
+            run.unused += 1
             slot.answer.cancel()
             return
         run.credit = (slot, flight.seq)
