@@ -102,16 +102,21 @@ def test_a_call_on_the_loop_is_timed_and_its_error_is_the_callers() -> None:
     assert 0.015 < threaded < 0.5 and 0.015 < inline < 0.5
 
 
+class RecordingShard:
+    """Answers each step with its position; records the thread of every call and the sessions in it."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+        self.calls: list[list[str]] = []
+
+    def decode_many(self, steps: Sequence[DecodeStep]) -> list[ShardOutput | MeshnetError]:
+        self.threads.append(where())
+        self.calls.append([str(s.sid) for s in steps])
+        return [ShardOutput(hidden=np.full((1, 2), s.position, dtype=np.float32)) for s in steps]
+
+
 def test_the_batcher_runs_a_lone_step_on_the_loop_once_installed() -> None:
-    class Shard:
-        def __init__(self) -> None:
-            self.threads: list[int] = []
-
-        def decode_many(self, steps: Sequence[DecodeStep]) -> list[ShardOutput | MeshnetError]:
-            self.threads.append(where())
-            return [ShardOutput(hidden=np.full((1, 2), s.position, dtype=np.float32)) for s in steps]
-
-    shard = Shard()
+    shard = RecordingShard()
 
     async def main() -> int:
         calls = ShardCalls()
@@ -130,15 +135,7 @@ def test_the_batcher_runs_a_lone_step_on_the_loop_once_installed() -> None:
 
 
 def test_on_the_loop_a_lone_step_leads_its_batch_and_a_cancelled_leader_hands_it_over() -> None:
-    class Shard:
-        def __init__(self) -> None:
-            self.calls: list[list[str]] = []
-
-        def decode_many(self, steps: Sequence[DecodeStep]) -> list[ShardOutput | MeshnetError]:
-            self.calls.append([str(s.sid) for s in steps])
-            return [ShardOutput(hidden=np.full((1, 2), s.position, dtype=np.float32)) for s in steps]
-
-    shard = Shard()
+    shard = RecordingShard()
 
     async def main() -> None:
         calls = ShardCalls()
