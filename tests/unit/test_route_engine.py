@@ -698,8 +698,8 @@ def test_the_tail_relays_each_plain_step_after_the_first_two_and_the_text_is_the
 
 def test_a_leave_to_relay_is_for_one_step_of_the_tails_own_session_route_and_head(tmp_path: Path) -> None:
     """A node takes a ``CREDIT`` only as the tail of a session it holds, on the session's route,
-    naming the head its ticket names; the credit waits for the step it names, and the next step the
-    tail answers uses it up whatever step that is."""
+    naming the head its ticket names; it is kept until the tail answers a step, which uses it up
+    whether or not it is the step the credit follows (here it is not: nothing is relayed)."""
     expected = reference(tmp_path, 5)
     swarm = LocalSwarm(tmp_path / "credit", private=True, channels=True)
     held: list[Credit | None] = []
