@@ -34,7 +34,16 @@ from meshnet.errors import (
 from meshnet.ids import RouteId, SessionId
 from meshnet.node.service import NodeConfig, NodeService
 from meshnet.protocol.hops import LocalTransport
-from meshnet.protocol.messages import AnswerKind, HopAnswer, HopRequest, Payload, RerouteRequest, TokenAnswer, Verb
+from meshnet.protocol.messages import (
+    AnswerKind,
+    HopAnswer,
+    HopRequest,
+    Payload,
+    RerouteRequest,
+    TokenAnswer,
+    Verb,
+    ids_payload,
+)
 from meshnet.protocol.tickets import TicketHop, TicketSigner, TicketVerifier, repair_ticket, route_ticket
 from meshnet.protocol.wire import encode_tensor
 
@@ -68,10 +77,6 @@ class Swarm:
 
     async def send(self, hop: str, request: HopRequest) -> HopAnswer:
         return await self.transport.send(hop, request, timeout_s=5)
-
-
-def ids_payload(tokens: Sequence[int]) -> Payload:
-    return Payload(encode_tensor(np.array([list(tokens)], dtype=np.int32), "int32"))
 
 
 def prefill(

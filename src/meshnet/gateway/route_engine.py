@@ -94,7 +94,6 @@ from meshnet.protocol.messages import (
     HopAnswer,
     HopEntry,
     HopRequest,
-    Payload,
     PrefixClaim,
     PrefixRequest,
     Replayed,
@@ -105,10 +104,10 @@ from meshnet.protocol.messages import (
     TokenAnswer,
     Verb,
     VerifyAnswer,
+    ids_payload,
 )
 from meshnet.protocol.prefix import block_hashes
 from meshnet.protocol.signing import CLAIMED_KINDS, check_signatures, claim_of
-from meshnet.protocol.wire import encode_tensor
 from meshnet.routes import Hop, RoutePlan, hop_timeout_s
 from meshnet.sampling import Alternatives, Sampler, SamplingParams, check_draw
 
@@ -649,7 +648,7 @@ class RouteEngine:
         ``start`` when the route holds rejected drafts (``run.surplus``)."""
         plan = run.plan
         return HopRequest(
-            Verb.VERIFY if len(chunk) > 1 else Verb.DECODE, plan.session_id, start, len(chunk), _ids_payload(chunk),
+            Verb.VERIFY if len(chunk) > 1 else Verb.DECODE, plan.session_id, start, len(chunk), ids_payload(chunk),
             model=self.info.model_id, route_id=plan.route_id, drafts=tuple(chunk[1:]), rewind=run.surplus,
             guess=chunk[0] if guess else None,
         )  # fmt: skip
@@ -1034,7 +1033,7 @@ class RouteEngine:
     def _resent_step(self, run: _Run, tokens: list[int]) -> HopRequest:
         """The step for ``tokens[-1]`` again, every hop that holds it dropping it first."""
         plan, position = run.plan, len(tokens) - 1
-        return HopRequest(Verb.DECODE, plan.session_id, position, 1, _ids_payload(tokens[position:]),
+        return HopRequest(Verb.DECODE, plan.session_id, position, 1, ids_payload(tokens[position:]),
                           model=self.info.model_id, route_id=plan.route_id, rewind=True)  # fmt: skip
 
     async def _replay_tokens(self, run: _Run, tokens: list[int], count: int, *, start: int = 0) -> HopAnswer:
@@ -1172,7 +1171,7 @@ class RouteEngine:
             end = begin + sum(chunks)
             first = begin == 0  # the first request names the route and the tail's sampling
             yield end, HopRequest(
-                Verb.PREFILL, plan.session_id, begin, end - begin, _ids_payload(tokens[begin:end]),
+                Verb.PREFILL, plan.session_id, begin, end - begin, ids_payload(tokens[begin:end]),
                 model=self.info.model_id, route_id=plan.route_id, chunks=tuple(chunks) if len(chunks) > 1 else None,
                 next_hops=tuple(h.url for h in plan.hops[1:]) if first else None,
                 sampling=run.sampling if first else None, ticket=plan.ticket if first else None,
@@ -1217,10 +1216,6 @@ class RouteEngine:
     def close(self) -> None:
         """What does not need the loop: the billing outbox's thread."""
         self.outbox.close()
-
-
-def _ids_payload(tokens: Sequence[int]) -> Payload:
-    return Payload(encode_tensor(np.asarray([list(tokens)], dtype=np.int32), "int32"))
 
 
 def _tokens_of(answer: Sampled) -> list[tuple[int, float, Alternatives]]:

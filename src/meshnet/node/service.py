@@ -63,6 +63,7 @@ from meshnet.protocol.messages import (
     TokenAnswer,
     Verb,
     Voided,
+    ids_payload,
 )
 from meshnet.protocol.wire import TensorFrame, encode_tensor
 from meshnet.routes import hop_timeout_s
@@ -227,8 +228,7 @@ class NodeService(TailParts):
             return None
         if not isinstance(answer, TokenAnswer) or answer.token in credit.stop:
             return None
-        ids = encode_tensor(np.asarray([[answer.token]], dtype=np.int32), "int32")
-        request = HopRequest(Verb.DECODE, sid, answer.position, 1, Payload(ids), model=credit.model,
+        request = HopRequest(Verb.DECODE, sid, answer.position, 1, ids_payload([answer.token]), model=credit.model,
                              route_id=credit.route_id, guess=answer.token)  # fmt: skip
         try:
             timeout = hop_timeout_s(self.config.hop_timeout_s, len(credit.returns))

@@ -38,11 +38,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, Self, TypeAlias
 
+import numpy as np
+
 from meshnet.errors import InvalidRequest, MeshnetError, hop_error
 from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol.prefix import MAX_PREFIX_BLOCKS
-from meshnet.protocol.wire import TensorFrame
+from meshnet.protocol.wire import TensorFrame, encode_tensor
 from meshnet.sampling import Alternatives, Draw
 
 __all__ = [
@@ -66,6 +68,7 @@ __all__ = [
     "VerifyAnswer",
     "Voided",
     "answer_from_json",
+    "ids_payload",
     "remote_error",
 ]
 
@@ -86,6 +89,11 @@ class Payload:
 
     frame: TensorFrame
     token_ids: bytes | None = None
+
+
+def ids_payload(tokens: Sequence[int]) -> Payload:
+    """What the head takes: ``tokens`` as a ``[1, n]`` int32 tensor."""
+    return Payload(encode_tensor(np.asarray([list(tokens)], dtype=np.int32), "int32"))
 
 
 @dataclass(frozen=True, slots=True)
