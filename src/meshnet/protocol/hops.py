@@ -404,15 +404,12 @@ class LocalTransport:
     ) -> asyncio.Future[HopAnswer] | None:
         if not self.channels:
             return None  # every step is sent
-        urls = tuple(route)
         if slot is None:
-            seq = next(self._seq)
-            answer: asyncio.Future[HopAnswer] = asyncio.get_running_loop().create_future()
-            self._waiting[seq] = (urls, answer)
-        else:
-            seq, answer, slot.launched = slot.seq, slot.answer, True
-        self._dispatch(urls[0], request, Direct(seq, urls, ()))
-        return asyncio.ensure_future(self._wait(seq, answer, request.session, timeout_s))
+            slot = await self.reserve_step(route, request.session, timeout_s=timeout_s)
+            assert slot is not None  # (channels: one is reserved)
+        slot.launched = True
+        self._dispatch(slot.urls[0], request, Direct(slot.seq, slot.urls, ()))
+        return asyncio.ensure_future(self._wait(slot.seq, slot.answer, request.session, timeout_s))
 
     async def channel_send(self, hop: str, request: HopRequest, direct: Direct, timeout_s: float) -> None:
         """A hop passing a decode-channel step on to ``hop`` (a ``NodeService``'s ``channel_send``)."""
