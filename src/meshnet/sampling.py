@@ -152,6 +152,8 @@ class TokenGrammar(Protocol):
     """What a sampler asks of a compiled grammar (``meshnet.backends.grammar.TokenGrammar`` is the one
     llama.cpp compiles): which tokens it allows after the ones accepted so far."""
 
+    accepted_at: float  # time.monotonic() of the last token accepted
+
     def allows(self, token: int) -> bool: ...
 
     def mask(self, logits: Logits) -> Logits: ...

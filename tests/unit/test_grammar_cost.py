@@ -204,3 +204,56 @@ def test_grammar_steps_past_their_deadline_never_hold_up_other_sampling() -> Non
 
     asyncio.run(scenario())
     lane.close()
+
+
+def test_the_deadline_counts_from_the_last_token_a_step_decided() -> None:
+    """A step deciding 17 tokens (a verify chunk of 16 drafts) gets ``deadline_s`` for each: one token
+    that stalls fails it a deadline after the token before it, not at 17 deadlines; a step whose
+    tokens each come within the deadline finishes even when the whole takes several deadlines."""
+    lane = SamplingLane(0.2)
+    clock = {"at": 0.0}
+
+    def step(gaps: list[float]) -> int:
+        for gap in gaps:
+            time.sleep(gap)
+            clock["at"] = time.monotonic()
+        return len(gaps)
+
+    async def scenario() -> float:
+        decided = await lane.run(lambda: step([0.1] * 6), tokens=17, grammar=True, progress=lambda: clock["at"])
+        assert decided == 6  # 0.6 s in all, no gap over 0.2 s
+        began = time.monotonic()
+        with pytest.raises(SamplingTooSlow) as info:
+            await lane.run(lambda: step([0.05, 0.05, 3.0]), tokens=17, grammar=True, progress=lambda: clock["at"])
+        assert "0.2 s a token" in str(info.value)
+        return time.monotonic() - began
+
+    failed_after = asyncio.run(scenario())
+    assert 0.25 <= failed_after < 1.5, failed_after  # 17 x 0.2 = 3.4 s before the per-token clock
+    lane.close()
+
+
+def test_a_verify_chunk_reaching_a_hidden_bomb_fails_a_deadline_after_its_last_draft(vocab: LlamaVocab) -> None:
+    """Issue #28's bomb behind a literal, met inside a verify chunk whose drafts are the literal (what
+    prompt lookup sends): the real grammar's ``accepted_at`` restarts the clock at each draft kept, so
+    the step fails a deadline after the last one, not at a deadline for each of the chunk's tokens."""
+    hidden = 'root ::= "' + " hello" * 10 + '" bomb\nbomb ::= ' + " | ".join(['"ab"'] * 9000)
+    drafts = vocab.tokenize(" hello" * 10, add_special=False)
+    grammar = vocab.grammar(hidden)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3, grammar=hidden), grammar)
+    rows = np.full((len(drafts) + 1, vocab.info.n_vocab), -10.0, dtype=np.float32)
+    rows[np.arange(len(drafts)), drafts] = 10.0  # the model agrees with every draft...
+    rows[-1, 0] = 10.0  # ...and then wants a token the bomb refuses: its whole-vocabulary check runs
+    lane = SamplingLane(0.5)
+
+    async def scenario() -> float:
+        began = time.monotonic()
+        with pytest.raises(SamplingTooSlow):
+            await lane.run(lambda: sampler.verify(rows, drafts, position=0), tokens=1 + len(drafts), grammar=True,
+                           cancel=grammar.cancel, progress=lambda: grammar.accepted_at)  # fmt: skip
+        return time.monotonic() - began
+
+    failed_after = asyncio.run(scenario())
+    assert grammar.accepted == drafts  # every draft was kept before the bomb
+    assert failed_after < 0.5 * len(drafts), failed_after  # the old per-chunk limit: 0.5 s x (drafts + 1)
+    lane.close()

@@ -447,6 +447,8 @@ def test_a_malformed_draw_is_refused(raw: object):
 class _EvenOnly:
     """A grammar that allows even token ids only (the sampler's view of a compiled grammar)."""
 
+    accepted_at = 0.0
+
     def allows(self, token: int) -> bool:
         return token % 2 == 0
 

@@ -228,6 +228,7 @@ class TokenGrammar:
         self._all["id"] = np.arange(n_vocab, dtype=np.int32)
         self._one = np.zeros(1, dtype=_TOKEN_DATA)
         self.accepted: list[int] = []  # the tokens the grammar state has consumed, in order
+        self.accepted_at = 0.0  # time.monotonic() of the last token accepted (a step's progress: node.sampling_lane)
         self._cancelled = False
 
     # -- questions ---------------------------------------------------------------------------
@@ -287,6 +288,7 @@ class TokenGrammar:
             )
         self._ll.llama_sampler_accept(self._handle, token)
         self.accepted.append(token)
+        self.accepted_at = time.monotonic()
 
     def sync(self, history: Sequence[int]) -> None:
         """Bring the state to "``history`` generated so far": consume what is new, or start over when

@@ -5,7 +5,9 @@ the vocabulary for 1 s per step under a grammar of 1,000 identical alternatives,
 under 3,000. On the event loop such a step stopped the node's heartbeats, health answers and every
 other session. So the tail samples on worker threads (llama.cpp's calls release the GIL), and a
 step that has not finished within its deadline (``deadline_s`` per token it decides) fails that
-generation with a clear error — the node goes on.
+generation with a clear error — the node goes on. The clock restarts at each token the step decides
+(``progress``): a verify chunk of 16 drafts gets 0.5 s for each of its tokens, not 8 s for whichever
+token the grammar makes costly.
 
 A thread cannot be stopped from outside: a step past its deadline is told to stop (a grammar's
 check of the vocabulary runs in chunks and stops at the next one: ``TokenGrammar.cancel``), and
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -56,12 +59,19 @@ class SamplingLane:
         self.running_late = 0  # grammar steps past their deadline that still hold a thread
 
     async def run(
-        self, step: Callable[[], T], *, tokens: int = 1, grammar: bool, cancel: Callable[[], None] | None = None
+        self,
+        step: Callable[[], T],
+        *,
+        tokens: int = 1,
+        grammar: bool,
+        cancel: Callable[[], None] | None = None,
+        progress: Callable[[], float] | None = None,
     ) -> T:
-        """``step()`` — a grammar's on a worker thread of its lane, ``SamplingTooSlow`` when it takes
-        longer than ``deadline_s`` per token it decides (``tokens``), after telling the step to stop
-        (``cancel``: a grammar's check of the vocabulary stops within one chunk of it); any other at
-        once, here (module docstring)."""
+        """``step()`` — a grammar's on a worker thread of its lane, ``SamplingTooSlow`` when it decides
+        no token for ``deadline_s`` (``progress``: the ``time.monotonic()`` of the last token it
+        decided) or takes longer than ``deadline_s`` per token it decides (``tokens``), after telling
+        the step to stop (``cancel``: a grammar's check of the vocabulary stops within one chunk of
+        it); any other at once, here (module docstring)."""
         if not grammar:
             return step()
         if self.running_late >= self._threads:
@@ -71,21 +81,28 @@ class SamplingLane:
                 retry_after_s=5,
             )
         loop = asyncio.get_running_loop()
+        began = time.monotonic()
         future = loop.run_in_executor(self._grammar, step)
-        limit = self.deadline_s * max(1, tokens)
-        try:
-            # shield: a timeout must not cancel the future before its thread is done with the sampler
-            return await asyncio.wait_for(asyncio.shield(future), limit)
-        except TimeoutError:
-            if cancel is not None:
-                cancel()
-            self.running_late += 1
-            future.add_done_callback(self._finished_late)
-            raise SamplingTooSlow(
-                f"sampling {tokens} token(s) took longer than this tail's deadline of {limit:.1f} s "
-                f"({self.deadline_s:.1f} s a token): the request's grammar is too costly to sample; simplify it",
-                param="grammar",
-            ) from None
+        limit = began + self.deadline_s * max(1, tokens)
+        while True:  # bounded: each pass ends at a later token decided, or fails; never past ``limit``
+            last = max(began, progress()) if progress is not None else began
+            wait = min(limit, last + self.deadline_s) - time.monotonic()
+            if wait <= 0 and not future.done():
+                break
+            try:
+                # shield: a timeout must not cancel the future before its thread is done with the sampler
+                return await asyncio.wait_for(asyncio.shield(future), max(wait, 0))
+            except TimeoutError:
+                continue
+        if cancel is not None:
+            cancel()
+        self.running_late += 1
+        future.add_done_callback(self._finished_late)
+        raise SamplingTooSlow(
+            f"sampling {tokens} token(s) passed this tail's deadline of {self.deadline_s:.1f} s a token: "
+            "the request's grammar is too costly to sample; simplify it",
+            param="grammar",
+        )
 
     def _finished_late(self, future: asyncio.Future[Any]) -> None:
         self.running_late -= 1

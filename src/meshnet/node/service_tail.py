@@ -39,10 +39,12 @@ class TailParts(RepairParts):
         sampler, start, n, drafts = s.sampler, request.start, request.n, request.drafts
         history = s.ids_seen[sampler.params.generated_from : start + n - len(drafts)] if s.carry_ids else None
         try:  # a grammar's off the event loop, under a deadline: a costly one fails this generation, not the node
+            grammar = sampler.grammar
             chosen = await self.sampling.run(
                 lambda: _choose(sampler, logits, history, drafts, at=start + n if not drafts else start + 1),
-                tokens=1 + len(drafts), grammar=sampler.grammar is not None,
-                cancel=sampler.grammar.cancel if sampler.grammar is not None else None,
+                tokens=1 + len(drafts), grammar=grammar is not None,
+                cancel=grammar.cancel if grammar is not None else None,
+                progress=(lambda: grammar.accepted_at) if grammar is not None else None,
             )  # fmt: skip
         except SamplingTooSlow as exc:
             s.break_with(exc)  # its sampler is still busy on a worker thread: nothing may use it again
