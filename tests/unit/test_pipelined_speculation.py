@@ -39,7 +39,7 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
 @pytest.fixture
 def always_chain(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(WalkCosts, "chain_pays", lambda self, positions, kept, hops: True)
-    monkeypatch.setattr(WalkCosts, "best_drafts", lambda self, available, q, explore=False: available)
+    monkeypatch.setattr(WalkCosts, "best_drafts", lambda self, available, q, explore=False, draft_s=0.0: available)
 
 
 class RareOracle:

@@ -363,7 +363,7 @@ class Oracle:
 def every_draft(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every round carries all its drafts, whatever the route's measured costs say (they pick the
     length that pays: on loopback over fake shards, a matter of timing)."""
-    monkeypatch.setattr(WalkCosts, "best_drafts", lambda self, available, q, explore=False: available)
+    monkeypatch.setattr(WalkCosts, "best_drafts", lambda self, available, q, explore=False, draft_s=0.0: available)
 
 
 @pytest.mark.usefixtures("every_draft")

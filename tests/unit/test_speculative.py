@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import pytest
 
-from meshnet.gateway.speculative import PROBE_DRAFTS, ModelDraft, PromptLookup, WalkCosts
+from meshnet.gateway.speculative import PROBE_DRAFTS, DraftCost, ModelDraft, PromptLookup, WalkCosts
 
 
 def test_a_repeated_ngram_offers_what_followed_it_last_time():
@@ -86,11 +87,27 @@ def test_a_route_measures_a_plain_step_then_a_short_probe_before_trusting_a_long
 
 def test_a_route_where_drafting_does_not_pay_is_re_probed_ever_more_rarely():
     costs = _walks(WalkCosts(), (1, 0.020), (3, 0.200))  # the chunk measured in a bad moment
-    probes = [i for i in range(1, 16 + 32 + 64 + 1) if costs.best_drafts(12, 0.9, explore=True)]
+    probes = []
+    for i in range(1, 16 + 32 + 64 + 1):
+        if costs.best_drafts(12, 0.9, explore=True):
+            probes.append(i)
+            _walks(costs, (3, 0.200))  # the probe went, and its chunk was as costly again
     assert probes == [16, 16 + 32, 16 + 32 + 64]
     assert costs.best_drafts(12, 0.9) == 0  # a chained round's cut never probes
     _walks(costs, (3, 0.021), (3, 0.021), (3, 0.021))  # the probes found chunks cheap again: drafting pays
     assert costs.best_drafts(12, 0.9, explore=True) == 12
+
+
+def test_a_re_probe_stays_due_until_a_chunk_is_measured():
+    """The decision that a re-probe rides on may be one whose step then goes without drafts (the
+    tail relays it): the next step about to go probes instead, until a chunk is measured."""
+    costs = _walks(WalkCosts(), (1, 0.020), (3, 0.200))
+    decisions = [costs.best_drafts(12, 0.9, explore=True) for _ in range(16 + 3)]
+    assert decisions[:15] == [0] * 15 and decisions[15:] == [PROBE_DRAFTS] * 4
+    _walks(costs, (1, 0.020))  # a plain step is no probe
+    assert costs.best_drafts(12, 0.9, explore=True) == PROBE_DRAFTS
+    _walks(costs, (3, 0.200))
+    assert costs.best_drafts(12, 0.9, explore=True) == 0
 
 
 def test_drafts_are_sent_only_where_the_route_s_walk_makes_them_pay():
@@ -181,3 +198,47 @@ def test_a_model_draft_asks_its_model_for_the_continuation_of_the_whole_text() -
     drafter.extend([8, 9, 10, 11, 12])
     assert drafter.propose(10)[:1] == [13]
     assert (drafter.drafted, drafter.accepted) == (4, 4)
+
+
+def test_a_draft_model_makes_only_the_drafts_that_pay_at_what_they_cost() -> None:
+    """A draft model's tokens cost the gateway its compute before the chunk goes: where they cost
+    about what the route's own step does (a 0.5B drafting for a 1.5B on one core: 36 against 50 ms),
+    no draft pays and the model is not even asked; where the walk is mostly links, drafts pay."""
+    text = [5, 6, 7]
+    # a compute-bound route on a CPU: a step 50 ms, a 3-position chunk 115 ms, 9 positions 400
+    cpu = _walks(WalkCosts(), (1, 0.050), (3, 0.115), (9, 0.400))
+    spent = DraftCost()
+    spent.observe(0.036 * 4, 4)  # what the probe's drafts cost
+    assert spent.per_draft == pytest.approx(0.036)
+    source = _Source()
+    drafter = ModelDraft(source, k=8, costs=cpu, spent=spent)
+    drafter.extend(text)
+    assert not drafter.would_draft(100) and drafter.propose(100) == [] and drafter.chained(text, 9) == [8]
+    assert source.calls == [(3, 1)]  # only the chained round's guess was made: never the drafts that do not pay
+    # the same drafts free (prompt lookup's cost): at the prior acceptance, a verify chunk pays
+    free = ModelDraft(_Source(), k=8, costs=cpu, spent=DraftCost())
+    free.extend(text)
+    assert free.would_draft(100) and len(free.propose(100)) >= 1
+    # over a WAN (60 ms of links per walk), the same model's drafts pay
+    wan = WalkCosts()
+    wan.observe(1, 0.050, 0.110)
+    wan.observe(3, 0.115)
+    wan.observe(9, 0.400)
+    source = _Source()
+    drafter = ModelDraft(source, k=8, costs=wan, spent=spent)
+    drafter.extend(text)
+    assert drafter.would_draft(100) and source.calls == []
+    assert len(drafter.propose(100)) >= 2 and source.calls[0][1] >= 2
+
+
+def test_draft_cost_is_measured_per_draft_from_the_model_s_calls() -> None:
+    class Slow:
+        def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+            time.sleep(0.01 * k)
+            return [1] * k
+
+    drafter = ModelDraft(Slow(), k=4)
+    assert drafter.draft_s == 0.0  # nothing measured: the first probe measures it
+    drafter.extend([1, 2])
+    drafter.continuation([1, 2], 4)
+    assert 0.009 <= drafter.draft_s < 0.05

@@ -81,7 +81,15 @@ from meshnet.errors import (
 )
 from meshnet.gateway.audits import AuditJob, Audits, collect
 from meshnet.gateway.billing_outbox import BillingOutbox, Usage
-from meshnet.gateway.speculative import SPECULATIVE_MODES, Drafter, DraftSource, ModelDraft, PromptLookup, WalkCosts
+from meshnet.gateway.speculative import (
+    SPECULATIVE_MODES,
+    DraftCost,
+    Drafter,
+    DraftSource,
+    ModelDraft,
+    PromptLookup,
+    WalkCosts,
+)
 from meshnet.httputil import CLIENT_KEEP_ALIVE_S, error_field, error_message
 from meshnet.ids import RouteId, SessionId
 from meshnet.layers import LayerRange
@@ -265,6 +273,7 @@ class RouteEngine:
         if (speculative == "draft") != (draft_model is not None):
             raise ValueError("speculative='draft' drafts with a draft model, and only it does")
         self.draft_model = draft_model
+        self._draft_cost = DraftCost()  # what the draft model's drafts cost, shared by every generation
         if draft_tokens < 1:
             raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
         if not 0 <= draft_min <= draft_tokens:
@@ -572,7 +581,8 @@ class RouteEngine:
         if self.speculative == "ngram":
             return PromptLookup(self.draft_tokens, self._walk_costs(plan), minimum=self.draft_min)
         if self.draft_model is not None:
-            return ModelDraft(self.draft_model, self.draft_tokens, self._walk_costs(plan), minimum=self.draft_min)
+            model, costs = self.draft_model, self._walk_costs(plan)
+            return ModelDraft(model, self.draft_tokens, costs, minimum=self.draft_min, spent=self._draft_cost)
         return None
 
     def _walk_costs(self, plan: RoutePlan) -> WalkCosts:
@@ -674,10 +684,9 @@ class RouteEngine:
                 return
             text = [*tokens[: run.rounds[0].start], *(t for r in run.rounds for t in r.chunk)]
             if isinstance(drafter, ModelDraft):  # a model computes the drafts: off the loop
-                chunk = await asyncio.to_thread(drafter.continuation, text, limit)
+                chunk = await asyncio.to_thread(drafter.chained, text, limit)
             else:
-                chunk = drafter.continuation(text, limit)
-            chunk = chunk[: 1 + drafter.paying(len(chunk) - 1)]  # the guess, the drafts that pay
+                chunk = drafter.chained(text, limit)  # the guess, the drafts that pay
             if not chunk or not await self._start_round(run, last.end, chunk, guess=True):
                 return
 
@@ -790,7 +799,8 @@ class RouteEngine:
         at = flight.end  # where the relayed step would start
         if at + 1 > self._context(run.plan) or (run.budget and run.generated + 1 >= run.budget):
             return
-        if self._snapshot_due(run, at) or self._would_draft(drafter, run.plan, at + 1):
+        # explore: the step would go without the gateway, so this is the decision a re-probe rides on
+        if self._snapshot_due(run, at) or self._would_draft(drafter, run.plan, at + 1, explore=True):
             return
         urls = [h.url for h in run.plan.hops]
         slot = await self.hops.reserve_step(urls, run.plan.session_id, timeout_s=self.timeout_s)
@@ -804,15 +814,14 @@ class RouteEngine:
             return
         run.credit = (slot, flight.seq)
 
-    def _would_draft(self, drafter: Drafter | None, plan: RoutePlan, length: int) -> bool:
+    def _would_draft(self, drafter: Drafter | None, plan: RoutePlan, length: int, *, explore: bool = False) -> bool:
         """Whether the step after ``length`` tokens may carry drafts that pay (then the gateway sends
-        it): a draft model always drafts; prompt lookup where the text repeats and drafts pay."""
+        it): prompt lookup where the text repeats and drafts pay; a draft model where drafts pay at
+        what its drafts cost (``Drafter.would_draft``)."""
         if drafter is None:
             return False
-        if isinstance(drafter, ModelDraft):
-            return True
-        found = drafter.candidates(min(*(h.max_verify for h in plan.hops), self._context(plan) - length))
-        return bool(found) and drafter.paying(len(found)) > 0
+        return drafter.would_draft(min(*(h.max_verify for h in plan.hops), self._context(plan) - length),
+                                   explore=explore)  # fmt: skip
 
     async def _stops(self) -> frozenset[int]:
         """The tokens a generation ends with (the vocabulary's end-of-generation ids), found once."""

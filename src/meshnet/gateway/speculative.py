@@ -17,13 +17,18 @@ Two drafters (``--speculative ngram|draft``):
   vocabulary, run at the gateway, continues the text greedily. It costs a small model's steps per
   draft and pays off wherever the small model agrees with the large one, repeated text or not.
 
-How many to draft is decided by what a walk costs and what gets accepted, because a verify chunk
-is not free: every drafted position is computed on every hop (on a CPU, 2 positions in one call
-cost more than two steps). ``WalkCosts`` keeps, per route, what a walk costs by the number of
+How many to draft is decided by what a walk costs, what a draft costs and what gets accepted,
+because a verify chunk is not free: every drafted position is computed on every hop (on a CPU, 2
+positions in one call cost more than two steps), and a draft model's tokens are computed at the
+gateway before the chunk goes (``DraftCost``: a Qwen2.5-Coder 0.5B drafting for its 1.5B took
+36 ms a token on one core here, the 1.5B 50: drafting 8 tokens before every round made a route 2-3x
+slower than none). ``WalkCosts`` keeps, per route, what a walk costs by the number of
 positions it carries — the hops' compute of that many positions plus what the links add — and
 the drafter keeps the generation's acceptance rate ``q`` (a draft is kept with probability ``q``,
 independently: a chunk of ``d`` drafts yields ``(1 - q^(d+1)) / (1 - q)`` tokens on average).
-Each step takes the draft length — none included — with the most tokens per second.
+Each step takes the draft length — none included — with the most tokens per second, and a draft
+model computes only the drafts so chosen (none where none pay: the route then decodes as without
+speculation, the tail relaying its steps).
 
 Every estimate is the median of the latest measurements, and a size never measured is assumed to
 cost what the measured sizes suggest (linear between the nearest ones, on the line through the two
@@ -46,11 +51,21 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-__all__ = ["PROBE_DRAFTS", "SPECULATIVE_MODES", "DraftSource", "Drafter", "ModelDraft", "PromptLookup", "WalkCosts"]
+__all__ = [
+    "PROBE_DRAFTS",
+    "SPECULATIVE_MODES",
+    "DraftCost",
+    "DraftSource",
+    "Drafter",
+    "ModelDraft",
+    "PromptLookup",
+    "WalkCosts",
+]
 
 SPECULATIVE_MODES = ("off", "ngram", "draft")
 # An estimate is the median of the latest measurements: times on a busy machine come with rare long
@@ -79,6 +94,7 @@ class WalkCosts:
         self._compute: dict[int, deque[float]] = {}
         self._network: deque[float] = deque(maxlen=_WINDOW)
         self._declined, self._reprobe = 0, _REPROBE_FIRST
+        self._probe_due = False  # a re-probe was decided and no chunk has been measured since
         self._lock = threading.Lock()
 
     def observe(self, positions: int, compute: float, walk: float | None = None) -> None:
@@ -86,6 +102,7 @@ class WalkCosts:
         and took that long, from the send to the answer."""
         with self._lock:
             self._compute.setdefault(positions, deque(maxlen=_WINDOW)).append(compute)
+            self._probe_due = self._probe_due and positions == 1
             if walk is not None:
                 self._network.append(max(walk - compute, 0.0))
 
@@ -121,11 +138,13 @@ class WalkCosts:
         share = compute / hops
         return kept * max(walk - share, 0.0) > (1.0 - kept) * share
 
-    def best_drafts(self, available: int, q: float, *, explore: bool = False) -> int:
-        """How many of ``available`` drafts to send, each kept with probability ``q``: the most
-        expected tokens per second, 0 (a plain step) included. A route with no plain step measured
-        gets one; one with no chunk measured, a probe of ``PROBE_DRAFTS``. ``explore``: a step's
-        own drafts, which also re-probe a route where drafting has not paid for a while."""
+    def best_drafts(self, available: int, q: float, *, explore: bool = False, draft_s: float = 0.0) -> int:
+        """How many of ``available`` drafts to send, each kept with probability ``q`` and costing
+        ``draft_s`` seconds to make before the chunk goes (a draft model's; prompt lookup's cost
+        nothing): the most expected tokens per second, 0 (a plain step) included. A route with no
+        plain step measured gets one; one with no chunk measured, a probe of ``PROBE_DRAFTS``.
+        ``explore``: a decision for a step about to go, which also re-probes a route where drafting
+        has not paid for a while (the probe stays due until a chunk is measured)."""
         network, known = self._medians()
         if network is None or 1 not in known:
             return 0
@@ -135,19 +154,44 @@ class WalkCosts:
         for d in range(1, available + 1):
             seconds = _walk(network, known, d + 1)
             assert seconds is not None
+            seconds += d * draft_s
             tokens = float(d + 1) if q >= 1.0 else (1.0 - q ** (d + 1)) / (1.0 - q)
             if seconds > 0 and tokens / seconds > best_rate:
                 best, best_rate = d, tokens / seconds
         if explore and available:
             with self._lock:
                 if best:
-                    self._declined, self._reprobe = 0, _REPROBE_FIRST
+                    self._declined, self._reprobe, self._probe_due = 0, _REPROBE_FIRST, False
+                elif self._probe_due:
+                    return min(available, PROBE_DRAFTS)
                 else:
                     self._declined += 1
                     if self._declined >= self._reprobe:
                         self._declined, self._reprobe = 0, min(2 * self._reprobe, _REPROBE_MOST)
+                        self._probe_due = True
                         return min(available, PROBE_DRAFTS)
         return best
+
+
+class DraftCost:
+    """What a draft model's drafts cost the gateway, per draft token (thread-safe: every generation of
+    a gateway drafts with its one model): the median of the latest draft calls' seconds ÷ the drafts
+    they made, which includes evaluating the tokens the route kept since the call before."""
+
+    def __init__(self) -> None:
+        self._per_draft: deque[float] = deque(maxlen=_WINDOW)
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float, drafts: int) -> None:
+        if drafts > 0:
+            with self._lock:
+                self._per_draft.append(seconds / drafts)
+
+    @property
+    def per_draft(self) -> float:
+        """Seconds a draft token costs (0 before any draft was made: the first probe measures it)."""
+        with self._lock:
+            return statistics.median(self._per_draft) if self._per_draft else 0.0
 
 
 class Drafter:
@@ -203,10 +247,28 @@ class Drafter:
         found = self.candidates(limit)
         return found[: self.paying(len(found), explore=True)] if found else found
 
+    def would_draft(self, limit: int, *, explore: bool = False) -> bool:
+        """Whether the next step would carry drafts (``propose``), without making them; ``explore``:
+        a decision for a step about to go (``WalkCosts.best_drafts``)."""
+        found = self.candidates(limit)
+        return bool(found) and self.paying(len(found), explore=explore) > 0
+
+    def chained(self, text: Sequence[int], limit: int) -> list[int]:
+        """A pipelined round after ``text`` (the text so far and the rounds in flight): its guess and
+        the drafts after it that pay, at most ``limit`` tokens in all."""
+        chunk = self.continuation(text, limit)
+        return chunk[: 1 + self.paying(len(chunk) - 1)] if chunk else chunk
+
+    @property
+    def draft_s(self) -> float:
+        """What a draft costs to make before its chunk goes (prompt lookup's: nothing)."""
+        return 0.0
+
     def paying(self, available: int, *, explore: bool = False) -> int:
         """How many of ``available`` drafts to send: as many as pay on the route (``WalkCosts.best_drafts``),
         and at least ``minimum``."""
-        return max(self.costs.best_drafts(available, self.acceptance, explore=explore), min(available, self.minimum))
+        paying = self.costs.best_drafts(available, self.acceptance, explore=explore, draft_s=self.draft_s)
+        return max(paying, min(available, self.minimum))
 
     def record(self, drafted: int, accepted: int) -> None:
         """The route kept ``accepted`` of ``drafted`` drafts."""
@@ -257,14 +319,44 @@ class DraftSource(Protocol):
 
 
 class ModelDraft(Drafter):
-    """Draft-model drafting for one generation: the model's greedy continuation of the text so far."""
+    """Draft-model drafting for one generation: the model's greedy continuation of the text so far.
+    Its drafts cost the gateway the model's compute (``spent``, shared by a gateway's generations), so
+    it decides how many pay before it makes them, and makes only those."""
 
-    def __init__(self, model: DraftSource, k: int, costs: WalkCosts | None = None, *, minimum: int = 0) -> None:
+    def __init__(
+        self,
+        model: DraftSource,
+        k: int,
+        costs: WalkCosts | None = None,
+        *,
+        minimum: int = 0,
+        spent: DraftCost | None = None,
+    ) -> None:
         super().__init__(k, costs, minimum=minimum)
         self.model = model
+        self.spent = spent if spent is not None else DraftCost()
+
+    @property
+    def draft_s(self) -> float:
+        return self.spent.per_draft
+
+    def propose(self, limit: int) -> list[int]:
+        n = self.paying(min(limit, self.k), explore=True) if self._tokens else 0
+        return self.continuation(self._tokens, n)
+
+    def would_draft(self, limit: int, *, explore: bool = False) -> bool:
+        return bool(self._tokens) and self.paying(min(limit, self.k), explore=explore) > 0
+
+    def chained(self, text: Sequence[int], limit: int) -> list[int]:
+        return self.continuation(text, 1 + self.paying(limit - 1)) if limit >= 1 else []
 
     def continuation(self, text: Sequence[int], limit: int) -> list[int]:
-        return self.model.draft(text, limit) if limit >= 1 and text else []
+        if limit < 1 or not text:
+            return []
+        began = time.perf_counter()
+        drafts = self.model.draft(text, limit)
+        self.spent.observe(time.perf_counter() - began, len(drafts))
+        return drafts
 
 
 def _walk(network: float | None, known: dict[int, float], positions: int) -> float | None:
