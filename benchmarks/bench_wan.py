@@ -24,6 +24,12 @@ route's telemetry) + the round trip the token's loop through the route pays: wit
 one one-way leg per seam (head → … → tail → head); without, one more (tail → gateway → head).
 ``MESHNET_WAN_QUICK=1`` runs only the 5 ms x 3 seams cell,
 briefly (a smoke test of the harness, not a measurement).
+
+A real model's cell, where both are in the model cache (``tests/fetch_real_models.py``): Qwen2.5-Coder
+1.5B over 3 seams x 20 ms (``0:10``, ``10:19``, ``19:28``, one thread each), gateways ``off``,
+``ngram`` and ``draft`` (``--speculative draft`` with Qwen2.5-Coder 0.5B, the same vocabulary, as the
+draft model at the gateway), on a code prompt and an open-ended story: whether speculation pays on
+a real pair, and that it never makes decode slower where it does not.
 """
 
 from __future__ import annotations
@@ -34,10 +40,13 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tests.realmodels import MODELS, cache_dir
 from tests.wan import delay_proxy
 
+from benchmarks.bench_real import PROMPT as CODE_PROMPT
 from benchmarks.bench_serve import DECODE_PROMPT, stream_text
 from benchmarks.bench_speculative import COPY_PROMPT, gateway_swarm
 from benchmarks.common import Section, median, route_compute_ms
@@ -64,6 +73,12 @@ GATEWAYS = {  # name: gateway flags
     "http": ("--speculative", "off", "--decode-channel", "off"),
 }
 GOALS = {"autoregressive": 1.05, "open-ended": 2.0, "copy-heavy": 6.0}  # for the BASELINE cell
+# The real model's cell: target, draft model, the target's layer ranges (one node each), its prompts
+REAL_TARGET, REAL_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+REAL_LAYOUT = ("0:10", "10:19", "19:28")
+REAL_RTT_MS, REAL_TOKENS, REAL_ROUNDS = 20, 48, 3
+REAL_PROMPTS = {"code": CODE_PROMPT, "open-ended": DECODE_PROMPT}
+NEVER_SLOWER = 0.95  # speculation ÷ off where drafting does not pay: 1.0 within this machine's noise
 
 
 def _free_port() -> int:
@@ -128,21 +143,32 @@ class Measured:
     texts: dict[str, set[str]] = field(default_factory=dict)  # prompt: the greedy texts of every gateway
 
 
-def measure(cell: Cell, threads: int) -> Measured:
+def measure(
+    cell: Cell,
+    threads: int,
+    *,
+    layout: Sequence[str] | None = None,
+    model_args: Sequence[str] = (),
+    gateways: Mapping[str, Sequence[str]] | None = None,
+    prompts: Mapping[str, str] = PROMPTS,
+) -> Measured:
     """Start the cell's nodes behind their proxies and its gateways, and measure them in alternating rounds
-    (the first round warms every gateway's route up and is not counted); every process is stopped after."""
+    (the first round warms every gateway's route up and is not counted); every process is stopped after.
+    By default the bundled model in ``LAYOUTS``; else ``layout`` of the model ``model_args`` name (to
+    nodes and gateways), ``gateways`` by name with their own flags, on ``prompts``."""
     measured = Measured(_measured_leg_ms(cell.one_way_s))  # before any node runs: the proxy on an idle machine
+    flags = gateways or {name: GATEWAYS[name] for name in cell.gateways}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         nodes = []
-        for layers in LAYOUTS[cell.seams]:
+        for layers in layout or LAYOUTS[cell.seams]:
             port = _free_port()
             proxy = stack.enter_context(delay_proxy(port, cell.one_way_s))
-            nodes.append(["--layers", layers, "--threads", str(threads), "--port", str(port),
+            nodes.append([*model_args, "--layers", layers, "--threads", str(threads), "--port", str(port),
                           "--public-url", f"http://127.0.0.1:{proxy.port}"])  # fmt: skip
-        gateways, model = gateway_swarm(stack, tmp, nodes, {name: GATEWAYS[name] for name in cell.gateways})
+        urls, model = gateway_swarm(stack, tmp, nodes, {name: (*model_args, *f) for name, f in flags.items()})
         for i in range(cell.rounds + 1):
-            for kind, prompt in PROMPTS.items():
-                for mode, url in gateways.items():
+            for kind, prompt in prompts.items():
+                for mode, url in urls.items():
                     gid = f"wan-{cell.rtt_ms}-{cell.seams}-{mode}-{kind}-{i}-{time.time_ns()}"
                     text, times, final = stream_text(url, model, prompt, cell.tokens, gid, timeout_s=600)
                     if i == 0:
@@ -242,6 +268,8 @@ def run() -> Section:
     for cell in cells:
         threads = max(1, CORES // cell.seams)
         report(section, cell, measure(cell, threads))
+    if not quick:
+        real_cell(section)
     section.notes.append(
         "Floor: the route's compute per token plus the round trip the token's loop pays. With the tail relaying "
         "each plain step's next step to the head (the default), the loop is head → … → tail → head: one one-way "
@@ -258,3 +286,47 @@ def run() -> Section:
         "kept there; copy-heavy text is where they are."
     )
     return section
+
+
+def real_cell(section: Section) -> None:
+    """The real model's cell (module docstring), where both models are in the cache; a row saying how
+    to fetch them where they are not."""
+    target, draft = (cache_dir() / MODELS[name].filename for name in (REAL_TARGET, REAL_DRAFT))
+    at = f"real {REAL_TARGET}, 3 seams x {REAL_RTT_MS} ms:"
+    if not (target.is_file() and draft.is_file()):
+        section.add(f"{at} not measured", f"needs {REAL_TARGET} and {REAL_DRAFT}: python tests/fetch_real_models.py")
+        return
+    cell = Cell(REAL_RTT_MS, len(REAL_LAYOUT), REAL_TOKENS, REAL_ROUNDS, ("off", "ngram", "draft"))
+    gateways = {
+        "off": ("--speculative", "off"),
+        "ngram": ("--speculative", "ngram"),
+        "draft": ("--speculative", "draft", "--draft-gguf", str(draft)),
+    }
+    m = measure(cell, 1, layout=REAL_LAYOUT, model_args=("--gguf", str(target)), gateways=gateways,
+                prompts=REAL_PROMPTS)  # fmt: skip
+    report_real(section, at, m)
+
+
+def report_real(section: Section, at: str, m: Measured) -> None:
+    off = median([v for kind in REAL_PROMPTS for v in m.ms[("off", kind)]])
+    section.add(f"{at} autoregressive", f"{off:.1f} ms/token ({median(m.compute):.1f} compute)")
+    for kind in REAL_PROMPTS:
+        base = median(m.ms[("off", kind)])
+        for mode in ("ngram", "draft"):
+            ratio = base / median(m.ms[(mode, kind)])
+            accepted, drafted = m.kept[(mode, kind)]
+            section.add(
+                f"{at} {kind}, {mode} ÷ off, tokens/s",
+                f"{ratio:.2f} ({accepted}/{drafted} drafts kept)",
+                f"≥ {NEVER_SLOWER:g} (never slower)",
+                ratio >= NEVER_SLOWER,
+            )
+    same = all(len(texts) == 1 for texts in m.texts.values())
+    section.add(f"{at} greedy text identical (every gateway, each prompt)", "yes" if same else "no", "yes", same)
+    section.notes.append(
+        f"The real cell: a {REAL_DRAFT} draft token costs the gateway about 36 ms on one core of this machine "
+        f"and a {REAL_TARGET} step about 50, and a verify chunk of 9 positions about 8 steps on one CPU thread: "
+        "drafting pays only where a walk is mostly links. The gateway measures what its draft model's drafts "
+        "cost and what the route's chunks cost, and drafts only where the expected tokens per second beat a "
+        "plain step (a re-probe now and then); where they do not, the route decodes as without speculation."
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -242,3 +243,34 @@ def test_draft_cost_is_measured_per_draft_from_the_model_s_calls() -> None:
     drafter.extend([1, 2])
     drafter.continuation([1, 2], 4)
     assert 0.009 <= drafter.draft_s < 0.05
+
+
+def test_a_draft_model_reads_a_long_text_on_a_thread_while_the_route_decodes_plain_steps() -> None:
+    """A prompt (or the tokens written while no draft paid) far ahead of what the model has read: the
+    step does not wait for the model to read it; the model reads on a thread, and drafts follow."""
+    release = threading.Event()
+
+    class Reader(_Source):
+        def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+            if k == 1 and len(tokens) == 50:
+                assert release.wait(10)  # the read: as long as the test says
+            return super().draft(tokens, k)
+
+    wan = WalkCosts()
+    wan.observe(1, 0.002, 0.060)
+    wan.observe(3, 0.004)
+    source = Reader()
+    drafter = ModelDraft(source, k=4, costs=wan)
+    drafter.extend(list(range(50)))
+    began = time.monotonic()
+    assert drafter.propose(10) == [] and not drafter.would_draft(10)  # still reading: a plain step
+    assert time.monotonic() - began < 1
+    release.set()
+    deadline = time.monotonic() + 10
+    while not drafter.would_draft(10):
+        assert time.monotonic() < deadline, "the model never finished reading"
+        time.sleep(0.01)
+    assert drafter.propose(10) == [50, 51, 52, 53]
+    assert source.calls == [(50, 1), (50, 4)]  # one read, then the drafts
+    drafter.forget(20)  # a repair: the text is shorter again, and the model behind it no more
+    assert drafter.propose(10) == [20, 21, 22, 23]

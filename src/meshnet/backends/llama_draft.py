@@ -65,12 +65,12 @@ class DraftModel:
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"cannot load the draft model {gguf}: {exc}") from None
         self.n_vocab = int(self._llm.n_vocab())
+        self._lock = threading.Lock()
         try:
             self._check_vocabulary(n_vocab, token_bytes)
         except ValueError:
             self.close()
             raise
-        self._lock = threading.Lock()
         self._held: list[int] = []  # the tokens whose KV the context holds, in order
         self.drafts = 0  # draft calls, and tokens evaluated for them (prefill and draft steps)
         self.evaluated = 0
@@ -132,4 +132,5 @@ class DraftModel:
             vocab.close()
 
     def close(self) -> None:
-        self._llm.close()
+        with self._lock:  # after a draft (or a read ahead of drafting) still running on another thread
+            self._llm.close()
