@@ -268,8 +268,6 @@ def run() -> Section:
     for cell in cells:
         threads = max(1, CORES // cell.seams)
         report(section, cell, measure(cell, threads))
-    if not quick:
-        real_cell(section)
     section.notes.append(
         "Floor: the route's compute per token plus the round trip the token's loop pays. With the tail relaying "
         "each plain step's next step to the head (the default), the loop is head → … → tail → head: one one-way "
@@ -285,6 +283,8 @@ def run() -> Section:
         "the measured rounds. An open-ended text copies little of itself, so prompt-lookup drafts are rarely "
         "kept there; copy-heavy text is where they are."
     )
+    if not quick:
+        real_cell(section)  # its rows and note last
     return section
 
 
