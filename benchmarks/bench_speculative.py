@@ -120,7 +120,9 @@ def run() -> Section:
         "`--speculative draft` here drafts with the bundled model itself, so a draft costs as much as the route's "
         "own compute and nearly every draft is kept: the gateway measures that cost and drafts only where it pays "
         "(`draft`: next to never on loopback, so about as fast as off); `draft-forced` (`--draft-min 4`) drafts "
-        "every step regardless, and checks the mechanism (acceptance, identical text), not a speed. A real small "
+        "every step regardless once its model has read the text (it reads the prompt on a thread while the route "
+        "decodes plain steps: on the copy-heavy prompt, 122 tokens, most of the generation here), and checks the "
+        "mechanism (acceptance, identical text), not a speed. A real small "
         "draft model of a large target, over WAN links: section `wan`, the real model's cell."
     )
     return section
