@@ -38,7 +38,7 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
 
 @pytest.fixture
 def always_chain(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(WalkCosts, "chain_pays", lambda self, positions, kept, hops: True)
+    monkeypatch.setattr(WalkCosts, "chain_pays", lambda self, positions, kept, hops, draft_s=0.0: True)
     monkeypatch.setattr(WalkCosts, "best_drafts", lambda self, available, q, explore=False, draft_s=0.0: available)
 
 
@@ -286,3 +286,7 @@ def test_a_round_is_chained_only_when_its_expected_saving_beats_its_expected_was
     assert not loopback.chain_pays(4, 0.4, 2)  # 0.4 x 12 < 0.6 x 10
     assert loopback.chain_pays(4, 0.6, 2)
     assert not loopback.chain_pays(4, 0.6, 0)
+    # a draft model's tokens, 36 ms each (a 0.5B on one core): the WAN round above no longer pays at an even
+    # chance (0.5 x (90 - 144) < 0.5 x (10 + 144)); at 2 ms each it still does
+    assert not costs.chain_pays(4, 0.5, 3, draft_s=0.036)
+    assert costs.chain_pays(4, 0.5, 3, draft_s=0.002)

@@ -680,7 +680,8 @@ class RouteEngine:
             limit = min(per_round, self._context(plan) - last.end)
             # it is of use only if every draft in flight before it is kept, and its own guess is right
             guessed = 1 + sum(len(r.chunk) - (not r.guess) for r in run.rounds)
-            if limit < 1 or not costs.chain_pays(limit, drafter.acceptance**guessed, len(plan.hops)):
+            kept = drafter.acceptance**guessed
+            if limit < 1 or not costs.chain_pays(limit, kept, len(plan.hops), draft_s=drafter.draft_s):
                 return
             text = [*tokens[: run.rounds[0].start], *(t for r in run.rounds for t in r.chunk)]
             if isinstance(drafter, ModelDraft):  # a model computes the drafts: off the loop

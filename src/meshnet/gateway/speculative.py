@@ -125,21 +125,24 @@ class WalkCosts:
             network = statistics.median(self._network) if self._network else None
             return network, {n: statistics.median(v) for n, v in self._compute.items()}
 
-    def chain_pays(self, positions: int, kept: float, hops: int) -> bool:
+    def chain_pays(self, positions: int, kept: float, hops: int, *, draft_s: float = 0.0) -> bool:
         """Whether to send a round of ``positions`` through ``hops`` hops before the verdict on the
-        rounds in flight, when all of those (and its own guess) are kept with probability ``kept``.
+        rounds in flight, when all of those (and its own guess) are kept with probability ``kept``;
+        ``draft_s``: what each of its tokens costs the gateway to make (a draft model's).
 
         Rounds in flight move through the hops one behind the other, each hop on its own, so a
         round sent early arrives one hop's compute after the one before it instead of a whole walk
         later: it saves a walk less one hop's share of the compute when it is of use, and costs
         that share when it is void (the next round waits behind it at each hop; the tail does not
-        compute it at all). Nothing measured yet: no (a synchronous round measures first)."""
+        compute it at all). Making its tokens delays it by that long, and the gateway by as much
+        (it takes no answer meanwhile): less saved, more wasted. Nothing measured yet: no (a
+        synchronous round measures first)."""
         network, known = self._medians()
         walk, compute = _walk(network, known, positions), _interpolate(known, positions)
         if walk is None or compute is None or hops < 1:
             return False
-        share = compute / hops
-        return kept * max(walk - share, 0.0) > (1.0 - kept) * share
+        share, make = compute / hops, positions * draft_s
+        return kept * max(walk - share - make, 0.0) > (1.0 - kept) * (share + make)
 
     def best_drafts(self, available: int, q: float, *, explore: bool = False, draft_s: float = 0.0) -> int:
         """How many of ``available`` drafts to send, each kept with probability ``q`` and costing
