@@ -696,6 +696,50 @@ def test_the_tail_relays_each_plain_step_after_the_first_two_and_the_text_is_the
         assert (relayed, len(sent)) == ((9, 2) if relay else (0, 11))
 
 
+def test_a_route_where_drafts_do_not_pay_relays_its_steps_and_still_re_probes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft model whose chunks do not pay on the route: it is not asked for drafts, the tail
+    relays the plain steps, and the decision a re-probe rides on — taken where the gateway gives the
+    tail its leave — still sends one probe (a chunk of 2) after 16 declined steps. Before, the
+    relayed steps were never a decision, and a route measured in a bad moment never drafted again."""
+    expected = reference(tmp_path, 40)
+
+    class Costly(WalkCosts):  # a route whose 3-position chunk was measured at 25 plain steps
+        def __init__(self) -> None:
+            super().__init__()
+            for _ in range(5):
+                self.observe(1, 0.001, 0.002)
+                self.observe(3, 0.050, 0.051)
+
+    class Oracle:
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+
+        def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+            self.asked.append(k)
+            at = len(tokens) - len(PROMPT)
+            return expected[at : at + k]
+
+    monkeypatch.setattr("meshnet.gateway.route_engine.WalkCosts", Costly)
+    oracle = Oracle()
+    swarm = LocalSwarm(tmp_path / "re-probe", channels=True)
+    try:
+
+        async def run() -> list[int]:
+            await swarm.layout()
+            return (await generate(swarm.engine(speculative="draft", draft_model=oracle, draft_tokens=4), 40))[0]
+
+        tokens = swarm.run(run)
+        relayed = swarm.nodes["c"].metrics.relayed._value.get()
+    finally:
+        swarm.close()
+    assert tokens == expected
+    assert oracle.asked.count(2) in (1, 2), oracle.asked  # the probe (a second one only if decisions doubled)
+    assert set(oracle.asked) <= {1, 2}, oracle.asked  # besides it, only the model's read of the prompt
+    assert relayed >= 30, relayed
+
+
 def test_a_leave_to_relay_is_for_one_step_of_the_tails_own_session_route_and_head(tmp_path: Path) -> None:
     """A node takes a ``CREDIT`` only as the tail of a session it holds, on the session's route,
     naming the head its ticket names; it is kept until the tail answers a step, which uses it up
