@@ -81,6 +81,9 @@ _FADE = 0.97
 _PRIOR_KEPT, _PRIOR_REJECTED = 4.0, 1.0
 # The drafts of a route's first verify chunk: enough to measure what a chunk costs beyond a step.
 PROBE_DRAFTS = 2
+# A draft model drafting round after round reads at most this many new tokens per call (the last draft
+# and the route's own token after a chunk kept whole); a call that reads more is not timed as drafts.
+_STEADY_BEHIND = 2
 # While drafting does not pay on a route, a probe re-measures it after this many declined drafts,
 # then twice as many, up to the most (a chunk measured in a bad moment is not trusted forever).
 _REPROBE_FIRST, _REPROBE_MOST = 16, 512
@@ -182,7 +185,10 @@ class WalkCosts:
 class DraftCost:
     """What a draft model's drafts cost the gateway, per draft token (thread-safe: every generation of
     a gateway drafts with its one model): the median of the latest draft calls' seconds ÷ the drafts
-    they made, which includes evaluating the tokens the route kept since the call before."""
+    they made, which includes evaluating the tokens the route kept since the call before — as when
+    drafting round after round (``ModelDraft`` times no call that first reads more of the text: a
+    probe after a while without drafts would make drafting look dearer than it is, and then it would
+    not draft again to find out)."""
 
     def __init__(self) -> None:
         self._per_draft: deque[float] = deque(maxlen=_WINDOW)
@@ -376,9 +382,11 @@ class ModelDraft(Drafter):
     def continuation(self, text: Sequence[int], limit: int) -> list[int]:
         if limit < 1 or not text:
             return []
+        behind = len(text) - self._held
         began = time.perf_counter()
         drafts = self.model.draft(text, limit)
-        self.spent.observe(time.perf_counter() - began, len(drafts))
+        if behind <= _STEADY_BEHIND:  # a call that also read more of the text says little of what a draft costs
+            self.spent.observe(time.perf_counter() - began, len(drafts))
         self._held = max(self._held, len(text) + len(drafts) - 1)  # it read the drafts but the last
         return drafts
 
