@@ -599,7 +599,7 @@ class RouteEngine:
         if drafter is None:
             return []
         drafter.costs = self._walk_costs(plan)  # a repaired route has costs of its own
-        limit = min(*(h.max_verify for h in plan.hops), self._context(plan) - length)
+        limit = self._draft_limit(plan, length)
         if limit <= 0:
             return []
         if isinstance(drafter, ModelDraft):  # a model computes the drafts: off the loop
@@ -821,8 +821,11 @@ class RouteEngine:
         what its drafts cost (``Drafter.would_draft``)."""
         if drafter is None:
             return False
-        return drafter.would_draft(min(*(h.max_verify for h in plan.hops), self._context(plan) - length),
-                                   explore=explore)  # fmt: skip
+        return drafter.would_draft(self._draft_limit(plan, length), explore=explore)
+
+    def _draft_limit(self, plan: RoutePlan, length: int) -> int:
+        """How many drafts may follow the step after ``length`` tokens: every hop's limit, the context."""
+        return min(*(h.max_verify for h in plan.hops), self._context(plan) - length)
 
     async def _stops(self) -> frozenset[int]:
         """The tokens a generation ends with (the vocabulary's end-of-generation ids), found once."""

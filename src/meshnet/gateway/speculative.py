@@ -342,7 +342,7 @@ class ModelDraft(Drafter):
     Before it can draft, the model must have read the text: the prompt, and whatever the route wrote
     while no draft paid (a Qwen2.5-Coder 0.5B reads about 60 tokens a second on one core here). That
     catch-up runs on a thread of its own while the route decodes plain steps, once drafts would go
-    and the model is more than ``k`` tokens behind: a generation's first token never waits for it,
+    and the model is more than a chunk's worth (``k + 1`` tokens) behind: a generation's first token never waits for it,
     and a re-probe of a route where drafting did not pay costs a chunk, not a second of reading."""
 
     def __init__(
