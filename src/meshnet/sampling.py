@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +50,7 @@ __all__ = [
     "MAX_GRAMMAR_BYTES",
     "MAX_TOP_LOGPROBS",
     "Alternatives",
+    "Committed",
     "Draw",
     "Sampler",
     "SamplingParams",
@@ -237,6 +239,14 @@ class SamplingParams:
         return self.penalized or bool(self.grammar)
 
 
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """A token chosen, and how to get its logprob and ``Draw`` (``Sampler.choose_committed``)."""
+
+    token: int
+    finish: Callable[[], tuple[float, Draw]]
+
+
 class Sampler:
     """Draws tokens for one generation. Not thread-safe: one sampler per generation."""
 
@@ -270,12 +280,30 @@ class Sampler:
 
     def sample_committed(self, logits: Logits, position: int | None = None) -> tuple[int, float, Draw]:
         """``sample``, with the distribution the token was drawn from (``Draw``): the same token."""
+        committed = self.choose_committed(logits, position)
+        return committed.token, *committed.finish()
+
+    def choose_committed(self, logits: Logits, position: int | None = None) -> Committed:
+        """``sample_committed`` in two parts: the token now, its logprob and ``Draw`` when asked
+        (``Committed.finish``; the same bits). A greedy choice without a grammar is an argmax, and
+        its commitment (the most likely others, the log-normalizer) can wait: a route's tail sends
+        the next step on with the token before it works them out."""
         biased = self._biased(logits, self.generated)
+        if self.params.greedy and self.grammar is None:
+            token = int(np.argmax(biased))
+
+            def commitment() -> tuple[float, Draw]:
+                log_z = _log_z(logits)
+                draw = _greedy_draw(biased, token, 0, log_z if biased is logits else None)
+                return float(logits[token]) - log_z, draw
+
+            return Committed(token, commitment)
         log_z = _log_z(logits)
         token, draw = self._draw(biased, position, log_z=log_z if biased is logits else None)
         if self.grammar is not None and not self.grammar.allows(token):
             token, draw = self._constrained(biased, position)
-        return token, float(logits[token]) - log_z, draw
+        logprob = float(logits[token]) - log_z
+        return Committed(token, lambda: (logprob, draw))
 
     def alternatives(self, logits: Logits) -> Alternatives:
         """The ``top_logprobs`` most likely tokens under the model (before bias and temperature, like

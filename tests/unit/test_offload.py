@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 
 from meshnet.backends.shard import DecodeStep, ShardOutput
 from meshnet.errors import MeshnetError
@@ -108,6 +109,7 @@ class RecordingShard:
     def __init__(self) -> None:
         self.threads: list[int] = []
         self.calls: list[list[str]] = []
+        self.store = ["a", "b"]  # the sessions the node holds: more than one, so steps may batch
 
     def decode_many(self, steps: Sequence[DecodeStep]) -> list[ShardOutput | MeshnetError]:
         self.threads.append(where())
@@ -132,6 +134,31 @@ def test_the_batcher_runs_a_lone_step_on_the_loop_once_installed() -> None:
     loop_thread = asyncio.run(main())
     assert shard.threads[0] != loop_thread  # the first call: a worker thread
     assert shard.threads[1:] == [loop_thread] * 3  # then on the loop, the batch of three too
+
+
+def test_a_node_holding_one_session_computes_its_step_without_waiting_a_loop_turn() -> None:
+    """No other session's step could join the batch: the step computes at once, without giving the
+    loop the turn it gives steps of other sessions to arrive in (a turn on every hop of every token)."""
+    shard = RecordingShard()
+    shard.store = ["a"]
+
+    async def main() -> None:
+        calls = ShardCalls()
+        calls.install(asyncio.get_running_loop(), shares_cores=False)
+        batcher = DecodeBatcher(shard, calls=calls)  # type: ignore[arg-type]
+        await batcher.step(DecodeStep(SessionId("a"), 0, token=1))  # the first call: a worker thread
+        step = batcher.step(DecodeStep(SessionId("a"), 1, token=1))
+        with pytest.raises(StopIteration) as done:
+            step.send(None)  # runs to its end without once giving the loop a turn
+        out, _ = done.value.value
+        assert float(out.hidden[0, 0]) == 1
+        shard.store = ["a", "b"]
+        step = batcher.step(DecodeStep(SessionId("a"), 2, token=1))
+        step.send(None)  # two sessions: it gives the loop a turn for the other's step first
+        with pytest.raises(StopIteration):
+            step.send(None)
+
+    asyncio.run(main())
 
 
 def test_on_the_loop_a_lone_step_leads_its_batch_and_a_cancelled_leader_hands_it_over() -> None:

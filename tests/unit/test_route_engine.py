@@ -33,6 +33,7 @@ from meshnet.node.advert import LatencyProber, advert_fields
 from meshnet.node.service import NodeConfig, NodeService
 from meshnet.protocol.channel import Credit
 from meshnet.protocol.hops import LocalTransport
+from meshnet.protocol.signing import HopKey
 from meshnet.protocol.tickets import TicketVerifier
 from meshnet.routes import RoutePlan
 from meshnet.sampling import Sampler, SamplingParams
@@ -694,6 +695,48 @@ def test_the_tail_relays_each_plain_step_after_the_first_two_and_the_text_is_the
         assert tokens == expected
         assert computed == 11  # every token but the prefill's, none past max_tokens
         assert (relayed, len(sent)) == ((9, 2) if relay else (0, 11))
+
+
+def test_the_tail_sends_the_relayed_step_before_it_works_out_and_signs_its_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step after a plain step's token leaves the tail for the head as soon as the token is
+    chosen: its commitment and signature come after, off the token's way round the route (each
+    relay at a position comes before the answer at that position is signed). The text is the same."""
+    expected = reference(tmp_path, 10)
+    events: list[tuple[str, int]] = []
+    sign_answer = HopKey.sign_answer
+
+    def signed(self: HopKey, session: str, answer: Any) -> Any:
+        events.append(("signed", answer.position))
+        return sign_answer(self, session, answer)
+
+    monkeypatch.setattr(HopKey, "sign_answer", signed)
+    swarm = LocalSwarm(tmp_path / "early", channels=True)
+    try:
+
+        async def run() -> list[int]:
+            await swarm.layout()
+            tail = swarm.nodes["c"]
+            send = tail.channel_send
+            assert send is not None
+
+            async def relaying(hop: str, request: Any, direct: Any, timeout: float) -> None:
+                events.append(("relayed", request.start))
+                await send(hop, request, direct, timeout)
+
+            tail.channel_send = relaying
+            return (await generate(swarm.engine(), 10))[0]
+
+        tokens = swarm.run(run)
+        relayed = swarm.nodes["c"].metrics.relayed._value.get()
+    finally:
+        swarm.close()
+    assert tokens == expected
+    positions = [at for kind, at in events if kind == "relayed"]
+    assert len(positions) == relayed >= 6
+    for at in positions:
+        assert events.index(("relayed", at)) < events.index(("signed", at)), events
 
 
 def test_a_route_where_drafts_do_not_pay_relays_its_steps_and_still_re_probes(

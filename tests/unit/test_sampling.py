@@ -381,6 +381,41 @@ def test_a_committed_draw_is_the_draw_sample_makes_and_the_gateway_re_derives_it
     assert past < 200  # flat random distributions: a few draws fall past the 20 committed candidates
 
 
+def test_a_greedy_choice_is_known_before_its_commitment_is_worked_out(monkeypatch: pytest.MonkeyPatch):
+    """``choose_committed``: a greedy token without a grammar is an argmax; its draw (the most likely
+    others) is worked out only when asked, with the bits ``sample_committed`` gives (a route's tail sends
+    the next step on in between). A seeded draw's token needs its distribution: it comes whole."""
+    import meshnet.sampling as sampling
+
+    made: list[int] = []
+    greedy_draw = sampling._greedy_draw
+
+    def counted(*args: object, **kwargs: object) -> Draw:
+        made.append(1)
+        return greedy_draw(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampling, "_greedy_draw", counted)
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal(4096) * 3).astype(np.float32)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, presence_penalty=1.5,
+                                                                   logit_bias=((7, 30.0),))):  # fmt: skip
+        sampler = Sampler(params)
+        sampler.set_history([3, 3, 9])
+        made.clear()
+        committed = sampler.choose_committed(logits, 5)
+        assert made == []
+        logprob, draw = committed.finish()
+        assert made == [1]
+        again = Sampler(params)
+        again.set_history([3, 3, 9])
+        assert (committed.token, logprob, draw) == again.sample_committed(logits, 5)
+        assert again.sample(logits, 5) == (committed.token, logprob)
+        assert check_draw(params, draw, committed.token, 5) is None
+    seeded = SamplingParams(temperature=0.8, seed=3)
+    committed = Sampler(seeded).choose_committed(logits, 5)
+    assert (committed.token, *committed.finish()) == Sampler(seeded).sample_committed(logits, 5)
+
+
 def test_another_token_than_the_draw_gives_is_caught_unless_the_draw_fell_past_the_committed_candidates():
     rng = np.random.default_rng(8)
     caught = within = 0

@@ -9,7 +9,8 @@ that is waiting — continuous batching, the way llama-server's slots and vLLM's
 A batch computes on a worker thread, or on the event loop itself when it is short and nothing else
 runs on a worker thread (``node.offload``). On the loop, the step that finds the batcher idle
 *leads* its batch: it lets the loop take one turn (the steps that reach the node in that turn
-join it), computes the batch in its own task and goes on with its own result at once. A batch
+join it; not when the node holds no other session, whose step could join), computes the batch in
+its own task and goes on with its own result at once. A batch
 task beside it would cost a loop turn more on every hop of every token (its result handed back
 to the waiting step), and computing without that one turn would leave steps that arrive
 together unbatched.
@@ -71,12 +72,13 @@ class DecodeBatcher:
     async def _lead(self, own: asyncio.Future[tuple[ShardOutput, float]]) -> tuple[ShardOutput, float]:
         """Compute the batch ``own`` starts on the loop, in the caller's task, after one loop turn."""
         self._leading = True
-        try:
-            await asyncio.sleep(0)  # the steps that arrive in this turn join the batch
-        except asyncio.CancelledError:
-            self._leading = False
-            self._start_drain()  # the others that joined still get their results
-            raise
+        if len(self._shard.store) > 1:  # only another session's step could join: alone, no turn to wait
+            try:
+                await asyncio.sleep(0)  # the steps that arrive in this turn join the batch
+            except asyncio.CancelledError:
+                self._leading = False
+                self._start_drain()  # the others that joined still get their results
+                raise
         self._leading = False
         if not self._calls.on_loop():  # meanwhile something went to a worker thread: it may hold the locks
             self._start_drain()

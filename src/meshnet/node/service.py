@@ -63,7 +63,6 @@ from meshnet.protocol.messages import (
     TokenAnswer,
     Verb,
     Voided,
-    ids_payload,
 )
 from meshnet.protocol.wire import TensorFrame, encode_tensor
 from meshnet.routes import hop_timeout_s
@@ -134,7 +133,7 @@ class NodeService(TailParts):
             if not request.final:
                 return Accepted((me,), count=n)
             assert logits is not None
-            answer = await self._sampled(s, request, logits, me, direct=direct is not None)
+            answer = await self._sampled(s, request, logits, me, direct=direct)
             if direct is not None:
                 answer = answer.after(*_entries(direct.hops))
             self._handed_on(request, began, compute_ms)
@@ -214,31 +213,18 @@ class NodeService(TailParts):
         s.credit = credit
 
     async def relay(self, sid: SessionId, direct: Direct, answer: HopAnswer) -> int | None:
-        """Send the step after ``answer`` — its token, at its position — to the route's head, when a
-        ``CREDIT`` gave leave for the step after this one (``direct.seq``) and the token is not one
-        the generation ends with; the relayed step's number, or ``None`` (the gateway sends it). Any
-        answered step uses up the session's credit, so a credit never outlives the step it follows
-        (a repair, a rewind or a late credit leaves none behind). A failed send is only logged: the
-        answer says nothing was relayed, and the gateway sends the step itself."""
+        """The number of the step the tail sent to the route's head after ``answer`` — the step it
+        answered (``direct.seq``) — itself, or ``None`` (the gateway sends it). The tail sends it
+        as soon as it chose the token, before it works out and signs the answer
+        (``TailParts._relay_next``); here it only reports that, and any credit still held is used
+        up: a credit never outlives the step it follows."""
         s = self._bound(sid)
         if s is None:
             return None
-        credit, s.credit = s.credit, None
-        if credit is None or credit.after != direct.seq or self.channel_send is None:
+        done, s.relayed, s.credit = s.relayed, None, None
+        if done is None or done[0] != direct.seq or not isinstance(answer, TokenAnswer):
             return None
-        if not isinstance(answer, TokenAnswer) or answer.token in credit.stop:
-            return None
-        request = HopRequest(Verb.DECODE, sid, answer.position, 1, ids_payload([answer.token]), model=credit.model,
-                             route_id=credit.route_id, guess=answer.token)  # fmt: skip
-        try:
-            timeout = hop_timeout_s(self.config.hop_timeout_s, len(credit.returns))
-            await self.channel_send(credit.head, request, Direct(credit.seq, credit.returns, ()), timeout)
-        except MeshnetError as exc:
-            log.warning("session %s: relaying step %d to %s failed (the gateway sends it): %s", sid, credit.seq,
-                        credit.head, exc.message)  # fmt: skip
-            return None
-        self.metrics.relayed.inc()
-        return credit.seq
+        return done[1]
 
     def _voided(self, s: NodeSession, request: HopRequest, direct: Direct | None) -> Voided:
         """The tail's answer to a pipelined round it drops unseen: the positions it holds."""

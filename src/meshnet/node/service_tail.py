@@ -9,32 +9,47 @@ rejected positions as the answer passes it back (``_drop_rejected``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from meshnet.errors import HopFailed
+from meshnet.errors import HopFailed, MeshnetError
 from meshnet.node.sampling_lane import SamplingTooSlow
 from meshnet.node.service_repair import RepairParts
 from meshnet.node.session import NodeSession
-from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, Sampled, TokenAnswer, VerifyAnswer
-from meshnet.sampling import Alternatives, Draw, Sampler
+from meshnet.protocol.channel import Direct
+from meshnet.protocol.messages import (
+    HopAnswer,
+    HopEntry,
+    HopRequest,
+    Sampled,
+    TokenAnswer,
+    Verb,
+    VerifyAnswer,
+    ids_payload,
+)
+from meshnet.routes import hop_timeout_s
+from meshnet.sampling import Alternatives, Committed, Sampler
 
 __all__ = ["TailParts"]
+
+log = logging.getLogger("meshnet.node")
 
 
 class TailParts(RepairParts):
     """The tail's answer to a final chunk."""
 
     async def _sampled(
-        self, s: NodeSession, request: HopRequest, logits: np.ndarray, me: HopEntry, *, direct: bool
+        self, s: NodeSession, request: HopRequest, logits: np.ndarray, me: HopEntry, *, direct: Direct | None
     ) -> Sampled:
         """The tail's answer: the token after the chunk; for a verify chunk, the drafts it keeps and one
         token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first. Its
         entry (``me``) says what it held before: after a ``direct`` verify chunk, the hops before
         it drop the rejected drafts only when the next step tells them (``rewind``), so every
-        entry of the answer describes the whole chunk."""
+        entry of the answer describes the whole chunk. After a ``direct`` plain step the step
+        after its token leaves for the head (``_relay_next``) before the answer is worked out."""
         assert s.sampler is not None
         sampler, start, n, drafts = s.sampler, request.start, request.n, request.drafts
         history = s.ids_seen[sampler.params.generated_from : start + n - len(drafts)] if s.carry_ids else None
@@ -49,16 +64,19 @@ class TailParts(RepairParts):
         except SamplingTooSlow as exc:
             s.break_with(exc)  # its sampler is still busy on a worker thread: nothing may use it again
             raise
-        if not drafts:
-            (token,), (logprob,) = chosen.tokens, chosen.logprobs
-            top = chosen.tops[0] if chosen.tops is not None else None
-            answer = TokenAnswer((me,), position=start + n, token=token, logprob=logprob, top=top, draw=chosen.draw)
-            s.sampled = (start + n, token)
+        if isinstance(chosen, Committed):
+            token, position = chosen.token, start + n
+            s.sampled = (position, token)
+            if direct is not None:
+                await self._relay_next(s, direct, position, token)
+            logprob, draw = chosen.finish()
+            top = sampler.alternatives(logits) if sampler.params.top_logprobs else None
+            answer = TokenAnswer((me,), position=position, token=token, logprob=logprob, top=top, draw=draw)
             return self.config.hop_key.sign_answer(s.session, answer)  # the tail vouches for its token and draw
         tokens, logprobs, tops = list(chosen.tokens), list(chosen.logprobs), chosen.tops
         kept = start + len(tokens)
         await self.rewind(s, kept)
-        if not direct:
+        if direct is None:
             me = self._entry(s, me.compute_ms, positions=me.positions, sign=False)
         verified = VerifyAnswer(
             (me,), position=kept, tokens=tuple(tokens), logprobs=tuple(logprobs), tops=tops,
@@ -66,6 +84,34 @@ class TailParts(RepairParts):
         )  # fmt: skip
         s.sampled = (kept, tokens[-1])
         return self.config.hop_key.sign_answer(s.session, verified)
+
+    async def _relay_next(self, s: NodeSession, direct: Direct, position: int, token: int) -> None:
+        """Send the step after this one — ``token`` at ``position`` — to the route's head, when a
+        ``CREDIT`` gave leave for the step after this one (``direct.seq``) and the token is not one
+        the generation ends with; ``NodeService.relay`` reports what it did. Any answered step uses up
+        the session's credit, so a credit never outlives the step it follows (a repair, a rewind or a
+        late credit leaves none behind). A failed send is only logged: the answer says nothing was
+        relayed, and the gateway sends the step itself."""
+        credit, s.credit = s.credit, None
+        relayed = None
+        if (
+            credit is not None
+            and credit.after == direct.seq
+            and self.channel_send is not None
+            and (token not in credit.stop)
+        ):
+            request = HopRequest(Verb.DECODE, s.session, position, 1, ids_payload([token]), model=credit.model,
+                                 route_id=credit.route_id, guess=token)  # fmt: skip
+            try:
+                timeout = hop_timeout_s(self.config.hop_timeout_s, len(credit.returns))
+                await self.channel_send(credit.head, request, Direct(credit.seq, credit.returns, ()), timeout)
+            except MeshnetError as exc:
+                log.warning("session %s: relaying step %d to %s failed (the gateway sends it): %s", s.session,
+                            credit.seq, credit.head, exc.message)  # fmt: skip
+            else:
+                self.metrics.relayed.inc()
+                relayed = credit.seq
+        s.relayed = (direct.seq, relayed)
 
     async def _drop_rejected(self, s: NodeSession, answer: HopAnswer, *, start: int, n: int) -> None:
         """Keep what the verify ``answer`` kept (up to its ``position``) of the chunk of ``n`` at ``start``."""
@@ -80,27 +126,24 @@ class TailParts(RepairParts):
 
 @dataclass(frozen=True, slots=True)
 class _Chosen:
-    """What the tail's sampler decided for one answer: its tokens, their logprobs and alternatives, and
-    (one sampled token) the distribution it was drawn from."""
+    """What the tail's sampler decided for a verify chunk: its tokens, their logprobs and alternatives."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     tops: tuple[Alternatives, ...] | None
-    draw: Draw | None = None
 
 
 def _choose(
     sampler: Sampler, logits: np.ndarray, history: Sequence[int] | None, drafts: Sequence[int], *, at: int
-) -> _Chosen:
-    """The sampler's work for one answer, on a worker thread: bring it up to ``history`` (the generated
-    tokens before this answer), then the token at ``at`` — or, after ``drafts``, the drafts it keeps and
-    one token of its own from ``at`` on."""
+) -> _Chosen | Committed:
+    """The sampler's work for one answer, on a worker thread under a grammar: bring it up to ``history``
+    (the generated tokens before this answer), then the token at ``at`` (its commitment and
+    alternatives follow when asked) — or, after ``drafts``, the drafts it keeps and one token of its
+    own from ``at`` on."""
     if history is not None:
         sampler.set_history(history)
-    wants_top = bool(sampler.params.top_logprobs)
     if not drafts:
-        token, logprob, draw = sampler.sample_committed(logits, position=at)
-        return _Chosen((token,), (logprob,), (sampler.alternatives(logits),) if wants_top else None, draw)
+        return sampler.choose_committed(logits, position=at)
     tokens, logprobs = sampler.verify(logits, drafts, position=at)
-    tops = tuple(sampler.alternatives(row) for row in logits[: len(tokens)]) if wants_top else None
+    tops = tuple(sampler.alternatives(row) for row in logits[: len(tokens)]) if sampler.params.top_logprobs else None
     return _Chosen(tuple(tokens), tuple(logprobs), tops)

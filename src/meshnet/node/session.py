@@ -57,6 +57,8 @@ class NodeSession:
     standby: tuple[str, str] | None = None  # (URL, ticket) of the standby its KV snapshot went to
     auth: SessionAuthority | None = None  # a private swarm's: who drives it here, its ticket's epoch
     credit: Credit | None = None  # at the tail: a gateway's leave to relay the step after one (NodeService.relay)
+    # at the tail: (the decode-channel step, the step it relayed after it or None), once it chose its token
+    relayed: tuple[int, int | None] | None = None
 
     def check_open(self) -> None:
         if self.broken:
