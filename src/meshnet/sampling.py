@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 

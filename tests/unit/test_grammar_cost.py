@@ -206,6 +206,35 @@ def test_grammar_steps_past_their_deadline_never_hold_up_other_sampling() -> Non
     lane.close()
 
 
+def test_a_stopping_lane_tells_its_steps_to_stop_and_says_whether_any_still_runs() -> None:
+    """Before a node frees its model (and with it the vocabulary a grammar step reads), its lane tells
+    every running grammar step to stop and waits for them: ``stop`` says whether none runs any more.
+    A step that does not stop in time keeps the model loaded (the node's shutdown, ``node.app``)."""
+    lane = SamplingLane(5.0)
+    told = threading.Event()
+
+    async def stops_when_told() -> bool:
+        step = asyncio.ensure_future(lane.run(lambda: told.wait(10), grammar=True, cancel=told.set))
+        await asyncio.sleep(0.05)  # running on its thread
+        stopped = await lane.stop(timeout_s=5)
+        assert await step is True
+        return stopped
+
+    assert asyncio.run(stops_when_told()) is True
+    lane = SamplingLane(5.0)
+    release = threading.Event()
+
+    async def ignores_it() -> bool:
+        step = asyncio.ensure_future(lane.run(lambda: release.wait(10), grammar=True, cancel=lambda: None))
+        await asyncio.sleep(0.05)
+        stopped = await lane.stop(timeout_s=0.2)
+        release.set()
+        await step
+        return stopped
+
+    assert asyncio.run(ignores_it()) is False
+
+
 def test_the_deadline_counts_from_the_last_token_a_step_decided() -> None:
     """A step deciding 17 tokens (a verify chunk of 16 drafts) gets ``deadline_s`` for each: one token
     that stalls fails it a deadline after the token before it, not at 17 deadlines; a step whose

@@ -375,7 +375,9 @@ def test_verify_rounds_with_rejections_at_every_depth_keep_the_text_identical(sw
 
     async def run() -> tuple[list[int], list[EngineStep]]:
         await swarm.layout()
-        engine = swarm.engine(speculative="draft", draft_model=oracle, draft_tokens=4)
+        # one round at a time: every round asks the oracle once, so its wrong depths come in turn
+        # (pipelined rounds, voided and redrafted, are tested in test_pipelined_speculation)
+        engine = swarm.engine(speculative="draft", draft_model=oracle, draft_tokens=4, pipeline_rounds=1)
         return await generate(engine, 30)
 
     tokens, steps = swarm.run(run)
@@ -702,7 +704,8 @@ def test_the_tail_sends_the_relayed_step_before_it_works_out_and_signs_its_answe
 ) -> None:
     """The step after a plain step's token leaves the tail for the head as soon as the token is
     chosen: its commitment and signature come after, off the token's way round the route (each
-    relay at a position comes before the answer at that position is signed). The text is the same."""
+    relay at a position comes before the answer at that position is signed), and the step's time
+    on the tail (its Prometheus counters) ends there. The text is the same."""
     expected = reference(tmp_path, 10)
     events: list[tuple[str, int]] = []
     sign_answer = HopKey.sign_answer
@@ -726,6 +729,13 @@ def test_the_tail_sends_the_relayed_step_before_it_works_out_and_signs_its_answe
                 await send(hop, request, direct, timeout)
 
             tail.channel_send = relaying
+            count = tail.metrics.decode_step
+
+            def counted(compute_s: float, handle_s: float) -> None:
+                events.append(("left", -1))
+                count(compute_s, handle_s)
+
+            tail.metrics.decode_step = counted  # type: ignore[method-assign]
             return (await generate(swarm.engine(), 10))[0]
 
         tokens = swarm.run(run)
@@ -735,8 +745,9 @@ def test_the_tail_sends_the_relayed_step_before_it_works_out_and_signs_its_answe
     assert tokens == expected
     positions = [at for kind, at in events if kind == "relayed"]
     assert len(positions) == relayed >= 6
-    for at in positions:
-        assert events.index(("relayed", at)) < events.index(("signed", at)), events
+    for at in positions:  # the step's time on the tail ends where its next step left: counted there
+        relayed = events.index(("relayed", at))
+        assert events[relayed + 1] == ("left", -1) and relayed + 1 < events.index(("signed", at)), events
 
 
 def test_a_route_where_drafts_do_not_pay_relays_its_steps_and_still_re_probes(

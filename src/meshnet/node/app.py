@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -47,6 +48,12 @@ from meshnet.security.membership import scope_member
 from meshnet.security.revocation import RefuseRevoked, RevokedSerials
 
 __all__ = ["NodeConfig", "create_node_app"]
+
+log = logging.getLogger("meshnet.node")
+
+# How long a stopping node waits for the grammar steps it told to stop (they stop within one chunk
+# of a vocabulary check) before it leaves its model loaded rather than free it under them.
+_GRAMMAR_STOP_S = 10.0
 
 
 def create_node_app(shard: ShardBackend, config: NodeConfig, *, placement: AutoPlacement | None = None) -> Any:
@@ -93,7 +100,7 @@ def _node_app(
                 await asyncio.wait(benching, timeout=10.0)  # it stops between steps; never close the shard under it
             await dialer.close()
             await client.aclose()
-            shard.close()
+            await _release(node, shard)
 
     def hop_endpoint(verb: Verb) -> Any:
         async def endpoint(request: Request) -> Response:
@@ -149,6 +156,15 @@ def _node_app(
         Route("/metrics", metrics, methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
+
+
+async def _release(node: NodeService, shard: ShardBackend) -> None:
+    """Free the shard's model once no grammar step of the tail reads its vocabulary any more."""
+    if await node.sampling.stop(timeout_s=_GRAMMAR_STOP_S):
+        shard.close()
+    else:  # freeing the model would free the vocabulary under it: the process's end frees both
+        log.warning("a grammar step still runs %.0f s after it was told to stop: the model stays loaded until "
+                    "the process ends", _GRAMMAR_STOP_S)  # fmt: skip
 
 
 def _channel_sender(dialer: channel.Dialer) -> ChannelSend:

@@ -12,9 +12,10 @@ token the grammar makes costly.
 A thread cannot be stopped from outside: a step past its deadline is told to stop (a grammar's
 check of the vocabulary runs in chunks and stops at the next one: ``TokenGrammar.cancel``), and
 whatever it still does runs on in the background with its result dropped (the caller breaks the
-session, so nothing uses its sampler again). Grammar steps run on a lane of their own, a few
-threads; when every grammar thread is still busy with runaway steps, another grammar step is
-refused at once (503) rather than queued behind them.
+session, so nothing uses its sampler again; a node that stops tells its running steps to stop and
+waits for them before it frees the vocabulary they read: ``stop``). Grammar steps run on a lane
+of their own, a few threads; when every grammar thread is still busy with runaway steps, another
+grammar step is refused at once (503) rather than queued behind them.
 
 Sampling without a grammar is bounded by the vocabulary (a softmax, the top alternatives, the
 penalties over the generation so far: under 0.1 ms for 49K tokens here, in proportion for larger
@@ -57,6 +58,8 @@ class SamplingLane:
         self._threads = grammar_threads
         self._grammar = concurrent.futures.ThreadPoolExecutor(grammar_threads, thread_name_prefix="meshnet-grammar")
         self.running_late = 0  # grammar steps past their deadline that still hold a thread
+        # every grammar step not yet done, and how to tell it to stop (``stop``)
+        self._running: dict[asyncio.Future[Any], Callable[[], None] | None] = {}
 
     async def run(
         self,
@@ -83,6 +86,8 @@ class SamplingLane:
         loop = asyncio.get_running_loop()
         began = time.monotonic()
         future = loop.run_in_executor(self._grammar, step)
+        self._running[future] = cancel
+        future.add_done_callback(self._running.pop)
         limit = began + self.deadline_s * max(1, tokens)
         while True:  # bounded: each pass ends at a later token decided, or fails; never past ``limit``
             last = max(began, progress()) if progress is not None else began
@@ -110,6 +115,19 @@ class SamplingLane:
 
     def close(self) -> None:
         self._grammar.shutdown(wait=False, cancel_futures=True)
+
+    async def stop(self, timeout_s: float) -> bool:
+        """Tell every grammar step still running to stop, and wait up to ``timeout_s`` for them: whether
+        none runs any more. Until then a step may still read the vocabulary, which must not be freed
+        under it (a node frees its model only once this says so)."""
+        for cancel in list(self._running.values()):
+            if cancel is not None:
+                cancel()
+        running = set(self._running)
+        if running:
+            await asyncio.wait(running, timeout=timeout_s)
+        self.close()
+        return not self._running
 
 
 def _consume(future: asyncio.Future[Any]) -> None:

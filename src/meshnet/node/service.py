@@ -133,10 +133,9 @@ class NodeService(TailParts):
             if not request.final:
                 return Accepted((me,), count=n)
             assert logits is not None
-            answer = await self._sampled(s, request, logits, me, direct=direct)
+            answer = await self._sampled(s, request, logits, me, direct=direct, began=began)
             if direct is not None:
                 answer = answer.after(*_entries(direct.hops))
-            self._handed_on(request, began, compute_ms)
             return answer
         assert frame is not None
         return await self._pass_on(
@@ -233,12 +232,6 @@ class NodeService(TailParts):
         self.metrics.voided.inc()
         answer = Voided((self._entry(s, positions=0),), count=s.ledger.position)
         return answer if direct is None else answer.after(*_entries(direct.hops))
-
-    def _handed_on(self, request: HopRequest, began: float, compute_ms: float) -> None:
-        """A decode step left this hop (sent on, or answered at the tail): count its time here,
-        compute and the rest (checks, bookkeeping, thread hand-offs, encoding, the send)."""
-        if request.verb is Verb.DECODE and not request.replay:
-            self.metrics.decode_step(compute_ms / 1000, time.perf_counter() - began)
 
     async def _run(
         self, sid: SessionId, *, start: int, tokens: np.ndarray | None, hidden: np.ndarray | None,

@@ -34,7 +34,7 @@ from meshnet.node.session import NodeSession, SeamLogs
 from meshnet.protocol.channel import Direct
 from meshnet.protocol.closer import SessionCloser
 from meshnet.protocol.hops import HopTransport
-from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, PrefixRequest
+from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, PrefixRequest, Verb
 from meshnet.protocol.signing import HopKey
 from meshnet.protocol.tickets import TicketVerifier
 from meshnet.protocol.wire import TensorFrame, frame_values
@@ -144,6 +144,12 @@ class ServiceBase:
                 raise lie from None
             s.break_with(exc)
             raise
+
+    def _handed_on(self, request: HopRequest, began: float, compute_ms: float) -> None:
+        """A decode step left this hop (sent on; at the tail answered, or its next step relayed): count
+        its time here, compute and the rest (checks, bookkeeping, thread hand-offs, encoding, the send)."""
+        if request.verb is Verb.DECODE and not request.replay:
+            self.metrics.decode_step(compute_ms / 1000, time.perf_counter() - began)
 
     def _with_ticket(self, s: NodeSession, request: HopRequest) -> HopRequest:
         """``request`` as it goes to the next hop: with the session's newest ticket, once per epoch."""

@@ -42,14 +42,17 @@ class TailParts(RepairParts):
     """The tail's answer to a final chunk."""
 
     async def _sampled(
-        self, s: NodeSession, request: HopRequest, logits: np.ndarray, me: HopEntry, *, direct: Direct | None
-    ) -> Sampled:
+        self, s: NodeSession, request: HopRequest, logits: np.ndarray, me: HopEntry, *, direct: Direct | None,
+        began: float,
+    ) -> Sampled:  # fmt: skip
         """The tail's answer: the token after the chunk; for a verify chunk, the drafts it keeps and one
         token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first. Its
         entry (``me``) says what it held before: after a ``direct`` verify chunk, the hops before
         it drop the rejected drafts only when the next step tells them (``rewind``), so every
         entry of the answer describes the whole chunk. After a ``direct`` plain step the step
-        after its token leaves for the head (``_relay_next``) before the answer is worked out."""
+        after its token leaves for the head (``_relay_next``) before the answer is worked out: the
+        step's time on this hop (``began``: its arrival) ends there, and the rest is the next token's
+        time beside the head's compute."""
         assert s.sampler is not None
         sampler, start, n, drafts = s.sampler, request.start, request.n, request.drafts
         history = s.ids_seen[sampler.params.generated_from : start + n - len(drafts)] if s.carry_ids else None
@@ -67,11 +70,14 @@ class TailParts(RepairParts):
         if isinstance(chosen, Committed):
             token, position = chosen.token, start + n
             s.sampled = (position, token)
-            if direct is not None:
-                await self._relay_next(s, direct, position, token)
+            relayed = direct is not None and await self._relay_next(s, direct, position, token)
+            if relayed:
+                self._handed_on(request, began, me.compute_ms)
             logprob, draw = chosen.finish()
             top = sampler.alternatives(logits) if sampler.params.top_logprobs else None
             answer = TokenAnswer((me,), position=position, token=token, logprob=logprob, top=top, draw=draw)
+            if not relayed:
+                self._handed_on(request, began, me.compute_ms)
             return self.config.hop_key.sign_answer(s.session, answer)  # the tail vouches for its token and draw
         tokens, logprobs, tops = list(chosen.tokens), list(chosen.logprobs), chosen.tops
         kept = start + len(tokens)
@@ -83,15 +89,16 @@ class TailParts(RepairParts):
             drafted=len(drafts), accepted=len(tokens) - 1,
         )  # fmt: skip
         s.sampled = (kept, tokens[-1])
+        self._handed_on(request, began, me.compute_ms)
         return self.config.hop_key.sign_answer(s.session, verified)
 
-    async def _relay_next(self, s: NodeSession, direct: Direct, position: int, token: int) -> None:
+    async def _relay_next(self, s: NodeSession, direct: Direct, position: int, token: int) -> bool:
         """Send the step after this one — ``token`` at ``position`` — to the route's head, when a
         ``CREDIT`` gave leave for the step after this one (``direct.seq``) and the token is not one
         the generation ends with; ``NodeService.relay`` reports what it did. Any answered step uses up
         the session's credit, so a credit never outlives the step it follows (a repair, a rewind or a
         late credit leaves none behind). A failed send is only logged: the answer says nothing was
-        relayed, and the gateway sends the step itself."""
+        relayed, and the gateway sends the step itself. Whether it sent the step."""
         credit, s.credit = s.credit, None
         relayed = None
         if (
@@ -112,6 +119,7 @@ class TailParts(RepairParts):
                 self.metrics.relayed.inc()
                 relayed = credit.seq
         s.relayed = (direct.seq, relayed)
+        return relayed is not None
 
     async def _drop_rejected(self, s: NodeSession, answer: HopAnswer, *, start: int, n: int) -> None:
         """Keep what the verify ``answer`` kept (up to its ``position``) of the chunk of ``n`` at ``start``."""
