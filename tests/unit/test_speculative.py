@@ -277,6 +277,18 @@ def test_a_draft_model_reads_a_long_text_on_a_thread_while_the_route_decodes_pla
     assert drafter.propose(10) == [20, 21, 22, 23]
 
 
+def test_with_a_minimum_the_draft_model_reads_the_text_before_the_step() -> None:
+    """``--draft-min``: drafts whether or not they pay, so the step waits for the model to read the
+    text (a read ahead on a thread fell behind a route on a loaded CPU for a whole generation)."""
+    source = _Source()
+    drafter = ModelDraft(source, k=4, minimum=2)
+    drafter.extend(list(range(50)))
+    assert drafter.would_draft(10)
+    assert drafter.propose(10)[:2] == [50, 51]
+    assert source.calls[0][0] == 50 and len(source.calls) == 1  # read and drafted in one call, no thread
+    assert [t.name for t in threading.enumerate() if t.name == "meshnet-draft-read"] == []
+
+
 def test_a_draft_call_that_reads_more_of_the_text_is_not_timed_as_drafts() -> None:
     """What a draft costs is measured from calls that draft as round after round does: a call that
     first reads a dozen new tokens (a probe after a while without drafts) would make drafts look

@@ -274,7 +274,8 @@ def add_speculative(parser: argparse.ArgumentParser) -> None:
         type=whole_number,
         default=0,
         help="drafts every step sends when the drafter has that many, whether or not the route's measured costs "
-        "say they pay (default 0: only as many as pay; at most --draft-tokens)",
+        "say they pay; a draft model reads the text before the step (default 0: only as many as pay, the draft "
+        "model reading on a thread meanwhile; at most --draft-tokens)",
     )
     parser.add_argument(
         "--pipeline-rounds",

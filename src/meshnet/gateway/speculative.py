@@ -342,8 +342,11 @@ class ModelDraft(Drafter):
     Before it can draft, the model must have read the text: the prompt, and whatever the route wrote
     while no draft paid (a Qwen2.5-Coder 0.5B reads about 60 tokens a second on one core here). That
     catch-up runs on a thread of its own while the route decodes plain steps, once drafts would go
-    and the model is more than a chunk's worth (``k + 1`` tokens) behind: a generation's first token never waits for it,
-    and a re-probe of a route where drafting did not pay costs a chunk, not a second of reading."""
+    and the model is more than a chunk's worth (``k + 1`` tokens) behind: a generation's first token
+    never waits for it, and a re-probe of a route where drafting did not pay costs a chunk, not a
+    second of reading. With a ``minimum`` (drafts whether or not they pay: ``--draft-min``) the step
+    waits for the model to read instead: on a loaded CPU a read ahead can fall behind the route for
+    a whole generation (the route writes tokens faster than a model on one core reads them)."""
 
     def __init__(
         self,
@@ -400,7 +403,7 @@ class ModelDraft(Drafter):
             if self._catching_up.is_alive():
                 return False
             self._catching_up = None
-        if len(self._tokens) - self._held <= self.k + 1:  # (a chunk's worth: read with the next draft)
+        if self.minimum or len(self._tokens) - self._held <= self.k + 1:  # read with the next draft
             return True
         text = list(self._tokens)
         self._catching_up = threading.Thread(target=self._read, args=(text,), name="meshnet-draft-read", daemon=True)

@@ -9,11 +9,10 @@ that is waiting — continuous batching, the way llama-server's slots and vLLM's
 A batch computes on a worker thread, or on the event loop itself when it is short and nothing else
 runs on a worker thread (``node.offload``). On the loop, the step that finds the batcher idle
 *leads* its batch: it lets the loop take one turn (the steps that reach the node in that turn
-join it; not when the node holds no other session, whose step could join), computes the batch in
-its own task and goes on with its own result at once. A batch
-task beside it would cost a loop turn more on every hop of every token (its result handed back
-to the waiting step), and computing without that one turn would leave steps that arrive
-together unbatched.
+join it; a node that holds no other session, whose step could join, takes no turn), computes the
+batch in its own task and goes on with its own result at once. A batch task beside it would cost
+a loop turn more on every hop of every token (its result handed back to the waiting step), and
+computing without that one turn would leave steps that arrive together unbatched.
 
 A shard batches only where it measured that a batch gives every session the bits of its own step
 (``ShardInfo.decode_batch``); a node whose shard does not runs each step on its own, as before.
