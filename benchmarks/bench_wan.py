@@ -324,9 +324,10 @@ def report_real(section: Section, at: str, m: Measured) -> None:
     same = all(len(texts) == 1 for texts in m.texts.values())
     section.add(f"{at} greedy text identical (every gateway, each prompt)", "yes" if same else "no", "yes", same)
     section.notes.append(
-        f"The real cell: a {REAL_DRAFT} draft token costs the gateway about 36 ms on one core of this machine "
-        f"and a {REAL_TARGET} step about 50, and a verify chunk of 9 positions about 8 steps on one CPU thread: "
-        "drafting pays only where a walk is mostly links. The gateway measures what its draft model's drafts "
-        "cost and what the route's chunks cost, and drafts only where the expected tokens per second beat a "
-        "plain step (a re-probe now and then); where they do not, the route decodes as without speculation."
+        f"The real cell: on a CPU a {REAL_DRAFT} draft token costs the gateway a large part of a {REAL_TARGET} "
+        "step (a third of its weights, on one core against one per node), and a verify chunk costs nearly its "
+        "positions' steps: drafting pays only where a walk is mostly links. The gateway measures what its draft "
+        "model's drafts cost and what the route's chunks cost, and drafts only where the expected tokens per "
+        "second beat a plain step (a re-probe now and then); where they do not, the route decodes as without "
+        "speculation."
     )
