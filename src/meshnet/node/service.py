@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from typing import Any
 
@@ -68,8 +67,6 @@ from meshnet.protocol.wire import TensorFrame, encode_tensor
 from meshnet.routes import hop_timeout_s
 
 __all__ = ["ChannelSend", "NodeConfig", "NodeService"]
-
-log = logging.getLogger("meshnet.node")
 
 
 class NodeService(TailParts):
