@@ -746,8 +746,8 @@ def test_the_tail_sends_the_relayed_step_before_it_works_out_and_signs_its_answe
     positions = [at for kind, at in events if kind == "relayed"]
     assert len(positions) == relayed >= 6
     for at in positions:  # the step's time on the tail ends where its next step left: counted there
-        relayed = events.index(("relayed", at))
-        assert events[relayed + 1] == ("left", -1) and relayed + 1 < events.index(("signed", at)), events
+        sent = events.index(("relayed", at))
+        assert events[sent + 1] == ("left", -1) and sent + 1 < events.index(("signed", at)), events
 
 
 def test_a_route_where_drafts_do_not_pay_relays_its_steps_and_still_re_probes(
