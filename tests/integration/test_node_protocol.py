@@ -356,9 +356,9 @@ def test_a_verify_chunk_keeps_the_accepted_drafts_and_leaves_the_kv_of_plain_dec
 
 def test_decode_steps_over_the_channel_match_http_and_a_bad_frame_hurts_no_session(middle: Proc, tail: Proc) -> None:
     """The decode channel against real nodes: a gateway-side channel to the middle and one to the
-    tail; steps go to the middle, which passes them on over its own channel, and the tail's token
-    comes back on the tail's channel — the same tokens as the HTTP binding. A malformed frame gets an
-    ERROR and the session goes on."""
+    tail; steps go to the middle, which passes them on over its own channel and sends its own signed
+    entry back on the gateway's channel to it, and the tail's token comes back on the tail's channel —
+    the same tokens as the HTTP binding. A malformed frame gets an ERROR and the session goes on."""
     expected = run_session(middle, tail, "ses-chan-http", 4)
     first = post(middle, "ses-chan", activations(6, 1), start=0, tail_url=tail.url)
     assert first.status_code == 200, first.text
@@ -387,10 +387,14 @@ def test_decode_steps_over_the_channel_match_http_and_a_bad_frame_hurts_no_sessi
                 bad = decode_frame(bytes(to_middle.recv(timeout=10, decode=False)))
                 assert bad.header["seq"] == 99 and "shape" in bad.header["error"]["message"], bad.header
             to_middle.send(step(n, 6 + n, activations(1, 100 + n)))
+            entry = decode_frame(bytes(to_middle.recv(timeout=30, decode=False)))
+            assert entry.kind is Kind.ENTRY and entry.header["seq"] == n, entry.header
+            assert entry.header["entry"]["node"] == hop_id(middle) and entry.header["entry"]["held"] == 7 + n
+            assert entry.header["entry"]["sig"]  # signed, once the step had gone on
             token = decode_frame(bytes(to_tail.recv(timeout=30, decode=False)))
             assert token.kind is Kind.TOKEN and token.header["seq"] == n, token.header
             answer = token.header["answer"]
-            assert [h["node"] for h in answer["hops"]] == [hop_id(middle), hop_id(tail)]
+            assert [h["node"] for h in answer["hops"]] == [hop_id(tail)]  # the middle's came on its own channel
             tokens.append(answer["token"])
         state = httpx.get(f"{tail.url}/v1/sessions/ses-chan", timeout=10).json()
         assert state["seq"] == 3 and state["position"] == 10 and state["broken"] is None

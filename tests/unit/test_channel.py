@@ -46,14 +46,14 @@ from meshnet.security.identity import MemberRequest, SwarmCA, make_csr, new_memb
 from meshnet.security.tls import save_member
 from tests.asgi import serve_in_thread
 
-HELLO_GOLDEN = bytes.fromhex("4d4e010128000000") + b'{"channel":"c1","node":"n1","version":1}'
+HELLO_GOLDEN = bytes.fromhex("4d4e020128000000") + b'{"channel":"c1","node":"n1","version":2}'
 
 
 def test_frames_have_the_documented_bytes() -> None:
-    assert encode_frame(Kind.HELLO, {"channel": "c1", "node": "n1", "version": 1}) == HELLO_GOLDEN
+    assert encode_frame(Kind.HELLO, {"channel": "c1", "node": "n1", "version": 2}) == HELLO_GOLDEN
     body = np.asarray([[42]], dtype="<i4").tobytes()
     step = encode_frame(Kind.STEP, {"session": "ses-1", "seq": 7}, body)
-    assert step[:4] == b"MN\x01\x02" and step.endswith(b"\x2a\x00\x00\x00")
+    assert step[:4] == b"MN\x02\x02" and step.endswith(b"\x2a\x00\x00\x00")
     frame = decode_frame(step)
     assert frame.kind is Kind.STEP and frame.header == {"session": "ses-1", "seq": 7} and frame.body == body
 
@@ -63,11 +63,11 @@ def test_frames_have_the_documented_bytes() -> None:
     [
         (b"MN", "at least 8 bytes"),
         (b"XX\x01\x01\x00\x00\x00\x00", "not a Meshnet channel frame"),
-        (b"MN\x02\x01\x00\x00\x00\x00", "version 2"),
-        (b"MN\x01\x09\x00\x00\x00\x00", "unknown channel frame kind 9"),
-        (b"MN\x01\x02\xff\x00\x00\x00{}", "does not fit"),
-        (b"MN\x01\x02\x02\x00\x00\x00{x", "not JSON"),
-        (b"MN\x01\x02\x02\x00\x00\x00[]", "JSON object"),
+        (b"MN\x01\x01\x00\x00\x00\x00", "version 1; this node speaks version 2"),
+        (b"MN\x02\x09\x00\x00\x00\x00", "unknown channel frame kind 9"),
+        (b"MN\x02\x02\xff\x00\x00\x00{}", "does not fit"),
+        (b"MN\x02\x02\x02\x00\x00\x00{x", "not JSON"),
+        (b"MN\x02\x02\x02\x00\x00\x00[]", "JSON object"),
     ],
 )
 def test_a_bad_frame_says_what_is_wrong(data: bytes, needle: str) -> None:
@@ -111,7 +111,7 @@ class ScriptedHop:
             self.log.append(("in", sid, direct.seq))
             await asyncio.sleep(0.05)
             self.log.append(("out", sid, direct.seq))
-        return {"token": 7, "logprob": -0.5, "position": 3, "hops": [*direct.hops, TAIL_ENTRY]}, None
+        return {"token": 7, "logprob": -0.5, "position": 3, "hops": [TAIL_ENTRY]}, None
 
     def app(self) -> Starlette:
         async def endpoint(websocket: WebSocket) -> None:
@@ -322,6 +322,94 @@ class _FakeChannel:
         self.sent.append(data)
 
 
+HEAD_ENTRY = {"node": "head", "layers": "0:10", "compute_ms": 2.0, "held": 3, "input_digest": "cd" * 16,
+              "output_digest": "ef" * 16, "sig": "c2ln"}  # fmt: skip
+
+
+def _entry_report(url: str, session: str, seq: int, entry: Any = None) -> _Report:
+    """An ``ENTRY`` frame from the node at ``url`` (the head's entry unless given)."""
+    raw = encode_frame(Kind.ENTRY, {"session": session, "seq": seq, "entry": HEAD_ENTRY if entry is None else entry})
+    return _Report(url, decode_frame(raw))
+
+
+def test_the_tails_answer_waits_for_the_other_hops_entries_and_takes_them_first_in_route_order() -> None:
+    """The hops before the tail send their entries (ENTRY) on their own channels: the tail's token
+    may come first and waits for them; a hop's first entry counts; the answer lists them in route
+    order before the tail's. An ENTRY from the tail, or one without an entry, is that hop's failure."""
+    route = ["http://a", "http://b", "http://c"]
+    middle = {**HEAD_ENTRY, "node": "middle", "layers": "10:20"}
+    tail = {"token": 5, "logprob": -0.1, "position": 4, "hops": [TAIL_ENTRY]}
+
+    async def scenario() -> None:
+        channels = Channels()
+        for url in route:
+            channels._open[url] = _FakeChannel(url)  # type: ignore[assignment]
+
+        async def step() -> tuple[asyncio.Future[HopAnswer], int]:
+            task = await channels.start(route, "s", verb="decode-step", headers={}, body=b"", timeout_s=10.0,
+                                        probe=_computed)  # fmt: skip
+            ((_, seq),) = channels._waiters
+            return task, seq
+
+        task, seq = await step()
+        channels.deliver(_entry_report(route[1], "s", seq, middle))
+        channels.deliver(_Report(route[2], decode_frame(token_frame("s", seq, tail))))
+        channels.deliver(_entry_report(route[1], "s", seq, {**middle, "held": 9}))  # a second one: ignored
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        channels.deliver(_entry_report(route[0], "s", seq))
+        answer = await asyncio.wait_for(task, 5)
+        assert [e.to_json() for e in answer.hops] == [HEAD_ENTRY, middle, TAIL_ENTRY] and not channels._waiters
+
+        for sender, entry, needle in ((route[2], None, "a tail's entry comes with its TOKEN"),
+                                      (route[1], {"node": 3}, "ENTRY without an entry")):  # fmt: skip
+            task, seq = await step()
+            channels.deliver(_entry_report(sender, "s", seq, entry))
+            with pytest.raises(HopFailed, match=needle) as failed:
+                await asyncio.wait_for(task, 5)
+            assert failed.value.failed_hop == sender and not channels._waiters
+
+    asyncio.run(scenario())
+
+
+def test_a_hop_that_withholds_its_entry_is_named_when_it_closes_or_at_the_deadline() -> None:
+    """Once the tail has answered, the step waits only for the entries still missing: a hop whose
+    channel closes without having sent its entry is named at once (one that sent it is no concern
+    of this step), and at the deadline the first hop whose entry is missing is named."""
+    route = ["http://a", "http://b", "http://c"]
+    tail = {"token": 5, "logprob": -0.1, "position": 4, "hops": [TAIL_ENTRY]}
+
+    async def scenario() -> None:
+        channels = Channels()
+
+        async def step(timeout_s: float) -> tuple[asyncio.Future[HopAnswer], int]:
+            for url in route:
+                channels._open[url] = _FakeChannel(url)  # type: ignore[assignment]
+            task = await channels.start(route, "s", verb="decode-step", headers={}, body=b"", timeout_s=timeout_s,
+                                        probe=_computed)  # fmt: skip
+            ((_, seq),) = channels._waiters
+            channels.deliver(_Report(route[2], decode_frame(token_frame("s", seq, tail))))
+            return task, seq
+
+        task, seq = await step(10.0)
+        channels.deliver(_entry_report(route[0], "s", seq))
+        channels.lost(channels._open[route[0]], "gone")  # its entry is in: this step does not mind
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        channels.lost(channels._open[route[1]], "gone")
+        with pytest.raises(HopFailed, match="closed \\(gone\\) before it sent its entry") as closed:
+            await asyncio.wait_for(task, 5)
+        assert closed.value.failed_hop == route[1]
+
+        task, seq = await step(0.2)
+        channels.deliver(_entry_report(route[0], "s", seq))
+        with pytest.raises(HopFailed, match=r"passed step \d+ on but sent no entry") as silent:
+            await asyncio.wait_for(task, 5)
+        assert silent.value.failed_hop == route[1] and not channels._waiters
+
+    asyncio.run(scenario())
+
+
 def test_a_lost_hop_waits_for_its_upstreams_report_and_strangers_are_ignored(caplog: pytest.LogCaptureFixture) -> None:
     """A hop whose channel closes is named at once only if the hop before it has computed the step;
     else that hop's own report is awaited (it names the lost one). A report from a node off the
@@ -477,10 +565,12 @@ def test_a_relayed_step_is_out_once_the_tails_token_says_so_and_a_credit_goes_to
                                                          "ret-http://b"), "m", "rte", frozenset({0}))  # fmt: skip
         first = await channels.start(route, "s", verb="decode-step", headers={}, body=b"", timeout_s=10.0, probe=probe)
         seq = next(s for (_, s) in channels._waiters if s != slot.seq)
-        answer = {"token": 5, "logprob": -0.1, "position": 4, "hops": [TAIL_ENTRY, TAIL_ENTRY]}
+        answer = {"token": 5, "logprob": -0.1, "position": 4, "hops": [TAIL_ENTRY]}
         assert not slot.launched
+        channels.deliver(_entry_report("http://a", "s", seq))
         channels.deliver(_Report("http://b", decode_frame(token_frame("s", seq, answer, relayed=slot.seq))))
         assert isinstance(await first, TokenAnswer) and slot.launched and slot.timer is not None
+        channels.deliver(_entry_report("http://a", "s", slot.seq))
         channels.deliver(_Report("http://b", decode_frame(token_frame("s", slot.seq, answer))))
         assert isinstance(await slot.answer, TokenAnswer)
         assert not channels._waiters

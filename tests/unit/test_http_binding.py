@@ -262,3 +262,26 @@ def test_one_error_map_for_http_answers_and_in_process_errors() -> None:
     local = remote_error(SessionBroken("broken", failed_hop="http://c:2"), sender="http://b:1", sender_is_head=False)
     assert isinstance(local, HopFailed) and local.failed_hop == "http://c:2"
     assert type(remote_error(SeamMismatch("bad shape"), sender="http://a:0", sender_is_head=True)) is BadGateway
+
+
+def test_onward_keeps_every_field_but_what_the_next_hop_gets_new() -> None:
+    """``HopRequest.onward`` and ``HopEntry.signed`` build their records field by field (cheaper than
+    ``dataclasses.replace`` on a decode step's path): every other field, a new one included, is kept."""
+    from meshnet.protocol.messages import PrefixClaim
+    from meshnet.protocol.wire import TensorFrame
+
+    frame = TensorFrame((1, 1), "int32", b"\x07\x00\x00\x00")
+    request = HopRequest(
+        Verb.PREFILL, SessionId("s"), 0, 4, Payload(frame), model="m", route_id="r", next_hops=("b", "c"),
+        sampling='{"temperature": 0.5}', chunks=(2, 2), replay=2, rewind=True, ticket="t",
+        prefix=PrefixClaim(4, ("h",)),
+    )  # fmt: skip
+    other = Payload(TensorFrame((1, 4, 2), "float32", bytes(32)))
+    expected = dataclasses.replace(request, payload=other, model="m2", route_id="r2", next_hops=("c",), replay=1)
+    assert request.onward(other, ("b", "c"), model="m2", route_id="r2") == expected
+    verify = HopRequest(Verb.VERIFY, SessionId("s"), 9, 3, Payload(frame), drafts=(5, 6), rewind=True, guess=7)
+    assert verify.onward(other, ("b",), model="m", route_id="r") == dataclasses.replace(
+        verify, payload=other, model="m", route_id="r"
+    )
+    entry = HopEntry("n", "0:4", 1.5, 4, "ab", "cd", 4)
+    assert entry.signed("sig") == dataclasses.replace(entry, signature="sig")

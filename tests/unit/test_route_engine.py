@@ -534,11 +534,14 @@ def test_a_tail_answering_a_token_outside_the_vocabulary_is_replaced(swarm: Loca
     assert repair.failed_node == "c" and "not a token of this model's vocabulary" in repair.reason
 
 
-def test_a_relayed_entry_forged_on_the_way_is_found_at_the_end_and_no_node_is_paid(tmp_path: Path) -> None:
+def test_a_channel_entry_that_its_signature_does_not_cover_is_found_at_the_end_and_no_node_is_paid(
+    tmp_path: Path,
+) -> None:
     """Decode answers check the tail's signature at once (it covers the tokens) and the other hops'
-    on their latest entries at the end (Usage.check_receipts): a tail that rewrites the head's
-    entry it relays leaves the text alone and voids the session's pay."""
-    from meshnet.protocol.messages import HopAnswer, TokenAnswer
+    on their latest entries at the end (Usage.check_receipts): a head whose entry (sent straight to
+    the gateway over the channel) claims other than it signed leaves the text alone and voids the
+    session's pay."""
+    from meshnet.protocol.messages import Accepted, HopAnswer
 
     swarm = LocalSwarm(tmp_path / "forged", channels=True)
     try:
@@ -546,14 +549,13 @@ def test_a_relayed_entry_forged_on_the_way_is_found_at_the_end_and_no_node_is_pa
 
         async def run() -> tuple[list[int], list[EngineStep]]:
             await swarm.layout()
-            liar = swarm.nodes["c"]
+            liar = swarm.nodes["a"]
             honest_handle = liar.handle
 
-            async def handle(request: Any, *args: Any, **kwargs: Any) -> HopAnswer | None:
+            async def handle(request: Any, *args: Any, **kwargs: Any) -> HopAnswer:
                 answer = await honest_handle(request, *args, **kwargs)
-                if isinstance(answer, TokenAnswer) and request.start > len(PROMPT):
-                    head = dataclasses.replace(answer.hops[0], compute_ms=0.01)  # not what the head signed
-                    return dataclasses.replace(answer, hops=(head, *answer.hops[1:]))
+                if isinstance(answer, Accepted) and request.start > len(PROMPT):  # a decode step's entry
+                    return dataclasses.replace(answer, hops=(dataclasses.replace(answer.hops[0], compute_ms=0.01),))
                 return answer
 
             liar.handle = handle  # type: ignore[method-assign]

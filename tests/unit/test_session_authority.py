@@ -126,7 +126,7 @@ def test_the_head_takes_a_relayed_decode_step_from_the_routes_tail_and_nothing_e
     token, tokens = _open(swarm, route, ticket, signer)
     head = swarm.transport.services[route[0]]
     position = len(PROMPT) + len(tokens) - 1
-    direct = Direct(99, tuple(route), ())
+    direct = Direct(99, tuple(route))
 
     async def attempts() -> None:
         with pytest.raises(Forbidden):  # over HTTP

@@ -42,7 +42,7 @@ from meshnet.protocol import http_binding
 from meshnet.protocol.channel import CHANNEL_PATH, Credit, Direct, step_frame_of
 from meshnet.protocol.hops import HttpTransport
 from meshnet.protocol.ledger import format_chunks
-from meshnet.protocol.messages import HopRequest, Verb
+from meshnet.protocol.messages import HopEntry, HopRequest, Verb
 from meshnet.protocol.wire import format_shape
 from meshnet.security.membership import scope_member
 from meshnet.security.revocation import RefuseRevoked, RevokedSerials
@@ -170,7 +170,7 @@ async def _release(node: NodeService, shard: ShardBackend) -> None:
 def _channel_sender(dialer: channel.Dialer) -> ChannelSend:
     async def send(hop: str, request: HopRequest, direct: Direct, timeout_s: float) -> None:
         """Pass a decode-channel step on to the next hop over its channel, without waiting for anything."""
-        await dialer.send(hop, step_frame_of(request, direct.seq, direct.returns, direct.hops), timeout_s)
+        await dialer.send(hop, step_frame_of(request, direct.seq, direct.returns), timeout_s)
 
     return send
 
@@ -184,13 +184,13 @@ def _channel_endpoint(node: NodeService, peers: dict[str, channel.Peer]) -> Any:
 
         async def on_step(
             sid: SessionId, headers: Mapping[str, str], body: bytes, verify: bool, direct: Direct
-        ) -> tuple[dict[str, Any], int | None] | None:
+        ) -> tuple[dict[str, Any], int | None] | HopEntry:
             node.metrics.channel_steps.inc()
             verb = Verb.VERIFY if verify else Verb.DECODE
             hop = http_binding.decode_request(verb, sid, headers, body, max_body_bytes=config.max_body_bytes)
             answer = await node.handle(hop, direct, caller=caller)
-            if answer is None:
-                return None
+            if not node.info.layers.is_tail:  # the step went on: this hop's entry goes to the gateway
+                return answer.hops[0]
             return answer.to_json(), await node.relay(sid, direct, answer)  # the relayed step leaves first
 
         def on_credit(credit: Credit) -> None:

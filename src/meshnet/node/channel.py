@@ -4,9 +4,10 @@
   upstream hop dials one to its next hop; the node greets each with a ``HELLO`` naming it (its
   *return id*), then takes ``STEP`` frames, each on a task of its own (sessions do not wait for one
   another; the steps of one session run one after another, in the order they came: a gateway keeps
-  several pipelined speculation rounds of a session in flight). A step's ``TOKEN`` (tail) or
-  ``ERROR`` (any hop) goes to the channel named by the step's ``returns`` — the gateway's own
-  channel to this hop — so the token skips every hop on its way back. A ``CREDIT`` (gateway →
+  several pipelined speculation rounds of a session in flight). A step's ``TOKEN`` (tail),
+  ``ENTRY`` (a hop before it, once the step went on) or ``ERROR`` (any hop) goes to the channel
+  named by the step's ``returns`` — the gateway's own channel to this hop — so the token skips
+  every hop on its way back. A ``CREDIT`` (gateway →
   tail) is taken at once, in order with the frames around it (``on_credit``): the tail may then
   relay the next step to the head itself (``NodeService.relay``).
 - ``Dialer``: this node's kept-open channels to its next hops, dialed on a session's first channel
@@ -35,6 +36,7 @@ from meshnet.errors import HopFailed, InvalidRequest, MeshnetError, PayloadTooLa
 from meshnet.ids import SessionId
 from meshnet.protocol.channel import (
     MAX_HEADER_BYTES,
+    VERSION,
     ChannelFrame,
     Credit,
     Direct,
@@ -43,6 +45,7 @@ from meshnet.protocol.channel import (
     Kind,
     decode_frame,
     encode_frame,
+    entry_frame,
     error_frame,
     read_credit,
     read_step,
@@ -50,6 +53,7 @@ from meshnet.protocol.channel import (
     token_frame,
     ws_url,
 )
+from meshnet.protocol.messages import HopEntry
 
 __all__ = ["CreditHandler", "Dialer", "Direct", "Peer", "StepHandler", "serve"]
 
@@ -59,9 +63,10 @@ _HELLO_TIMEOUT_S = 5.0
 
 
 # (session, headers, body, verify, direct) -> the tail's answer and the step it relayed after it
-# (None: it relayed none), or None past a non-tail hop
+# (None: it relayed none), a hop's own entry for the gateway (a hop before the tail), or None
 StepHandler = Callable[
-    [SessionId, Mapping[str, str], bytes, bool, Direct], Awaitable[tuple[dict[str, Any], int | None] | None]
+    [SessionId, Mapping[str, str], bytes, bool, Direct],
+    Awaitable[tuple[dict[str, Any], int | None] | HopEntry | None],
 ]
 CreditHandler = Callable[[Credit], None]  # raises MeshnetError to refuse it
 
@@ -95,7 +100,7 @@ async def serve(
     tasks: set[asyncio.Task[None]] = set()
     in_order: InOrder[str] = InOrder()  # a session's steps, one after another
     try:
-        await peer.send(encode_frame(Kind.HELLO, {"channel": channel_id, "node": node_id, "version": 1}))
+        await peer.send(encode_frame(Kind.HELLO, {"channel": channel_id, "node": node_id, "version": VERSION}))
         while True:
             message = await websocket.receive()
             if message["type"] == "websocket.disconnect":
@@ -148,9 +153,11 @@ async def _one_step(
         reply = peers.get(step.returns[0], peer)
         if len(step.body) > max_body:
             raise PayloadTooLarge(f"step body of {len(step.body)} bytes exceeds this node's limit of {max_body} bytes")
-        direct = Direct(step.seq, step.returns, step.hops)
+        direct = Direct(step.seq, step.returns)
         answered = await on_step(SessionId(step.session), Fields(step.headers), step.body, step.verify, direct)
-        if answered is not None:
+        if isinstance(answered, HopEntry):
+            await reply.send(entry_frame(step.session, step.seq, answered))
+        elif answered is not None:
             await reply.send(token_frame(step.session, step.seq, *answered))
     except MeshnetError as exc:
         await reply.send(error_frame(session, seq, exc))

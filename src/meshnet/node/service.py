@@ -75,13 +75,14 @@ class NodeService(TailParts):
     async def handle(
         self, request: HopRequest, direct: Direct | None = None, *, client: str | None = None,
         caller: str | None = None,
-    ) -> HopAnswer | None:  # fmt: skip
+    ) -> HopAnswer:  # fmt: skip
         """Compute a request's positions and pass them on; the answer. A ``direct`` step goes on
-        over the decode channel and answers nothing here (``None``) but on the tail, whose answer
-        goes straight to the gateway with every hop's entry. ``client``: who sent it, when the
-        transport knows (a private swarm's member id): a session it opens counts to its quota.
-        ``caller``: the sending member's id (any role; ``None``: in process), which in a private
-        swarm must be one of the session's drivers here (node.authority)."""
+        over the decode channel without waiting for the hops after this one: a hop before the tail
+        answers ``Accepted`` with its own entry, signed once the step has gone on (the channel
+        sends that entry to the gateway), and the tail's answer goes straight to the gateway.
+        ``client``: who sent it, when the transport knows (a private swarm's member id): a session
+        it opens counts to its quota. ``caller``: the sending member's id (any role; ``None``: in
+        process), which in a private swarm must be one of the session's drivers here (node.authority)."""
         check_model(self.info, request.model)
         if request.drafts:
             check_drafts(self.info, self.config.node_id, request.drafts)
@@ -104,7 +105,7 @@ class NodeService(TailParts):
     async def _compute_and_pass(
         self, s: NodeSession, request: HopRequest, tokens: np.ndarray | None, hidden: np.ndarray | None,
         direct: Direct | None, *, began: float,
-    ) -> HopAnswer | None:  # fmt: skip
+    ) -> HopAnswer:  # fmt: skip
         sid, start, n = request.session, request.start, request.n
         if request.rewind:
             await self.rewind(s, start)
@@ -122,18 +123,16 @@ class NodeService(TailParts):
         self._record(s, request.sizes, tokens, hidden, frame)
         if direct is not None:
             s.seq = direct.seq
-        answers = self.info.layers.is_tail and request.final and not request.replay  # signed with its answer
-        me = self._entry(s, compute_ms, positions=n, sign=not answers)
+        # the tail signs its entry with its answer; a hop before it, a channel step's once the step went on
+        answers = self.info.layers.is_tail and request.final and not request.replay
+        me = self._entry(s, compute_ms, positions=n, sign=not answers and direct is None)
         if self.info.layers.is_tail:
             if request.replay:
                 return Replayed((me,), count=n)
             if not request.final:
                 return Accepted((me,), count=n)
             assert logits is not None
-            answer = await self._sampled(s, request, logits, me, direct=direct, began=began)
-            if direct is not None:
-                answer = answer.after(*_entries(direct.hops))
-            return answer
+            return await self._sampled(s, request, logits, me, direct=direct, began=began)
         assert frame is not None
         return await self._pass_on(
             s, request=request, frame=frame, tokens=tokens, me=me, direct=direct, began=began
@@ -142,8 +141,9 @@ class NodeService(TailParts):
     async def _pass_on(
         self, s: NodeSession, *, request: HopRequest, frame: TensorFrame, tokens: np.ndarray | None, me: HopEntry,
         direct: Direct | None, began: float,
-    ) -> HopAnswer | None:  # fmt: skip
-        """Log and forward what this hop computed; the answer (``None`` for a ``direct`` step)."""
+    ) -> HopAnswer:  # fmt: skip
+        """Log and forward what this hop computed; the answer (for a ``direct`` step: ``Accepted``
+        with this hop's entry, signed once the step has gone on)."""
         ids = self._ids_onward(s, tokens)
         self.logs.append(s, request.start, frame, ids)
         if request.replay == 1:
@@ -160,12 +160,12 @@ class NodeService(TailParts):
             onward = self._with_ticket(s, onward)
             try:
                 timeout = hop_timeout_s(self.config.hop_timeout_s, len(s.next_hops))
-                await self.channel_send(s.next_hops[0], onward, direct.onward(me.to_json()), timeout)
+                await self.channel_send(s.next_hops[0], onward, direct.onward(), timeout)
             except MeshnetError as exc:
                 s.break_with(exc)
                 raise
             self._handed_on(request, began, me.compute_ms)
-            return None
+            return Accepted((self.config.hop_key.sign(s.session, me),), count=request.n)
 
         async def send() -> HopAnswer:
             if previous is not None:
@@ -227,8 +227,7 @@ class NodeService(TailParts):
         if direct is not None:
             s.seq = direct.seq
         self.metrics.voided.inc()
-        answer = Voided((self._entry(s, positions=0),), count=s.ledger.position)
-        return answer if direct is None else answer.after(*_entries(direct.hops))
+        return Voided((self._entry(s, positions=0),), count=s.ledger.position)
 
     async def _run(
         self, sid: SessionId, *, start: int, tokens: np.ndarray | None, hidden: np.ndarray | None,
@@ -264,13 +263,6 @@ class NodeService(TailParts):
 def _continues(s: NodeSession, request: HopRequest) -> bool:
     """Whether a pipelined round starts where the tail's newest token is, with that token."""
     return s.sampled == (request.start, request.guess) and s.ledger.position == request.start
-
-
-def _entries(raw: tuple[dict[str, Any], ...]) -> tuple[HopEntry, ...]:
-    try:
-        return tuple(HopEntry.from_json(h) for h in raw)
-    except ValueError as exc:
-        raise InvalidRequest(f'a STEP frame\'s "hops" must be hop entries: {exc}') from None
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

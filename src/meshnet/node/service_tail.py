@@ -111,7 +111,7 @@ class TailParts(RepairParts):
                                  route_id=credit.route_id, guess=token)  # fmt: skip
             try:
                 timeout = hop_timeout_s(self.config.hop_timeout_s, len(credit.returns))
-                await self.channel_send(credit.head, request, Direct(credit.seq, credit.returns, ()), timeout)
+                await self.channel_send(credit.head, request, Direct(credit.seq, credit.returns), timeout)
             except MeshnetError as exc:
                 log.warning("session %s: relaying step %d to %s failed (the gateway sends it): %s", s.session,
                             credit.seq, credit.head, exc.message)  # fmt: skip

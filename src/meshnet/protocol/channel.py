@@ -3,19 +3,23 @@ routes, and between neighbouring hops (docs/protocol.md, "Decode channel").
 
 Every WebSocket *binary* message is one frame::
 
-    b"MN" | version u8 (1) | kind u8 | header length u32 little-endian | header (UTF-8 JSON) | body
+    b"MN" | version u8 (2) | kind u8 | header length u32 little-endian | header (UTF-8 JSON) | body
 
 The header is small (a session id, a step number and the same ``X-Meshnet-*`` fields a
 ``decode-step`` request carries); the body is the raw tensor, exactly the bytes the HTTP binding
 sends, so nothing large is ever parsed as JSON. Kinds:
 
-- ``HELLO`` (server → dialer, once, first): ``{"channel": id, "node": node_id, "version": 1}``.
+- ``HELLO`` (server → dialer, once, first): ``{"channel": id, "node": node_id, "version": 2}``.
   The id names this connection as a return address.
 - ``STEP`` (gateway → head, hop → next hop): ``{"session", "seq", "verb": "decode-step"|"verify",
-  "headers": {X-Meshnet-*: str}, "returns": [channel id per hop from the receiver on],
-  "hops": [the entries of the hops before it]}`` + the step's body.
+  "headers": {X-Meshnet-*: str}, "returns": [channel id per hop from the receiver on]}`` + the
+  step's body.
+- ``ENTRY`` (a hop before the tail → gateway, on the gateway's own channel to that hop):
+  ``{"session", "seq", "entry": {...}}`` — the hop's signed entry for the step, sent once the step
+  has gone on: its signature is off the token's path through the route.
 - ``TOKEN`` (tail → gateway, on the gateway's own channel to the tail): ``{"session", "seq",
-  "answer": {...}}`` — the answer a ``decode-step``/``verify`` request would get, with every hop's entry.
+  "answer": {...}}`` — the answer a ``decode-step``/``verify`` request would get, with the tail's
+  entry; the gateway puts the other hops' ``ENTRY`` entries before it.
 - ``ERROR`` (any hop → gateway, on the gateway's channel to that hop): ``{"session", "seq",
   "status", "error": {...}}`` — the error body the HTTP binding would send.
 - ``CREDIT`` (gateway → tail, on the gateway's channel to the tail): ``{"session", "after", "seq",
@@ -39,7 +43,7 @@ from typing import Any, Generic, TypeGuard, TypeVar
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.httputil import error_body
 from meshnet.protocol import http_binding
-from meshnet.protocol.messages import HopAnswer, HopRequest, answer_from_json
+from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, answer_from_json
 
 K = TypeVar("K")
 
@@ -57,8 +61,10 @@ __all__ = [
     "credit_frame",
     "decode_frame",
     "encode_frame",
+    "entry_frame",
     "error_frame",
     "read_credit",
+    "read_entry",
     "read_step",
     "read_token",
     "relayed_of",
@@ -71,7 +77,7 @@ __all__ = [
 
 CHANNEL_PATH = "/v1/channel"
 MAGIC = b"MN"
-VERSION = 1
+VERSION = 2  # 2: the hops before the tail send their entries to the gateway (ENTRY)
 MAX_HEADER_BYTES = 1 << 20
 _PREFIX = struct.Struct("<2sBBI")
 STEP_VERBS = {"decode-step": False, "verify": True}  # a STEP frame's verb -> is a verify chunk
@@ -84,6 +90,7 @@ class Kind(IntEnum):
     TOKEN = 3
     ERROR = 4
     CREDIT = 5
+    ENTRY = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,15 +137,14 @@ class Fields(Mapping[str, str]):
 
 @dataclass(frozen=True, slots=True)
 class Direct:
-    """A step that came over the decode channel: its number, the return ids of this hop and the ones
-    after it, and the ledger entries of the hops before it (the tail's answer carries them all)."""
+    """A step that came over the decode channel: its number, and the return ids of this hop and the
+    ones after it."""
 
     seq: int
     returns: tuple[str, ...]
-    hops: tuple[dict[str, Any], ...]
 
-    def onward(self, me: dict[str, Any]) -> Direct:
-        return Direct(self.seq, self.returns[1:], (*self.hops, me))
+    def onward(self) -> Direct:
+        return Direct(self.seq, self.returns[1:])
 
 
 class InOrder(Generic[K]):
@@ -150,7 +156,8 @@ class InOrder(Generic[K]):
 
     def start(self, key: K, step: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``step`` once the key's step before it has ended; its task."""
-        task = asyncio.ensure_future(_after(self._newest.get(key), step))
+        before = self._newest.get(key)
+        task = asyncio.ensure_future(step if before is None else _after(before, step))
         self._newest[key] = task
         task.add_done_callback(functools.partial(self._forget, key))
         return task
@@ -160,9 +167,8 @@ class InOrder(Generic[K]):
             del self._newest[key]
 
 
-async def _after(before: asyncio.Task[None] | None, step: Coroutine[Any, Any, None]) -> None:
-    if before is not None:
-        await asyncio.wait([before])
+async def _after(before: asyncio.Task[None], step: Coroutine[Any, Any, None]) -> None:
+    await asyncio.wait([before])
     await step
 
 
@@ -192,32 +198,28 @@ def decode_frame(data: bytes) -> ChannelFrame:
 class Step:
     """A ``STEP`` frame, read and checked: the session, the step's number, whether it is a verify
     chunk, its ``X-Meshnet-*`` fields, the return ids of the receiving hop and every hop after it,
-    the entries of the hops before it, and the body (the tensor, as the HTTP binding sends it)."""
+    and the body (the tensor, as the HTTP binding sends it)."""
 
     session: str
     seq: int
     verify: bool
     headers: dict[str, str]
     returns: tuple[str, ...]
-    hops: tuple[dict[str, Any], ...]
     body: bytes
 
 
 def step_frame(
-    session: str, seq: int, *, verb: str, headers: dict[str, str], body: bytes, returns: Sequence[str],
-    hops: Sequence[dict[str, Any]] = (),
-) -> bytes:  # fmt: skip
-    """A ``STEP`` frame: from the gateway to the head (no ``hops``), or from a hop to the next."""
-    header = {"session": session, "seq": seq, "verb": verb, "headers": headers, "returns": list(returns),
-              "hops": list(hops)}  # fmt: skip
+    session: str, seq: int, *, verb: str, headers: dict[str, str], body: bytes, returns: Sequence[str]
+) -> bytes:
+    """A ``STEP`` frame: from the gateway to the head, or from a hop to the next."""
+    header = {"session": session, "seq": seq, "verb": verb, "headers": headers, "returns": list(returns)}
     return encode_frame(Kind.STEP, header, body)
 
 
-def step_frame_of(request: HopRequest, seq: int, returns: Sequence[str], hops: Sequence[dict[str, Any]] = ()) -> bytes:
+def step_frame_of(request: HopRequest, seq: int, returns: Sequence[str]) -> bytes:
     """``request`` (a decode step or verify chunk) as a ``STEP`` frame: its HTTP binding's fields and body."""
     headers, body = http_binding.encode_step(request)
-    return step_frame(request.session, seq, verb=str(request.verb), headers=headers, body=body, returns=returns,
-                      hops=hops)  # fmt: skip
+    return step_frame(request.session, seq, verb=str(request.verb), headers=headers, body=body, returns=returns)
 
 
 def read_step(frame: ChannelFrame) -> Step:
@@ -239,10 +241,7 @@ def read_step(frame: ChannelFrame) -> Step:
     raw = header.get("headers")
     if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
         raise InvalidRequest('a STEP frame\'s "headers" are the X-Meshnet-* fields, an object of strings')
-    hops = header.get("hops", [])
-    if not isinstance(hops, list) or not all(isinstance(h, dict) for h in hops):
-        raise InvalidRequest('a STEP frame\'s "hops" are the entries of the hops before it, a list of objects')
-    return Step(session, seq, STEP_VERBS[verb], raw, tuple(returns), tuple(hops), frame.body)
+    return Step(session, seq, STEP_VERBS[verb], raw, tuple(returns), frame.body)
 
 
 def step_ids(frame: ChannelFrame) -> tuple[str | None, int | None]:
@@ -263,6 +262,16 @@ def token_frame(session: str, seq: int, answer: dict[str, Any], relayed: int | N
     if relayed is not None:
         header["relayed"] = relayed
     return encode_frame(Kind.TOKEN, header)
+
+
+def entry_frame(session: str, seq: int, entry: HopEntry) -> bytes:
+    """A hop's own signed entry for a step it passed on, on the gateway's channel to that hop."""
+    return encode_frame(Kind.ENTRY, {"session": session, "seq": seq, "entry": entry.to_json()})
+
+
+def read_entry(frame: ChannelFrame) -> HopEntry:
+    """The entry an ``ENTRY`` frame carries; ``ValueError`` when it carries none."""
+    return HopEntry.from_json(frame.header.get("entry"))
 
 
 def relayed_of(frame: ChannelFrame) -> int | None:

@@ -4,8 +4,11 @@ The gateway keeps one WebSocket open to every node its routes use, shared by eve
 A decode step goes to the head as a ``STEP`` frame naming each hop's *return id* (the id the node
 gave this gateway's channel in its ``HELLO``); the head passes it on over its own channel to the
 next hop, and so on; the tail sends the ``TOKEN`` straight back on the gateway's channel to the
-tail, and any hop that fails sends an ``ERROR`` on the gateway's channel to itself. So a step
-costs one one-way leg per seam plus one back, and a failure still names the hop.
+tail, each hop before it sends its own signed entry (``ENTRY``) on the gateway's channel to itself
+once the step has gone on, and any hop that fails sends an ``ERROR`` there. So a step costs one
+one-way leg per seam plus one back, no hop signs on the token's path but the tail, and a failure
+still names the hop. The answer is the tail's with the other hops' entries before its own, in
+route order, once all of them are in.
 
 A node whose channel closes (its process died) fails every step waiting on a route through it at
 once, naming it; a step that hears nothing within its deadline is located by asking each hop what
@@ -41,12 +44,13 @@ from meshnet.protocol.channel import (
     Kind,
     credit_frame,
     decode_frame,
+    read_entry,
     read_token,
     relayed_of,
     step_frame,
     ws_url,
 )
-from meshnet.protocol.messages import HopAnswer
+from meshnet.protocol.messages import HopAnswer, HopEntry
 
 __all__ = ["ChannelUnavailable", "Channels", "Probe", "StepSlot", "silent_hop"]
 
@@ -84,7 +88,8 @@ class StepSlot:
     what settles it: the first report that decides it (``Channels._report``), right where the frame
     is read — a task in between would cost every token a loop turn. What takes a request to decide
     (a closed channel, the deadline) runs in ``tasks``. ``launched``: the step is out — the gateway
-    sent it, or the tail relayed it (its ``TOKEN`` said so)."""
+    sent it, or the tail relayed it (its ``TOKEN`` said so). ``entries``: the entries the hops
+    before the tail sent (``ENTRY``), by URL; ``pending``: the tail's answer while one is missing."""
 
     def __init__(self, key: tuple[str, int], urls: Sequence[str], answer: asyncio.Future[HopAnswer], probe: Probe,
                  timeout_s: float) -> None:  # fmt: skip
@@ -98,17 +103,40 @@ class StepSlot:
         self.timer: asyncio.TimerHandle | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self.launched = False
+        self.entries: dict[str, HopEntry] = {}
+        self.pending: HopAnswer | None = None
 
-    def settle(self, item: _Report | _Closed | HopFailed) -> None:
+    def settle(self, item: _Report | _Closed | HopFailed) -> bool:
+        """Settle the answer by ``item``; False when it is the tail's answer and a hop's entry is still
+        to come (it waits in ``pending``)."""
         if self.answer.done():
-            return
+            return True
         if isinstance(item, HopFailed):
             self.answer.set_exception(item)
-            return
+            return True
         try:
-            self.answer.set_result(_answer(item, self.urls))
+            answer = _answer(item, self.urls)
         except Exception as exc:  # the failure the report stands for
             self.answer.set_exception(exc)
+            return True
+        self.pending = answer
+        return self.complete()
+
+    def add_entry(self, url: str, entry: HopEntry) -> bool:
+        """A hop's own entry (its ``ENTRY``); True when that settled the answer."""
+        self.entries.setdefault(url, entry)
+        return self.pending is not None and self.complete()
+
+    def missing(self) -> str | None:
+        """The first hop before the tail whose entry has not come."""
+        return next((url for url in self.urls[:-1] if url not in self.entries), None)
+
+    def complete(self) -> bool:
+        """Settle the answer with the tail's and every other hop's entry, if all are in."""
+        if self.pending is None or self.missing() is not None:
+            return False
+        self.answer.set_result(self.pending.after(*(self.entries[url] for url in self.urls[:-1])))
+        return True
 
     def run(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
@@ -330,8 +358,17 @@ class Channels:
 
     def _report(self, waiter: StepSlot, item: _Report | _Closed) -> None:
         """A frame (or a lost channel) for a waiting step: it settles the step, unless it is a closed
-        channel past the head, which counts only once the hop before it has computed the step."""
+        channel past the head, which counts only once the hop before it has computed the step, or
+        the channel of a hop whose entry is in while the tail's answer waits for another's."""
         if waiter.answer.done():
+            return
+        if isinstance(item, _Report) and item.frame.kind is Kind.ENTRY:
+            self._entry(waiter, item)
+            return
+        if isinstance(item, _Closed) and waiter.pending is not None:
+            if item.url not in waiter.entries:  # it computed the step and closed before it sent its entry
+                cause = f"its decode channel closed ({item.reason}) before it sent its entry for step {waiter.seq}"
+                self._settle(waiter, HopFailed(f"node {item.url} failed: {cause}", failed_hop=item.url))
             return
         if isinstance(item, _Closed):
             at = waiter.urls.index(item.url)
@@ -341,8 +378,24 @@ class Channels:
         self._settle(waiter, item)
 
     def _settle(self, waiter: StepSlot, item: _Report | _Closed | HopFailed) -> None:
-        waiter.settle(item)
-        self._forget(waiter)  # now: the session's next step may start before the answer's callbacks run
+        if waiter.settle(item):
+            self._forget(waiter)  # now: the session's next step may start before the answer's callbacks run
+
+    def _entry(self, waiter: StepSlot, report: _Report) -> None:
+        """A hop's ``ENTRY``: kept for the tail's answer (the first one a hop sends counts); from the
+        tail, or without an entry, it is that hop's failure."""
+        url = report.url
+        if url == waiter.urls[-1]:
+            self._settle(waiter, HopFailed(f"the tail {url} sent an ENTRY for step {waiter.seq}: a tail's entry comes "
+                                           "with its TOKEN", failed_hop=url))  # fmt: skip
+            return
+        try:
+            entry = read_entry(report.frame)
+        except ValueError as exc:
+            self._settle(waiter, HopFailed(f"node {url} sent an ENTRY without an entry: {exc}", failed_hop=url))
+            return
+        if waiter.add_entry(url, entry):
+            self._forget(waiter)
 
     async def _closed(self, waiter: StepSlot, item: _Closed, at: int) -> None:
         if await waiter.probe(waiter.urls[at - 1], waiter.seq) is True:
@@ -350,6 +403,11 @@ class Channels:
         # else the hop before it has not sent the step yet: its report will name the lost one
 
     async def _silent(self, waiter: StepSlot) -> None:
+        missing = waiter.missing() if waiter.pending is not None else None
+        if missing is not None:  # the tail answered: the hop passed the step on and withheld its entry
+            self._settle(waiter, HopFailed(f"Timeout: node {missing} passed step {waiter.seq} on but sent no entry for "
+                                           f"it within {waiter.timeout_s:.0f} s", failed_hop=missing))  # fmt: skip
+            return
         self._settle(waiter, await silent_hop(waiter.urls, waiter.seq, waiter.timeout_s, waiter.probe))
 
     def _forget(self, waiter: StepSlot, _: object = None) -> None:

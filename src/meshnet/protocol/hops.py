@@ -37,6 +37,7 @@ from meshnet.protocol.channel import Credit, Direct, InOrder
 from meshnet.protocol.channel_client import Channels, ChannelUnavailable, Probe, StepSlot, silent_hop
 from meshnet.protocol.ledger import parse_chunks
 from meshnet.protocol.messages import (
+    Accepted,
     HopAnswer,
     HopRequest,
     PrefixRequest,
@@ -69,7 +70,7 @@ class LocalHop(Protocol):
     (a protocol here, so the transport does not import the service that uses it). The caller is one
     the transport vouches for (``caller=None``)."""
 
-    async def handle(self, request: HopRequest, direct: Direct | None = None) -> HopAnswer | None: ...
+    async def handle(self, request: HopRequest, direct: Direct | None = None) -> HopAnswer: ...
 
     async def prefix(self, request: PrefixRequest) -> HopAnswer: ...
 
@@ -329,8 +330,9 @@ class LocalTransport:
     ``channels``: decode-channel steps too (``start_step``), with the channel's semantics: every hop
     passes the step on without waiting (its ``channel_send`` is ``channel_send`` here), a session's
     steps run on each hop one after another in the order they came, the tail's answer (or any
-    hop's error) goes straight back to the caller, whose reading of it is the channel client's, and
-    a tail given leave (``credit``) relays the next step to the head itself, as over the channel."""
+    hop's error) and each other hop's entry go straight back to the caller, whose reading of them
+    is the channel client's, and a tail given leave (``credit``) relays the next step to the head
+    itself, as over the channel."""
 
     def __init__(self, *, channels: bool = False) -> None:
         self.services: dict[str, LocalHop] = {}
@@ -371,7 +373,6 @@ class LocalTransport:
                 raise remote_error(exc, sender=hop, sender_is_head=False) from None
             raise _route_error(exc.status, exc.message, exc.failed_hop, exc.code, hop=hop,
                                downstream=downstream) from None  # fmt: skip
-        assert answer is not None  # only a decode-channel step answers nothing
         return answer
 
     async def reserve_step(self, route: Sequence[str], session: SessionId, *, timeout_s: float) -> StepSlot | None:
@@ -408,7 +409,7 @@ class LocalTransport:
             slot = await self.reserve_step(route, request.session, timeout_s=timeout_s)
             assert slot is not None  # (channels: one is reserved)
         slot.launched = True
-        self._dispatch(slot.urls[0], request, Direct(slot.seq, slot.urls, ()))
+        self._dispatch(slot.urls[0], request, Direct(slot.seq, slot.urls))
         return asyncio.ensure_future(self._wait(slot.seq, slot.answer, request.session, timeout_s))
 
     async def channel_send(self, hop: str, request: HopRequest, direct: Direct, timeout_s: float) -> None:
@@ -439,7 +440,8 @@ class LocalTransport:
             error = MeshnetError(f"the node failed on this step: {type(exc).__name__}: {exc}")
             self._deliver(direct.seq, hop, error)
             return
-        if answer is None:
+        if isinstance(answer, Accepted):  # a hop before the tail passed the step on: its entry
+            self._deliver(direct.seq, hop, answer)
             return
         relayed = await service.relay(request.session, direct, answer)  # as the node's channel does
         slot = None if relayed is None else self._slots.get(relayed)
@@ -454,15 +456,24 @@ class LocalTransport:
             return  # nobody waits for it any more
         urls, answer = waiting
         at = urls.index(hop)
+        slot = self._slots[seq]
         if isinstance(outcome, MeshnetError):
             message = f"route hop answered {outcome.status}: {outcome.message}"
             answer.set_exception(hop_error(message, status=outcome.status, failed_hop=outcome.failed_hop, sender=hop,
                                            sender_is_head=at == 0, code=outcome.code, may_name=urls[at:]))  # fmt: skip
+        elif at != len(urls) - 1 and isinstance(outcome, Accepted):  # a hop's own entry, as its ENTRY frame
+            slot.add_entry(hop, outcome.hops[0])
         elif at != len(urls) - 1:
             answer.set_exception(HopFailed(f"node {hop} sent the step's token, which only the tail {urls[-1]} "
                                            "computes", failed_hop=hop))  # fmt: skip
         else:
-            answer.set_result(outcome)
+            slot.pending = outcome
+            missing = slot.missing()
+            if missing is not None:  # the hops before it sent theirs first (each as it passed the step on)
+                answer.set_exception(HopFailed(f"node {missing} passed step {seq} on but sent no entry for it",
+                                               failed_hop=missing))  # fmt: skip
+            else:
+                slot.complete()
 
     async def _wait(
         self, seq: int, answer: asyncio.Future[HopAnswer], session: SessionId, timeout_s: float

@@ -82,7 +82,9 @@ def claim_of(answer: HopAnswer) -> dict[str, Any] | None:
 
 
 def signed_bytes(session: str, entry: HopEntry, claim: dict[str, Any] | None) -> bytes:
-    body = {"session": session, "entry": dataclasses.replace(entry, signature=None).to_json(), "answer": claim}
+    raw = entry.to_json()
+    raw.pop("sig", None)  # the entry as signed: without its signature
+    body = {"session": session, "entry": raw, "answer": claim}
     return _DOMAIN + json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -105,7 +107,7 @@ class HopKey:
     def sign(self, session: str, entry: HopEntry, answer: HopAnswer | None = None) -> HopEntry:
         """``entry`` with this key's signature over it, the session and (at the tail) ``answer``'s content."""
         claim = None if answer is None else claim_of(answer)
-        return dataclasses.replace(entry, signature=b64(self._key.sign(signed_bytes(session, entry, claim))))
+        return entry.signed(b64(self._key.sign(signed_bytes(session, entry, claim))))
 
     def sign_answer(self, session: str, answer: _A) -> _A:
         """``answer`` with its last entry (the tail's own) signed over the answer's content too."""

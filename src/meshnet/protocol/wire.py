@@ -9,6 +9,7 @@ in Meshnet parses tensor bytes. See docs/protocol.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,7 +95,7 @@ def read_frame(body: bytes, shape_header: str | None, dtype_header: str | None, 
     if dtype not in DTYPES:
         raise SeamMismatch(f"X-Meshnet-Dtype {dtype_header!r} is not supported; use one of {', '.join(DTYPES)}")
     shape = parse_shape(shape_header)
-    expected = int(np.prod(shape)) * DTYPES[dtype][0]
+    expected = math.prod(shape) * DTYPES[dtype][0]
     if len(body) != expected:
         raise SeamMismatch(
             f"body is {len(body)} bytes but shape {format_shape(shape)} of {dtype} needs {expected} bytes"
