@@ -42,7 +42,9 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 from tests.realmodels import MODELS, cache_dir
 from tests.wan import delay_proxy
 
@@ -50,6 +52,11 @@ from benchmarks.bench_real import PROMPT as CODE_PROMPT
 from benchmarks.bench_serve import DECODE_PROMPT, stream_text
 from benchmarks.bench_speculative import COPY_PROMPT, gateway_swarm
 from benchmarks.common import Section, median, route_compute_ms
+from meshnet.artifacts.bundled import bundled_gguf
+from meshnet.artifacts.shard_file import write_shard
+from meshnet.backends.llama_shard import MAX_VERIFY, LlamaShard, LlamaShardConfig
+from meshnet.backends.shard import verify_chunk
+from meshnet.ids import SessionId
 
 CORES = os.cpu_count() or 2
 RTTS_MS = (5, 20, 50)  # round trip per seam
@@ -265,9 +272,14 @@ def run() -> Section:
         f"{'' if quick else f' ({BASELINE_TOKENS} tokens, {BASELINE_ROUNDS} rounds in that cell)'} after a warm-up "
         "round)",
     )
+    chunk_ratio = _chunk_cost()  # before the cells start their nodes: alone on the machine
     for cell in cells:
         threads = max(1, CORES // cell.seams)
         report(section, cell, measure(cell, threads))
+    section.add(
+        f"a {MAX_VERIFY + 1}-position verify chunk ÷ a one-position step, compute (layers 10:20, 1 thread)",
+        f"{chunk_ratio:.1f}",
+    )
     section.notes.append(
         "Floor: the route's compute per token plus the round trip the token's loop pays. With the tail relaying "
         "each plain step's next step to the head (the default), the loop is head → … → tail → head: one one-way "
@@ -281,11 +293,42 @@ def run() -> Section:
     section.notes.append(
         "Speculation ÷ off is the tokens/s ratio of the same prompt in the same cell; drafts kept are summed over "
         "the measured rounds. An open-ended text copies little of itself, so prompt-lookup drafts are rarely "
-        "kept there; copy-heavy text is where they are."
+        "kept there; copy-heavy text is where they are. What bounds copy-heavy: its first tokens (the answer's own "
+        "opening) copy nothing and go one walk each, and on this CPU a verify chunk costs the bundled model nearly "
+        "as much compute per position as a step (the chunk row: llama.cpp's CPU kernels for its Q4_1 weights gain "
+        "little from more rows), so once four full rounds are in flight the route is compute-bound, the walks all "
+        "hidden: a generation of 96 tokens spends a large part of its time before that."
     )
     if not quick:
         real_cell(section)  # its rows and note last
     return section
+
+
+def _chunk_cost(repeats: int = 10) -> float:
+    """Compute of a full verify chunk (``MAX_VERIFY`` drafts and the step's own token) ÷ a one-position
+    step's, on the middle third of the bundled model at one thread, after 128 positions of context."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "middle.gguf"
+        write_shard(bundled_gguf(), "10:20", path)
+        shard = LlamaShard(path, config=LlamaShardConfig(n_ctx=1024, max_sessions=1, n_threads=1))
+        try:
+            sid = SessionId("chunk-cost")
+            shard.open_session(sid)
+            width = shard.info.seam.shape[-1]
+            rows = np.random.default_rng(0).standard_normal((128 + MAX_VERIFY + 1, width)).astype(np.float32)
+            shard.prefill(sid, 0, hidden=rows[:128])
+            took = {}
+            for n in (1, MAX_VERIFY + 1):
+                times = []
+                for _ in range(repeats):
+                    began = time.perf_counter()
+                    verify_chunk(shard, sid, 128, hidden=rows[128 : 128 + n])
+                    times.append(time.perf_counter() - began)
+                    shard.rewind(sid, 128)
+                took[n] = median(times)
+        finally:
+            shard.close()
+    return took[MAX_VERIFY + 1] / took[1]
 
 
 def real_cell(section: Section) -> None:

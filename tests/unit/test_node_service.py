@@ -353,7 +353,7 @@ def test_a_pipelined_round_is_kept_only_where_the_tail_sampled_its_guess() -> No
     tail = swarm.transport.services[route[2]]
 
     def computed() -> float:
-        return float(tail.metrics.positions._value.get())
+        return float(tail.metrics.positions.value)
 
     async def main() -> list[int]:
         tokens = await generate(swarm, route, 3)
@@ -363,7 +363,7 @@ def test_a_pipelined_round_is_kept_only_where_the_tail_sampled_its_guess() -> No
         voided = await swarm.send(route[0], guessed([wrong, want[3]], position))
         assert voided.kind is AnswerKind.VOIDED and voided.count == position
         assert [h.held for h in voided.hops] == [position] * 3  # dropped on every hop
-        assert computed() == before and tail.metrics.voided._value.get() == 1
+        assert computed() == before and tail.metrics.voided.value == 1
         with pytest.raises(InvalidRequest, match="not the step's own token"):  # the head checks the guess
             await swarm.transport.services[route[0]].handle(
                 dataclasses.replace(guessed([tokens[-1], want[3]], position), guess=wrong)
@@ -594,6 +594,6 @@ def test_every_hop_counts_where_a_decode_steps_time_goes() -> None:
     asyncio.run(generate(swarm, route, 6))  # 5 decode steps after the prefill's token
     for url in route:
         metrics = swarm.transport.services[url].metrics
-        steps = metrics.decode_steps._value.get()
-        compute, handle = metrics.decode_compute._value.get(), metrics.decode_handle._value.get()
+        steps = metrics.decode_steps.value
+        compute, handle = metrics.decode_compute.value, metrics.decode_handle.value
         assert steps == 5 and 0 < compute <= handle, (url, steps, compute, handle)

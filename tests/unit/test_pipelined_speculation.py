@@ -76,7 +76,7 @@ class Guesses:
 
 
 def voided(swarm: LocalSwarm, node: str = "c") -> float:
-    return float(swarm.nodes[node].metrics.voided._value.get())
+    return float(swarm.nodes[node].metrics.voided.value)
 
 
 @pytest.mark.usefixtures("always_chain")
@@ -102,7 +102,7 @@ def test_pipelined_rounds_with_rejections_at_every_depth_keep_the_greedy_text_id
     assert voided(swarm) > 0, "no pipelined round was voided"
     assert len(guesses.rounds) > voided(swarm), "no pipelined round was kept"
     for node in "ab":  # the hops before the tail computed the voided rounds and dropped them again
-        assert swarm.nodes[node].metrics.voided._value.get() == 0
+        assert swarm.nodes[node].metrics.voided.value == 0
 
 
 @pytest.mark.usefixtures("always_chain")

@@ -657,7 +657,7 @@ def test_the_next_step_leaves_before_an_answer_is_checked_and_none_past_max_toke
             return await generate(engine, 6)
 
         tokens, steps = swarm.run(run)
-        tail_steps = swarm.nodes["c"].metrics.decode_steps._value.get()
+        tail_steps = swarm.nodes["c"].metrics.decode_steps.value
     finally:
         swarm.close()
     assert tokens == expected and changes(steps) == []
@@ -693,7 +693,7 @@ def test_the_tail_relays_each_plain_step_after_the_first_two_and_the_text_is_the
 
             tokens = swarm.run(run)
             tail = swarm.nodes["c"].metrics
-            relayed, computed = tail.relayed._value.get(), tail.decode_steps._value.get()
+            relayed, computed = tail.relayed.value, tail.decode_steps.value
         finally:
             swarm.close()
         assert tokens == expected
@@ -741,7 +741,7 @@ def test_the_tail_sends_the_relayed_step_before_it_works_out_and_signs_its_answe
             return (await generate(swarm.engine(), 10))[0]
 
         tokens = swarm.run(run)
-        relayed = swarm.nodes["c"].metrics.relayed._value.get()
+        relayed = swarm.nodes["c"].metrics.relayed.value
     finally:
         swarm.close()
     assert tokens == expected
@@ -787,7 +787,7 @@ def test_a_route_where_drafts_do_not_pay_relays_its_steps_and_still_re_probes(
             return (await generate(swarm.engine(speculative="draft", draft_model=oracle, draft_tokens=4), 40))[0]
 
         tokens = swarm.run(run)
-        relayed = swarm.nodes["c"].metrics.relayed._value.get()
+        relayed = swarm.nodes["c"].metrics.relayed.value
     finally:
         swarm.close()
     assert tokens == expected
@@ -834,7 +834,7 @@ def test_a_leave_to_relay_is_for_one_step_of_the_tails_own_session_route_and_hea
             return (await generate(swarm.engine(relay=False), 5, on_step=on_step))[0]
 
         tokens = swarm.run(run)
-        relayed = swarm.nodes["c"].metrics.relayed._value.get()
+        relayed = swarm.nodes["c"].metrics.relayed.value
     finally:
         swarm.close()
     assert tokens == expected
@@ -863,7 +863,7 @@ def test_a_tail_that_takes_no_leave_gets_three_and_then_the_gateway_sends_every_
             return (await generate(swarm.engine(), 12))[0]
 
         tokens = swarm.run(run)
-        relayed = swarm.nodes["c"].metrics.relayed._value.get()
+        relayed = swarm.nodes["c"].metrics.relayed.value
     finally:
         swarm.close()
     assert tokens == expected and relayed == 0
@@ -891,7 +891,7 @@ def test_a_step_ahead_the_consumer_never_takes_is_drained_and_the_route_closes(t
 
         tokens = swarm.run(run)
         tail = swarm.nodes["c"]
-        computed = tail.metrics.decode_steps._value.get()
+        computed = tail.metrics.decode_steps.value
         open_sessions = len(tail.shard.store)
     finally:
         swarm.close()

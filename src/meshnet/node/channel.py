@@ -7,9 +7,9 @@
   several pipelined speculation rounds of a session in flight). A step's ``TOKEN`` (tail),
   ``ENTRY`` (a hop before it, once the step went on) or ``ERROR`` (any hop) goes to the channel
   named by the step's ``returns`` — the gateway's own channel to this hop — so the token skips
-  every hop on its way back. A ``CREDIT`` (gateway →
-  tail) is taken at once, in order with the frames around it (``on_credit``): the tail may then
-  relay the next step to the head itself (``NodeService.relay``).
+  every hop on its way back. A ``CREDIT`` (gateway → tail) is taken at once, in order with the
+  frames around it (``on_credit``): the tail may then relay the next step to the head itself
+  (``NodeService.relay``).
 - ``Dialer``: this node's kept-open channels to its next hops, dialed on a session's first channel
   step and reused by every later step of every session.
 
