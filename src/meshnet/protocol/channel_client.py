@@ -52,7 +52,7 @@ from meshnet.protocol.channel import (
 )
 from meshnet.protocol.messages import HopAnswer, HopEntry
 
-__all__ = ["ChannelUnavailable", "Channels", "Probe", "StepSlot", "silent_hop"]
+__all__ = ["ChannelUnavailable", "Channels", "Probe", "StepSlot", "no_entry", "silent_hop"]
 
 log = logging.getLogger("meshnet.gateway")
 
@@ -405,8 +405,7 @@ class Channels:
     async def _silent(self, waiter: StepSlot) -> None:
         missing = waiter.missing() if waiter.pending is not None else None
         if missing is not None:  # the tail answered: the hop passed the step on and withheld its entry
-            self._settle(waiter, HopFailed(f"Timeout: node {missing} passed step {waiter.seq} on but sent no entry for "
-                                           f"it within {waiter.timeout_s:.0f} s", failed_hop=missing))  # fmt: skip
+            self._settle(waiter, no_entry(missing, waiter.seq, f" within {waiter.timeout_s:.0f} s"))
             return
         self._settle(waiter, await silent_hop(waiter.urls, waiter.seq, waiter.timeout_s, waiter.probe))
 
@@ -443,6 +442,12 @@ class Channels:
         channels = list(self._open.values())
         self._open.clear()
         await asyncio.gather(*(channel.close() for channel in channels))
+
+
+def no_entry(url: str, seq: int, within: str = "") -> HopFailed:
+    """The failure of the hop at ``url``, which passed step ``seq`` on and sent no entry for it."""
+    timed_out = "Timeout: " if within else ""
+    return HopFailed(f"{timed_out}node {url} passed step {seq} on but sent no entry for it{within}", failed_hop=url)
 
 
 async def silent_hop(urls: Sequence[str], seq: int, timeout_s: float, probe: Probe) -> HopFailed:

@@ -34,7 +34,7 @@ from meshnet.ids import SessionId
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
 from meshnet.protocol.channel import Credit, Direct, InOrder
-from meshnet.protocol.channel_client import Channels, ChannelUnavailable, Probe, StepSlot, silent_hop
+from meshnet.protocol.channel_client import Channels, ChannelUnavailable, Probe, StepSlot, no_entry, silent_hop
 from meshnet.protocol.ledger import parse_chunks
 from meshnet.protocol.messages import (
     Accepted,
@@ -470,8 +470,7 @@ class LocalTransport:
             slot.pending = outcome
             missing = slot.missing()
             if missing is not None:  # the hops before it sent theirs first (each as it passed the step on)
-                answer.set_exception(HopFailed(f"node {missing} passed step {seq} on but sent no entry for it",
-                                               failed_hop=missing))  # fmt: skip
+                answer.set_exception(no_entry(missing, seq))
             else:
                 slot.complete()
 
