@@ -580,3 +580,49 @@ def test_a_relayed_step_is_out_once_the_tails_token_says_so_and_a_credit_goes_to
         assert not channels._waiters
 
     asyncio.run(scenario())
+
+
+def test_a_dialer_sends_at_once_and_a_next_hop_that_stops_reading_is_a_hop_failure_in_time() -> None:
+    """A hop's kept-open channel to its next hop: small frames go out at once, without a deadline of
+    their own (nothing can wait); once a next hop stops reading and the socket's buffers fill, a
+    send waits only until the hop timeout and fails naming that hop."""
+    from websockets.asyncio.server import serve as ws_serve
+
+    hello = encode_frame(Kind.HELLO, {"channel": "c1", "node": "next", "version": 2})
+
+    async def scenario() -> None:
+        got: list[bytes] = []
+        stop_reading = asyncio.Event()
+
+        async def next_hop(websocket: Any) -> None:
+            await websocket.send(hello)
+            async for message in websocket:
+                got.append(message)
+                if stop_reading.is_set():
+                    await websocket.wait_closed()  # never reads again: its buffers, then ours, fill up
+                    return
+
+        async with ws_serve(next_hop, "127.0.0.1", 0, max_size=None, max_queue=1, compression=None,
+                            close_timeout=1) as server:  # fmt: skip
+            port = server.sockets[0].getsockname()[1]
+            url = f"http://127.0.0.1:{port}"
+            dialer = channel.Dialer(1 << 20)
+            try:
+                for i in range(3):
+                    await dialer.send(url, b"step %d" % i, timeout_s=5.0)
+                for _ in range(100):
+                    if len(got) == 3:
+                        break
+                    await asyncio.sleep(0.02)
+                assert got == [b"step 0", b"step 1", b"step 2"]
+                stop_reading.set()
+                await dialer.send(url, b"the last it reads", timeout_s=5.0)
+                began = time.monotonic()
+                with pytest.raises(HopFailed, match="TimeoutError") as failed:
+                    for _ in range(1000):  # 1 MiB each: far more than every buffer on the way holds
+                        await dialer.send(url, bytes(1 << 20), timeout_s=0.5)
+                assert failed.value.failed_hop == url and time.monotonic() - began < 10
+            finally:
+                await dialer.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))  # a send that never ends fails the test, not the run
