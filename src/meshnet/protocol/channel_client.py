@@ -119,6 +119,10 @@ class StepSlot:
         except Exception as exc:  # the failure the report stands for
             self.answer.set_exception(exc)
             return True
+        return self.take(answer)
+
+    def take(self, answer: HopAnswer) -> bool:
+        """The tail's answer: settles the step if every other hop's entry is in, else waits for them."""
         self.pending = answer
         return self.complete()
 

@@ -466,13 +466,10 @@ class LocalTransport:
         elif at != len(urls) - 1:
             answer.set_exception(HopFailed(f"node {hop} sent the step's token, which only the tail {urls[-1]} "
                                            "computes", failed_hop=hop))  # fmt: skip
-        else:
-            slot.pending = outcome
+        elif not slot.take(outcome):  # the hops before it sent theirs first (each as it passed the step on)
             missing = slot.missing()
-            if missing is not None:  # the hops before it sent theirs first (each as it passed the step on)
-                answer.set_exception(no_entry(missing, seq))
-            else:
-                slot.complete()
+            assert missing is not None  # (what keeps the answer waiting)
+            answer.set_exception(no_entry(missing, seq))
 
     async def _wait(
         self, seq: int, answer: asyncio.Future[HopAnswer], session: SessionId, timeout_s: float
