@@ -71,7 +71,7 @@ lint: $(STAMP)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py src/meshnet/backends/_capture.c
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip wheel setuptools
 	@ls $(WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || { \
@@ -86,3 +86,4 @@ $(STAMP): pyproject.toml
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	find src -name '*.so' -delete

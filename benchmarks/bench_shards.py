@@ -7,8 +7,10 @@ full context's. Rounds alternate between variants so drift on a shared VM hits a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +68,37 @@ def _kv_bytes_per_token(shard: LlamaShard) -> float:
     return (sizes[1] - sizes[0]) / 64 - SNAPSHOT_CELL_META_BYTES
 
 
+def _middle_steps_ms(cache: Path, steps: int = 300) -> dict[str, float]:
+    """A middle shard's one-position decode step (layers 10:20, 1 thread) through each eval callback,
+    the two shards' steps interleaved so drift hits both alike: median ms."""
+    rows = np.random.default_rng(0).standard_normal((129, 576)).astype(np.float32)
+    sid = SessionId("bench-middle")
+    shards = {
+        kind: LlamaShard.from_model(
+            bundled_gguf(),
+            "10:20",
+            cache_dir=cache,
+            config=LlamaShardConfig(n_ctx=1024, max_sessions=2, n_threads=1, eval_callback=kind),
+        )
+        for kind in ("python", "compiled")
+    }
+    times: dict[str, list[float]] = {kind: [] for kind in shards}
+    try:
+        for shard in shards.values():
+            shard.open_session(sid)
+            shard.prefill(sid, 0, hidden=rows[:128])
+        for _ in range(steps):
+            for kind, shard in shards.items():
+                began = time.perf_counter()
+                shard.decode_step(sid, 128, hidden=rows[128:])
+                times[kind].append(time.perf_counter() - began)
+                shard.rewind(sid, 128)
+    finally:
+        for shard in shards.values():
+            shard.close()
+    return {kind: median(t) * 1e3 for kind, t in times.items()}
+
+
 def run() -> Section:
     section = Section(
         "llama.cpp shards: 3 shards in one process vs one full context",
@@ -82,7 +115,9 @@ def run() -> Section:
             write_shard(bundled_gguf(), r, cache / f"keep-{i}.gguf", cut_vocab=False) for i, r in enumerate(RANGES)
         ]
         keep = [LlamaShard(f.path, config=config) for f in keep_paths]
-        variants = {"full": full, "cut": cut, "keep": keep}
+        python_config = dataclasses.replace(config, eval_callback="python")
+        python = [LlamaShard.from_model(bundled_gguf(), r, cache_dir=cache, config=python_config) for r in RANGES]
+        variants = {"full": full, "cut": cut, "keep": keep, "python": python}
         rates: dict[str, list[float]] = {name: [] for name in variants}
         for chain in variants.values():
             _decode_rate(chain, -1)  # warm up
@@ -92,9 +127,11 @@ def run() -> Section:
         kv = [(s.info.layers, _kv_bytes_per_token(s), s.info.kv.bytes_per_token) for s in cut]
         weights = [(s.info.layers, s.info.weight_bytes) for s in cut]
         full_weights = full[0].info.weight_bytes
+        callbacks = [s.eval_callback for s in cut]
         for chain in variants.values():
             for shard in chain:
                 shard.close()
+        middle = _middle_steps_ms(cache)
     full_rate, cut_rate, keep_rate = (median(rates[n]) for n in ("full", "cut", "keep"))
     ratio = cut_rate / full_rate
     section.add("full model, one context: decode", f"{full_rate:.1f} tok/s")
@@ -104,6 +141,16 @@ def run() -> Section:
     section.add("ratio of each round", pairs)
     section.add("3 shards, full vocabulary everywhere (lm_head on every row): decode", f"{keep_rate:.1f} tok/s")
     section.add("speed-up from cutting the vocabulary", f"{cut_rate / keep_rate:.2f}x")
+    python_rate = median(rates["python"])
+    section.add("3 shards, the eval callback in Python: decode", f"{python_rate:.1f} tok/s")
+    section.add(
+        f"eval callback in C ({', '.join(str(c) for c in callbacks)}) ÷ Python, 3 shards",
+        f"{cut_rate / python_rate:.3f}",
+    )
+    section.add(
+        "a middle shard's decode step (10:20, 1 thread): Python callback / C callback",
+        f"{middle['python']:.2f} / {middle['compiled']:.2f} ms ({middle['python'] - middle['compiled']:.2f} ms saved)",
+    )
     for layers, measured, formula in kv:
         section.add(
             f"KV bytes/token, shard {layers}: measured ÷ formula",
@@ -118,4 +165,9 @@ def run() -> Section:
         "cell metadata per position; formula: per layer (n_embd_k_gqa + n_embd_v_gqa) x 2 bytes (f16)."
     )
     section.notes.append("The head's weights include its embedding table (looked up in NumPy, not by llama.cpp).")
+    section.notes.append(
+        "llama.cpp calls a shard's eval callback for every node of every graph (~330 a step on 10 layers) to find "
+        "the one whose output crosses the seam; in Python each is a trip into the interpreter, in C "
+        "(backends/_capture.c) none is. The tail of this family needs no callback, so a 3-shard chain saves on two."
+    )
     return section

@@ -89,6 +89,24 @@ def _bfloat16(hidden: np.ndarray) -> np.ndarray:
     return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
 
 
+@pytest.mark.parametrize("arch", ["gemma", "qwen35moe"])
+def test_the_python_eval_callback_splits_as_bit_identically_as_the_compiled_one(arch: str, shard_cache: Path) -> None:
+    """Certification runs the compiled eval callback (backends/eval_capture.py); a node where it is not built
+    runs the Python one. Both copy the seam out, and both overwrite a family's rescaled input (gemma) and
+    its looked-up token rows (qwen35moe) with the inbound rows."""
+    gguf, _ = gguf_for(TINY[arch])
+    python = dataclasses.replace(CONFIG, eval_callback="python")
+    results = compare(gguf, [CUTS_FOR.get(arch, CUTS)[-1]], (7,), shard_cache, config=python)
+    assert results and all(r.tokens_equal and r.bits_equal for r in results), results
+    total = whole_info(gguf).layers.total
+    shards = route(gguf, CUTS_FOR.get(arch, CUTS)[-1], total, shard_cache, config=python)
+    try:
+        assert [s.eval_callback for s in shards] == ["python"] * len(shards)  # type: ignore[attr-defined]
+    finally:
+        for shard in shards:
+            shard.close()
+
+
 def test_a_broken_seam_fails_certification(shard_cache: Path) -> None:
     """The harness sees what it is for: activations rounded at a seam (what a seam bug does) fail it."""
     gguf, _ = gguf_for(TINY["qwen2"])

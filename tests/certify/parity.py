@@ -79,10 +79,17 @@ def greedy(shards: Sequence[ShardBackend], prompts: Sequence[list[int]], chunk: 
     return runs
 
 
-def route(gguf: Path, cuts: Sequence[int], total: int, cache: Path, seam: Seam | None = None) -> list[ShardBackend]:
+def route(
+    gguf: Path,
+    cuts: Sequence[int],
+    total: int,
+    cache: Path,
+    seam: Seam | None = None,
+    config: LlamaShardConfig = CONFIG,
+) -> list[ShardBackend]:
     bounds = [0, *cuts, total]
     shards: list[ShardBackend] = [
-        LlamaShard.from_model(gguf, f"{a}:{b}", cache_dir=cache, config=CONFIG) for a, b in itertools.pairwise(bounds)
+        LlamaShard.from_model(gguf, f"{a}:{b}", cache_dir=cache, config=config) for a, b in itertools.pairwise(bounds)
     ]
     if seam is not None:
         shards = [shards[0], *(_SeamShard(s, seam) for s in shards[1:])]  # type: ignore[misc]
@@ -90,8 +97,14 @@ def route(gguf: Path, cuts: Sequence[int], total: int, cache: Path, seam: Seam |
 
 
 def compare(
-    gguf: Path, cut_sets: Sequence[Sequence[int]], chunks: Sequence[int], cache: Path, seam: Seam | None = None
+    gguf: Path,
+    cut_sets: Sequence[Sequence[int]],
+    chunks: Sequence[int],
+    cache: Path,
+    seam: Seam | None = None,
+    config: LlamaShardConfig = CONFIG,
 ) -> list[Parity]:
+    """The whole GGUF (``CONFIG``) against routes of it cut at each of ``cut_sets`` (shards of ``config``)."""
     whole = LlamaShard(gguf, config=CONFIG)
     try:
         total = whole.info.layers.total
@@ -101,7 +114,7 @@ def compare(
         whole.close()
     results = []
     for cuts in cut_sets:
-        shards = route(gguf, cuts, total, cache, seam)
+        shards = route(gguf, cuts, total, cache, seam, config)
         try:
             for chunk in chunks:
                 got = greedy(shards, prompts, chunk)

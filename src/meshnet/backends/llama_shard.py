@@ -43,7 +43,8 @@ from meshnet.artifacts.shard_file import (
     read_shard_range,
     write_shard,
 )
-from meshnet.backends.ggml_layout import NAME_OFFSET, NE_OFFSET, check_tensor_layout, tensor_get, tensor_set
+from meshnet.backends.eval_capture import Capture, EvalCallback, make_capture
+from meshnet.backends.ggml_layout import check_tensor_layout
 from meshnet.backends.gpu import offload_numerics, require_offload
 from meshnet.backends.llama_vocab import LlamaVocab, model_meta
 from meshnet.backends.load_checks import BatchChecks, CheckCache, check_key
@@ -130,6 +131,9 @@ class LlamaShardConfig:
     # Layers offloaded to a GPU (backends.gpu): 0 computes on the CPU only, -1 every layer of the shard
     # file, N its last N (llama.cpp's n_gpu_layers, which counts the output layer as one).
     gpu_layers: int = 0
+    # The eval callback that copies the seam's rows out (backends.eval_capture): "auto" is the compiled
+    # one where meshnet's C extension is built, else the Python one.
+    eval_callback: EvalCallback = "auto"
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1 or self.n_ctx < self.max_sessions or self.n_batch < 1 or self.decode_batch < 1:
@@ -253,7 +257,7 @@ class LlamaShard(ShardBase[int]):
         self._seam_shape = (self._streams, self._n_embd) if self._streams > 1 else (self._n_embd,)
         self._width = self._streams * self._n_embd
         self._out = np.empty((n_batch, self._width), dtype=np.float32)
-        self._captured = 0
+        self._capture: Capture | None = None  # the eval callback's state (_create_context), if it needs one
         self._layer_output = seams.layer_output
         self._one_output_row = seams.rows_after_layers
         # Past the head, the graph's own input scale is undone by overwriting its product with the
@@ -265,7 +269,6 @@ class LlamaShard(ShardBase[int]):
         rescaled = rescaled or (seams.input_name if self._token_seam else None)  # at the head: before any scale
         self._overwrite = rescaled.encode() + b"\0" if rescaled else None
         self._pending: np.ndarray[Any, Any] | None = None  # the rows of the running chunk
-        self._overwritten = 0
         self._recurrent = seams.recurrent
         self._rollback = seams.rollback
         self._checkpoints: dict[int, tuple[int, bytes]] = {}  # seq -> (position, recurrent state there)
@@ -326,9 +329,13 @@ class LlamaShard(ShardBase[int]):
         # Compressor states (DeepSeek-V4) roll back from per-position snapshots kept this deep.
         cparams.n_rs_seq = self._rollback
         if not self._tail or self._overwrite is not None:
-            self._callback = ll.ggml_backend_sched_eval_callback(self._make_callback(last_layer))
-            cparams.cb_eval = self._callback
-            cparams.cb_eval_user_data = None
+            target = f"{self._layer_output}-{last_layer}".encode() + b"\0" if not self._tail else None
+            self._capture = make_capture(
+                ll, cfg.eval_callback, target=target, overwrite=self._overwrite, out=self._out, n_embd=self._n_embd,
+                row=self._width,
+            )  # fmt: skip
+            cparams.cb_eval = self._capture.callback
+            cparams.cb_eval_user_data = self._capture.user_data
         with suppress_stdout_stderr(disable=False):
             ctx = ll.llama_init_from_model(self._model, cparams)
         if ctx is None:
@@ -564,10 +571,14 @@ class LlamaShard(ShardBase[int]):
     def _decode(self, n: int) -> None:
         """``llama_decode`` of the filled batch of ``n`` rows, checked: the family's seam fix
         overwrote every row once, and a non-tail shard captured every row's hidden state."""
-        self._captured = self._overwritten = 0
+        capture = self._capture
+        if capture is not None:
+            capture.begin(self._pending)
         rc = int(self._ll.llama_decode(self._ctx, self._batch))
         pending, self._pending = self._pending, None
-        if self._overwrite is not None and rc == 0 and (pending is None or self._overwritten != pending.size):
+        captured = capture.captured if capture is not None else 0
+        overwritten = capture.overwritten if capture is not None else 0
+        if self._overwrite is not None and rc == 0 and (pending is None or overwritten != pending.size):
             raise EngineError(
                 f"the family's seam fix found no graph tensor {self._overwrite[:-1].decode()!r} "
                 "(another llama.cpp version?); refusing to compute a wrong seam"
@@ -576,8 +587,8 @@ class LlamaShard(ShardBase[int]):
             raise StoreFull("llama.cpp found no KV slot for this chunk; retry later", retry_after_s=5)
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc}")
-        if not self._tail and self._captured != n:
-            raise EngineError(f"captured {self._captured} hidden rows, expected {n}")
+        if not self._tail and captured != n:
+            raise EngineError(f"captured {captured} hidden rows, expected {n}")
 
     def _row_logits(self, row: int) -> F32:
         ptr = self._ll.llama_get_logits_ith(self._ctx, row)
@@ -615,44 +626,6 @@ class LlamaShard(ShardBase[int]):
             flags[n - 1] = 1
         else:
             flags[:] = 1  # every row is an output, or llama.cpp drops rows in the last layer
-
-    def _make_callback(self, last_layer: int) -> Any:
-        """The eval callback: copies the last layer's output out (non-tail shards) and overwrites the
-        family's rescaled input with the inbound rows (non-head shards of such a family)."""
-        target = f"{self._layer_output}-{last_layer}".encode() + b"\0" if not self._tail else None
-        overwrite = self._overwrite
-        # Runs for every node of every graph: read only as many name bytes as the longest target.
-        width = max(len(t) for t in (target, overwrite) if t is not None)
-        get, put = tensor_get(self._ll), tensor_set(self._ll)
-        out, n_embd, row = self._out, self._n_embd, self._width
-
-        def callback(tensor: int, ask: bool, _: Any) -> bool:
-            name = ctypes.string_at(tensor + NAME_OFFSET, width)
-            ours = target is not None and name.startswith(target)
-            rescaled = overwrite is not None and name.startswith(overwrite)
-            if not (ours or rescaled):
-                return not ask  # not ours: do not ask for it (and never abort a running graph)
-            if ask:
-                return True
-            ne = [ctypes.c_int64.from_address(tensor + NE_OFFSET + 8 * i).value for i in range(4)]
-            elements = ne[0] * ne[1] * ne[2] * ne[3]
-            # A batch of several sequences may run as several micro-batches, one graph each, in
-            # batch order: each takes the next rows of the inbound block / the next rows of ``out``.
-            if rescaled:
-                rows, done = self._pending, self._overwritten
-                if rows is None or ne[0] != n_embd or done + elements > rows.size:
-                    return False  # abort the graph: llama_decode fails, nothing wrong is computed
-                put(tensor, rows.ctypes.data + 4 * done, 0, elements * 4)
-                self._overwritten += elements
-                return True
-            at = self._captured * row
-            if ne[0] != n_embd or elements % row or at + elements > out.size:
-                return False
-            get(tensor, out.ctypes.data + 4 * at, 0, elements * 4)
-            self._captured += elements // row
-            return True
-
-        return callback
 
     # -- session state -----------------------------------------------------------------------
     def _new_state(self, sid: SessionId) -> int:
@@ -845,6 +818,12 @@ class LlamaShard(ShardBase[int]):
         d_state = self._int_meta(f"{arch}.ssm.state_size")
         groups = self._int_meta(f"{arch}.ssm.group_count")
         return ((d_conv - 1) * (d_inner + 2 * groups * d_state) + d_state * d_inner) * _STATE_BYTES
+
+    @property
+    def eval_callback(self) -> str | None:
+        """Which eval callback this shard's graph runs through: "compiled", "python", or None (a tail
+        that needs none)."""
+        return self._capture.kind if self._capture is not None else None
 
     def close(self) -> None:
         super().close()
