@@ -19,12 +19,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from meshnet.errors import EngineError
 
-__all__ = ["NAME_OFFSET", "NE_OFFSET", "check_tensor_layout", "tensor_get", "tensor_set"]
+__all__ = [
+    "NAME_OFFSET",
+    "NE_OFFSET",
+    "RowsToFloat",
+    "check_tensor_layout",
+    "rows_to_float",
+    "tensor_get",
+    "tensor_set",
+]
 
 NE_OFFSET = 16
 NAME_OFFSET = 256
@@ -105,3 +114,35 @@ def check_tensor_layout(llama_cpp: Any, *, ne_offset: int = NE_OFFSET, name_offs
 @functools.cache
 def _checked(llama_cpp: Any, ne_offset: int, name_offset: int) -> str | None:
     return _probe(llama_cpp, ne_offset, name_offset)
+
+
+class _TypeTraits(ctypes.Structure):
+    """``struct ggml_type_traits`` (ggml.h), as far as ``to_float``."""
+
+    _fields_ = [
+        ("type_name", ctypes.c_char_p),
+        ("blck_size", ctypes.c_int64),
+        ("blck_size_interleave", ctypes.c_int64),
+        ("type_size", ctypes.c_size_t),
+        ("is_quantized", ctypes.c_bool),
+        ("to_float", ctypes.c_void_p),
+    ]
+
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64)
+RowsToFloat = Callable[[bytes, int, int], None]  # (blocks, float* out, elements)
+
+
+@functools.cache
+def rows_to_float(llama_cpp: Any, ggml_type: int, name: str, block: tuple[int, int]) -> RowsToFloat | None:
+    """ggml's own ``to_float`` of a tensor type (``void(const void *, float *, int64_t)``): what llama.cpp's
+    CPU ``get_rows`` dequantizes a token embedding with, ~10 µs a row where gguf-py's NumPy takes 50-150.
+    None where ggml has none (f32) or where its traits do not describe the type as gguf-py does (``name``,
+    ``block``: elements and bytes per block) — another ggml, whose struct the caller must not trust."""
+    lib = _base(llama_cpp)
+    lib.ggml_get_type_traits.argtypes, lib.ggml_get_type_traits.restype = [ctypes.c_int], ctypes.POINTER(_TypeTraits)
+    traits = lib.ggml_get_type_traits(ggml_type).contents
+    described = ((traits.type_name or b"").decode(errors="replace").lower(), traits.blck_size, traits.type_size)
+    if not traits.to_float or described != (name.lower(), *block):  # ggml says "q4_K", gguf-py "Q4_K"
+        return None
+    return _TO_FLOAT(traits.to_float)
