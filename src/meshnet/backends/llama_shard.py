@@ -129,6 +129,24 @@ class HeadEmbeddings:
 
 
 @dataclass(frozen=True, slots=True)
+class _BatchViews:
+    """NumPy views of a ``llama_batch``'s per-row arrays, made once: ``np.ctypeslib.as_array`` builds a
+    ctypes array type at each call, four times a decode step. Valid until ``llama_batch_free``."""
+
+    token: np.ndarray[Any, np.dtype[np.int32]] | None  # None: a batch of embeddings
+    pos: np.ndarray[Any, np.dtype[np.int32]]
+    n_seq_id: np.ndarray[Any, np.dtype[np.int32]]
+    logits: np.ndarray[Any, np.dtype[np.int8]]
+
+    @classmethod
+    def of(cls, batch: Any, rows: int, by_token: bool) -> _BatchViews:
+        def view(pointer: Any) -> Any:
+            return np.ctypeslib.as_array(pointer, shape=(rows,))
+
+        return cls(view(batch.token) if by_token else None, view(batch.pos), view(batch.n_seq_id), view(batch.logits))
+
+
+@dataclass(frozen=True, slots=True)
 class LlamaShardConfig:
     """``n_ctx`` KV cells in all, split evenly between ``max_sessions`` sessions."""
 
@@ -207,6 +225,7 @@ class LlamaShard(ShardBase[int]):
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         by_token = self._token_input or self._token_seam
         self._batch = llama_cpp.llama_batch_init(cfg.n_batch, 0 if by_token else self._width, 1)
+        self._views = _BatchViews.of(self._batch, cfg.n_batch, by_token)
         # A heap: a new session takes the lowest free sequence id, so concurrent sessions hold
         # runs of consecutive ids, which llama.cpp batches as one micro-batch (_forward_many).
         self._free_seqs = list(range(cfg.max_sessions))
@@ -613,12 +632,12 @@ class LlamaShard(ShardBase[int]):
         self, seqs: Sequence[int], positions: I32, *, tokens: I32 | None, hidden: F32 | None, last_only: bool
     ) -> None:
         """Fill the batch with one row per position: row ``i`` is ``positions[i]`` of sequence ``seqs[i]``."""
-        batch = self._batch
+        batch, views = self._batch, self._views
         n = len(seqs)
         batch.n_tokens = n
         if self._token_input:
-            assert tokens is not None
-            np.ctypeslib.as_array(batch.token, shape=(n,))[:] = tokens
+            assert tokens is not None and views.token is not None
+            views.token[:n] = tokens
         else:
             if hidden is None:  # a head that looks its embeddings up itself (row by row: any slicing agrees)
                 assert tokens is not None and self._embed is not None
@@ -628,14 +647,15 @@ class LlamaShard(ShardBase[int]):
             block = np.ascontiguousarray(hidden, dtype=np.float32)
             self._pending = block
             if self._token_seam:  # any valid id: the callback overwrites the looked-up rows
-                np.ctypeslib.as_array(batch.token, shape=(n,))[:] = 0
+                assert views.token is not None
+                views.token[:n] = 0
             else:
                 ctypes.memmove(batch.embd, block.ctypes.data, block.nbytes)
-        np.ctypeslib.as_array(batch.pos, shape=(n,))[:] = positions
-        np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
+        views.pos[:n] = positions
+        views.n_seq_id[:n] = 1
         for i, seq in enumerate(seqs):
             batch.seq_id[i][0] = seq
-        flags = np.ctypeslib.as_array(batch.logits, shape=(n,))
+        flags = views.logits[:n]
         if last_only:
             flags[:] = 0
             flags[n - 1] = 1
