@@ -6,7 +6,7 @@
  * layer's output (copied out: what crosses the seam to the next hop) and, for some families, the
  * graph's rescaled input (overwritten with the inbound rows). As a Python ctypes callback each ask
  * costs a trip into the interpreter: ~330 of them a step on 10 layers of the bundled model,
- * ~0.6 ms of a ~4.9 ms decode step on a 2-core CPU VM (bench shards). Here they cost nothing.
+ * 0.3-0.7 ms of a ~4.9 ms decode step on a 2-core CPU VM (bench shards). Here they cost nothing.
  *
  * The module holds no Python state and exports two things: EVAL, the address of meshnet_eval (the
  * callback itself, a ggml_backend_sched_eval_callback), and STATE_LAYOUT, the size and two offsets

@@ -11,7 +11,7 @@ Two implementations behave alike, decision for decision:
 - ``CompiledCapture``: the callback is C (``meshnet.backends._capture``, built when meshnet is
   installed: ``make install``); llama.cpp never enters Python during a decode.
 - ``PythonCapture``: a ctypes callback. Every ask is a trip into the interpreter: ~330 a step on 10
-  layers of the bundled model, ~0.6 ms of a ~4.9 ms decode step on a 2-core CPU VM (``bench
+  layers of the bundled model, 0.3-0.7 ms of a ~4.9 ms decode step on a 2-core CPU VM (``bench
   shards``). Used where the extension is not built (a source tree on ``PYTHONPATH``, a machine
   without a C compiler), with a warning saying so.
 
