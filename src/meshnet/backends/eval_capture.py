@@ -21,6 +21,7 @@ lock): ``begin`` before each decode, ``captured`` / ``overwritten`` after it.
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import functools
 import logging
@@ -82,25 +83,27 @@ def compiled_available() -> bool:
     return _compiled_eval()[0] is not None
 
 
-class Capture:
+class Capture(abc.ABC):
     """One shard's eval callback and what it did in the last ``llama_decode``."""
 
     kind: str
     callback: Any  # a ctypes ggml_backend_sched_eval_callback: cparams.cb_eval
     user_data: int | None  # cparams.cb_eval_user_data
 
+    @abc.abstractmethod
     def begin(self, rows: F32 | None) -> None:
         """Before a decode: zero the counters; ``rows`` are the chunk's inbound rows (overwrite), kept alive
         by the caller until the decode returns."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def captured(self) -> int:
-        raise NotImplementedError
+        """Rows copied out by the last decode."""
 
     @property
+    @abc.abstractmethod
     def overwritten(self) -> int:
-        raise NotImplementedError
+        """Floats overwritten by the last decode."""
 
 
 class CompiledCapture(Capture):
