@@ -374,8 +374,8 @@ def test_the_tails_answer_waits_for_the_other_hops_entries_and_takes_them_first_
 
 def test_a_hop_that_withholds_its_entry_is_named_when_it_closes_or_at_the_deadline() -> None:
     """Once the tail has answered, the step waits only for the entries still missing: a hop whose
-    channel closes without having sent its entry is named at once (one that sent it is no concern
-    of this step), and at the deadline the first hop whose entry is missing is named."""
+    channel closes without having sent its entry is named at once (one that sent it, or the tail,
+    is no concern of this step), and at the deadline the first hop whose entry is missing is named."""
     route = ["http://a", "http://b", "http://c"]
     tail = {"token": 5, "logprob": -0.1, "position": 4, "hops": [TAIL_ENTRY]}
 
@@ -394,6 +394,7 @@ def test_a_hop_that_withholds_its_entry_is_named_when_it_closes_or_at_the_deadli
         task, seq = await step(10.0)
         channels.deliver(_entry_report(route[0], "s", seq))
         channels.lost(channels._open[route[0]], "gone")  # its entry is in: this step does not mind
+        channels.lost(channels._open[route[2]], "gone")  # the tail has answered: nor does it mind the tail's
         await asyncio.sleep(0.05)
         assert not task.done()
         channels.lost(channels._open[route[1]], "gone")

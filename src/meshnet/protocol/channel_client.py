@@ -363,14 +363,15 @@ class Channels:
     def _report(self, waiter: StepSlot, item: _Report | _Closed) -> None:
         """A frame (or a lost channel) for a waiting step: it settles the step, unless it is a closed
         channel past the head, which counts only once the hop before it has computed the step, or
-        the channel of a hop whose entry is in while the tail's answer waits for another's."""
+        the channel of the tail or of a hop whose entry is in while the tail's answer waits for another's."""
         if waiter.answer.done():
             return
         if isinstance(item, _Report) and item.frame.kind is Kind.ENTRY:
             self._entry(waiter, item)
             return
         if isinstance(item, _Closed) and waiter.pending is not None:
-            if item.url not in waiter.entries:  # it computed the step and closed before it sent its entry
+            # only a hop before the tail that has not sent its entry matters now: the tail has answered
+            if item.url in waiter.urls[:-1] and item.url not in waiter.entries:
                 cause = f"its decode channel closed ({item.reason}) before it sent its entry for step {waiter.seq}"
                 self._settle(waiter, HopFailed(f"node {item.url} failed: {cause}", failed_hop=item.url))
             return
