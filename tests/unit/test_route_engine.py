@@ -25,7 +25,7 @@ from starlette.testclient import TestClient
 
 from meshnet.backends.base import EngineStep, ModelInfo, PrefillProgress, RouteChange, Stop, TokenStep
 from meshnet.backends.fake_shard import TOTAL, VOCAB, MixShard
-from meshnet.errors import BadGateway, Conflict, Forbidden, InvalidRequest, Overloaded, SessionNotFound
+from meshnet.errors import BadGateway, Conflict, Forbidden, HopFailed, InvalidRequest, Overloaded, SessionNotFound
 from meshnet.gateway.billing_outbox import BillingOutbox
 from meshnet.gateway.route_engine import RouteEngine
 from meshnet.gateway.speculative import WalkCosts
@@ -750,6 +750,48 @@ def test_the_tail_sends_the_relayed_step_before_it_works_out_and_signs_its_answe
     for at in positions:  # the step's time on the tail ends where its next step left: counted there
         sent = events.index(("relayed", at))
         assert events[sent + 1] == ("left", -1) and sent + 1 < events.index(("signed", at)), events
+
+
+def test_a_channel_step_goes_on_before_its_hop_records_it_and_a_failed_send_still_records_it(
+    tmp_path: Path,
+) -> None:
+    """Over the decode channel a hop records a step (its ledger, its seam log) and makes its entry
+    only once the step has gone on — to the next hop, or from the tail the relayed step after it —
+    and a step whose send fails is recorded all the same: the route repairs around the failed link,
+    every entry the gateway checks still describes what the hop computed, and the text is the same."""
+    expected = reference(tmp_path, 12)
+    held_at_send: list[tuple[str, int, int]] = []  # (node, the step's start, what its ledger held then)
+    swarm = LocalSwarm(tmp_path / "late-record", channels=True)
+    try:
+
+        async def run() -> list[int]:
+            await swarm.layout(("b2", "4:8"))  # the spare that takes over from b
+            for node_id in ("a", "b", "b2", "c"):
+                service = swarm.nodes[node_id]
+                send = service.channel_send
+                assert send is not None
+
+                def watching(service: NodeService = service, send: Any = send, node_id: str = node_id) -> Any:
+                    async def sending(hop: str, request: Any, direct: Any, timeout: float) -> None:
+                        held = service._existing(request.session).ledger.describe()["held"]
+                        start = request.start - (node_id == "c")  # the tail relays the step after its own
+                        held_at_send.append((node_id, start, int(held)))
+                        if node_id == "a" and start == len(PROMPT) + 5:
+                            raise HopFailed("the link to the next hop broke", failed_hop=hop)
+                        await send(hop, request, direct, timeout)
+
+                    return sending
+
+                service.channel_send = watching()
+            return (await generate(swarm.engine(), 12))[0]
+
+        tokens = swarm.run(run)
+    finally:
+        swarm.close()
+    assert tokens == expected
+    decode = [(node, start, held) for node, start, held in held_at_send if start >= len(PROMPT)]
+    assert {node for node, _, _ in decode} >= {"a", "b", "c"}
+    assert all(held == start for _, start, held in decode), decode  # not yet recorded when it went
 
 
 def test_a_route_where_drafts_do_not_pay_relays_its_steps_and_still_re_probes(

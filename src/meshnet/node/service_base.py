@@ -41,7 +41,7 @@ from meshnet.protocol.wire import TensorFrame, frame_values
 from meshnet.routes import hop_timeout_s
 from meshnet.session.store import Session
 
-__all__ = ["ChannelSend", "NodeConfig", "ServiceBase"]
+__all__ = ["ChannelSend", "NodeConfig", "Recorded", "ServiceBase"]
 
 T = TypeVar("T")
 
@@ -82,6 +82,23 @@ class NodeConfig:
     hop_key: HopKey = field(default_factory=HopKey.generate)
     # An auditor (``--auditor``, node.audit): re-executes audited sessions' hops, is never on a route.
     auditor: bool = False
+
+
+class Recorded:
+    """A computed request's record in its session's ledger and seam log, made on the first call (the
+    caller makes it once the request has gone on, where that comes first, and in any case before
+    the request ends); every call returns this hop's entry for it."""
+
+    __slots__ = ("_entry", "_record")
+
+    def __init__(self, record: Callable[[], HopEntry]) -> None:
+        self._record = record
+        self._entry: HopEntry | None = None
+
+    def __call__(self) -> HopEntry:
+        if self._entry is None:
+            self._entry = self._record()
+        return self._entry
 
 
 class ServiceBase:

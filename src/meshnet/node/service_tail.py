@@ -17,12 +17,12 @@ import numpy as np
 
 from meshnet.errors import HopFailed, MeshnetError
 from meshnet.node.sampling_lane import SamplingTooSlow
+from meshnet.node.service_base import Recorded
 from meshnet.node.service_repair import RepairParts
 from meshnet.node.session import NodeSession
 from meshnet.protocol.channel import Direct
 from meshnet.protocol.messages import (
     HopAnswer,
-    HopEntry,
     HopRequest,
     Sampled,
     TokenAnswer,
@@ -42,17 +42,17 @@ class TailParts(RepairParts):
     """The tail's answer to a final chunk."""
 
     async def _sampled(
-        self, s: NodeSession, request: HopRequest, logits: np.ndarray, me: HopEntry, *, direct: Direct | None,
-        began: float,
+        self, s: NodeSession, request: HopRequest, logits: np.ndarray, entry: Recorded, compute_ms: float, *,
+        direct: Direct | None, began: float,
     ) -> Sampled:  # fmt: skip
         """The tail's answer: the token after the chunk; for a verify chunk, the drafts it keeps and one
         token of its own (``Sampler.verify``), with the rejected drafts' positions dropped first. Its
-        entry (``me``) says what it held before: after a ``direct`` verify chunk, the hops before
-        it drop the rejected drafts only when the next step tells them (``rewind``), so every
-        entry of the answer describes the whole chunk. After a ``direct`` plain step the step
-        after its token leaves for the head (``_relay_next``) before the answer is worked out: the
-        step's time on this hop (``began``: its arrival) ends there, and the rest is the next token's
-        time beside the head's compute."""
+        entry (``entry``: the chunk recorded, on the first call) says what it held before: after a
+        ``direct`` verify chunk, the hops before it drop the rejected drafts only when the next step
+        tells them (``rewind``), so every entry of the answer describes the whole chunk. After a
+        ``direct`` plain step the step after its token leaves for the head (``_relay_next``) before
+        the step is recorded and the answer worked out: the step's time on this hop (``began``: its
+        arrival) ends there, and the rest is the next token's time beside the head's compute."""
         assert s.sampler is not None
         sampler, start, n, drafts = s.sampler, request.start, request.n, request.drafts
         history = s.ids_seen[sampler.params.generated_from : start + n - len(drafts)] if s.carry_ids else None
@@ -72,13 +72,15 @@ class TailParts(RepairParts):
             s.sampled = (position, token)
             relayed = direct is not None and await self._relay_next(s, direct, position, token)
             if relayed:
-                self._handed_on(request, began, me.compute_ms)
+                self._handed_on(request, began, compute_ms)
+            me = entry()
             logprob, draw = chosen.finish()
             top = sampler.alternatives(logits) if sampler.params.top_logprobs else None
             answer = TokenAnswer((me,), position=position, token=token, logprob=logprob, top=top, draw=draw)
             if not relayed:
-                self._handed_on(request, began, me.compute_ms)
+                self._handed_on(request, began, compute_ms)
             return self.config.hop_key.sign_answer(s.session, answer)  # the tail vouches for its token and draw
+        me = entry()
         tokens, logprobs, tops = list(chosen.tokens), list(chosen.logprobs), chosen.tops
         kept = start + len(tokens)
         await self.rewind(s, kept)
@@ -89,7 +91,7 @@ class TailParts(RepairParts):
             drafted=len(drafts), accepted=len(tokens) - 1,
         )  # fmt: skip
         s.sampled = (kept, tokens[-1])
-        self._handed_on(request, began, me.compute_ms)
+        self._handed_on(request, began, compute_ms)
         return self.config.hop_key.sign_answer(s.session, verified)
 
     async def _relay_next(self, s: NodeSession, direct: Direct, position: int, token: int) -> bool:
