@@ -26,8 +26,7 @@ from meshnet.artifacts.bundled import bundled_gguf
 from meshnet.artifacts.gguf_header import read_header
 from meshnet.ids import SessionId
 from meshnet.layers import LayerRange
-from meshnet.protocol.channel import Fields, decode_frame, read_step, step_frame_of
-from meshnet.protocol.http_binding import decode_request
+from meshnet.protocol.channel import decode_frame, read_step, step_frame
 from meshnet.protocol.messages import HopEntry, HopRequest, Payload, TokenAnswer, Verb, answer_from_json
 from meshnet.protocol.signing import HopKey, check_signatures
 from meshnet.protocol.wire import encode_tensor
@@ -120,20 +119,19 @@ def _signing_ms(hops: int, repeats: int = 2000) -> float:
 
 
 def _cold_parse_us(repeats: int = 200) -> tuple[float, float, float]:
-    """A middle hop's reading of a decode step's ``STEP`` frame (frame, fields, request), in µs: in a
+    """A middle hop's reading of a decode step's ``STEP`` frame (frame, header, request), in µs: in a
     warm loop, right after streaming 64 MiB through the caches (as a shard call does: the bundled
     model's 10 layers are ~25 MiB of weights), and after 10 ms asleep (the hop between two steps)."""
     values = np.zeros((1, 1, 576), dtype=np.float32)
     request = HopRequest(Verb.DECODE, SessionId("ses-93d3d8237cecfc0f239081fb"), 40, 1,
                          Payload(encode_tensor(values, "float32")), model="SmolLM2-135M-Instruct.Q4_1",
                          route_id="rte-deadb9cba43845c8bf5f1021")  # fmt: skip
-    data = step_frame_of(request, 7, ["H9BDZ4L3einVFBHU0dpexA"])
+    data = step_frame(request, 7, ["H9BDZ4L3einVFBHU0dpexA"])
     flood = np.ones(64 << 20, dtype=np.uint8)
 
     def read() -> float:
         began = time.perf_counter()
-        step = read_step(decode_frame(data))
-        decode_request(Verb.DECODE, SessionId(step.session), Fields(step.headers), step.body, max_body_bytes=1 << 26)
+        read_step(decode_frame(data)).request(1 << 26)
         return 1e6 * (time.perf_counter() - began)
 
     warm = [read() for _ in range(repeats)]
@@ -319,8 +317,10 @@ def run() -> Section:
         "layers' weights through every cache level, and between two steps the hop sleeps while the others compute "
         "(on this VM a vCPU that sleeps 10 ms loses its caches too): the row 'a hop reading a STEP frame' measures "
         "the same code warm and cold. So what a hop saves is code and data it does not touch per step: over the "
-        "decode channel a hop before the tail signs its entry (an Ed25519 signature and its JSON, ~0.2 ms cold) only "
-        "once the step has gone on, and sends it to the gateway itself (ENTRY frames, docs/protocol.md)."
+        "decode channel a hop before the tail records the step (its ledger and seam log, ~0.05 ms cold) and signs "
+        "its entry (an Ed25519 signature and its JSON, ~0.2 ms cold) only once the step has gone on, and sends it "
+        "to the gateway itself (ENTRY frames, docs/protocol.md); the tail records its step once the step after it "
+        "is relayed."
     )
     section.notes.append(
         "Seam bytes: activation body bytes each node sent onward per decode step (its Prometheus counter); "

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from meshnet.ids import SessionId
-from meshnet.protocol.channel import Kind, decode_frame, encode_frame
-from meshnet.protocol.http_binding import encode_request, encode_reroute, encode_step
+from meshnet.protocol.channel import Kind, decode_frame, step_frame
+from meshnet.protocol.http_binding import encode_request, encode_reroute
 from meshnet.protocol.messages import HopRequest, Payload, RerouteRequest, Verb
 from meshnet.protocol.wire import encode_tensor
 from meshnet.security.tls import Credentials
@@ -177,10 +177,8 @@ def test_no_other_member_appends_a_step_to_a_live_session_or_rewinds_it(scene: S
     with open_channel(scene.head, ssl=credentials.client_context(), open_timeout_s=30, compression=None,
                       close_timeout=5) as channel:  # fmt: skip
         hello = decode_frame(bytes(channel.recv(timeout=10, decode=False)))
-        headers, body = encode_step(_session_request(victim, Verb.DECODE, position, [99], rewind=True))
-        header = {"session": victim["session_id"], "seq": 0, "verb": "decode-step", "headers": headers,
-                  "returns": [hello.header["channel"]]}  # fmt: skip
-        channel.send(encode_frame(Kind.STEP, header, body))
+        rewinding = _session_request(victim, Verb.DECODE, position, [99], rewind=True)
+        channel.send(step_frame(rewinding, 0, [hello.header["channel"]]))
         answer = decode_frame(bytes(channel.recv(timeout=30, decode=False)))
         assert answer.kind is Kind.ERROR and answer.header["status"] == 403, answer.header
     with member_client(scene.swarm.member("gw")) as gw:

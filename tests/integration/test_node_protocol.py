@@ -11,7 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
-from meshnet.protocol.channel import Kind, decode_frame, encode_frame
+from meshnet.ids import SessionId
+from meshnet.protocol.channel import Kind, decode_frame, step_frame
+from meshnet.protocol.messages import HopRequest, Payload, Verb
 from meshnet.protocol.wire import encode_tensor, format_shape
 from tests.procs import Proc, meshnet_process
 from tests.ws import open_channel
@@ -372,11 +374,10 @@ def test_decode_steps_over_the_channel_match_http_and_a_bad_frame_hurts_no_sessi
         ]
 
         def step(seq: int, position: int, values: np.ndarray) -> bytes:
-            frame = encode_tensor(values, "float32")
-            headers = {"X-Meshnet-Model": MODEL, "X-Meshnet-Route-Id": "rte-test", "X-Meshnet-Position": str(position),
-                       "X-Meshnet-Shape": format_shape(frame.shape), "X-Meshnet-Dtype": "float32"}  # fmt: skip
-            header = {"session": "ses-chan", "seq": seq, "verb": "decode-step", "headers": headers, "returns": returns}
-            return encode_frame(Kind.STEP, header, frame.body)
+            payload = Payload(encode_tensor(values, "float32"))
+            request = HopRequest(Verb.DECODE, SessionId("ses-chan"), position, 1, payload, model=MODEL,
+                                 route_id="rte-test")  # fmt: skip
+            return step_frame(request, seq, returns)
 
         for n in range(4):
             if n == 2:  # garbage, then a step with a wrong shape: errors for that step only

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -39,7 +39,7 @@ from meshnet.node.placement import AutoPlacement
 from meshnet.node.service import ChannelSend, NodeConfig, NodeService
 from meshnet.protocol import headers as H
 from meshnet.protocol import http_binding
-from meshnet.protocol.channel import CHANNEL_PATH, Credit, Direct, step_frame_of
+from meshnet.protocol.channel import CHANNEL_PATH, Credit, Direct, step_frame
 from meshnet.protocol.hops import HttpTransport
 from meshnet.protocol.ledger import format_chunks
 from meshnet.protocol.messages import HopEntry, HopRequest, Verb
@@ -170,7 +170,7 @@ async def _release(node: NodeService, shard: ShardBackend) -> None:
 def _channel_sender(dialer: channel.Dialer) -> ChannelSend:
     async def send(hop: str, request: HopRequest, direct: Direct, timeout_s: float) -> None:
         """Pass a decode-channel step on to the next hop over its channel, without waiting for anything."""
-        await dialer.send(hop, step_frame_of(request, direct.seq, direct.returns), timeout_s)
+        await dialer.send(hop, step_frame(request, direct.seq, direct.returns), timeout_s)
 
     return send
 
@@ -182,16 +182,12 @@ def _channel_endpoint(node: NodeService, peers: dict[str, channel.Peer]) -> Any:
     async def decode_channel(websocket: WebSocket) -> None:
         caller = _caller(websocket.scope, config)
 
-        async def on_step(
-            sid: SessionId, headers: Mapping[str, str], body: bytes, verify: bool, direct: Direct
-        ) -> tuple[dict[str, Any], int | None] | HopEntry:
+        async def on_step(hop: HopRequest, direct: Direct) -> tuple[dict[str, Any], int | None] | HopEntry:
             node.metrics.channel_steps.inc()
-            verb = Verb.VERIFY if verify else Verb.DECODE
-            hop = http_binding.decode_request(verb, sid, headers, body, max_body_bytes=config.max_body_bytes)
             answer = await node.handle(hop, direct, caller=caller)
             if not node.info.layers.is_tail:  # the step went on: this hop's entry goes to the gateway
                 return answer.hops[0]
-            return answer.to_json(), await node.relay(sid, direct, answer)  # the relayed step leaves first
+            return answer.to_json(), await node.relay(hop.session, direct, answer)  # the relayed step leaves first
 
         def on_credit(credit: Credit) -> None:
             node.take_credit(credit, caller)

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import secrets
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -32,15 +32,13 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 from websockets.protocol import State
 
-from meshnet.errors import HopFailed, InvalidRequest, MeshnetError, PayloadTooLarge
-from meshnet.ids import SessionId
+from meshnet.errors import HopFailed, InvalidRequest, MeshnetError
 from meshnet.protocol.channel import (
     MAX_HEADER_BYTES,
     VERSION,
     ChannelFrame,
     Credit,
     Direct,
-    Fields,
     InOrder,
     Kind,
     decode_frame,
@@ -53,7 +51,7 @@ from meshnet.protocol.channel import (
     token_frame,
     ws_url,
 )
-from meshnet.protocol.messages import HopEntry
+from meshnet.protocol.messages import HopEntry, HopRequest
 
 __all__ = ["CreditHandler", "Dialer", "Direct", "Peer", "StepHandler", "serve"]
 
@@ -63,10 +61,10 @@ _HELLO_TIMEOUT_S = 5.0
 _FRAME_OVERHEAD = 14  # a WebSocket frame's header, at most, masking key included
 
 
-# (session, headers, body, verify, direct) -> the tail's answer and the step it relayed after it
-# (None: it relayed none), a hop's own entry for the gateway (a hop before the tail), or None
+# (request, direct) -> the tail's answer and the step it relayed after it (None: it relayed none), a
+# hop's own entry for the gateway (a hop before the tail), or None
 StepHandler = Callable[
-    [SessionId, Mapping[str, str], bytes, bool, Direct],
+    [HopRequest, Direct],
     Awaitable[tuple[dict[str, Any], int | None] | HopEntry | None],
 ]
 CreditHandler = Callable[[Credit], None]  # raises MeshnetError to refuse it
@@ -152,10 +150,7 @@ async def _one_step(
         session, seq = step_ids(frame)  # first: an error about the rest still names the step
         step = read_step(frame)
         reply = peers.get(step.returns[0], peer)
-        if len(step.body) > max_body:
-            raise PayloadTooLarge(f"step body of {len(step.body)} bytes exceeds this node's limit of {max_body} bytes")
-        direct = Direct(step.seq, step.returns)
-        answered = await on_step(SessionId(step.session), Fields(step.headers), step.body, step.verify, direct)
+        answered = await on_step(step.request(max_body), Direct(step.seq, step.returns))
         if isinstance(answered, HopEntry):
             await reply.send(entry_frame(step.session, step.seq, answered))
         elif answered is not None:

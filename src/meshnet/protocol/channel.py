@@ -3,17 +3,21 @@ routes, and between neighbouring hops (docs/protocol.md, "Decode channel").
 
 Every WebSocket *binary* message is one frame::
 
-    b"MN" | version u8 (2) | kind u8 | header length u32 little-endian | header (UTF-8 JSON) | body
+    b"MN" | version u8 (3) | kind u8 | header length u32 little-endian | header | body
 
-The header is small (a session id, a step number and the same ``X-Meshnet-*`` fields a
-``decode-step`` request carries); the body is the raw tensor, exactly the bytes the HTTP binding
-sends, so nothing large is ever parsed as JSON. Kinds:
+The header is small: binary for a ``STEP`` (``step_frame``: the step a ``decode-step`` or
+``verify`` request would carry, field by field, read back by ``read_step`` with the checks the HTTP
+binding makes — a decode step's header is read and written on every hop of every token, and JSON
+of ``X-Meshnet-*`` strings cost a hop ~0.1 ms of it with the caches cold after the compute), UTF-8
+JSON for every other kind. The body is the raw tensor, exactly the bytes the HTTP binding sends, so
+nothing large is ever parsed. Kinds:
 
-- ``HELLO`` (server → dialer, once, first): ``{"channel": id, "node": node_id, "version": 2}``.
+- ``HELLO`` (server → dialer, once, first): ``{"channel": id, "node": node_id, "version": 3}``.
   The id names this connection as a return address.
-- ``STEP`` (gateway → head, hop → next hop): ``{"session", "seq", "verb": "decode-step"|"verify",
-  "headers": {X-Meshnet-*: str}, "returns": [channel id per hop from the receiver on]}`` + the
-  step's body.
+- ``STEP`` (gateway → head, hop → next hop): the session, the step's number (``seq``), the return
+  ids (the channel id of each hop from the receiver on) and the request — verify or not, its
+  position, drafts, guess, rewind, model, route id, ticket, sampling, next hops, the tensor's dtype
+  and shape (docs/protocol.md has the layout) — + the step's body.
 - ``ENTRY`` (a hop before the tail → gateway, on the gateway's own channel to that hop):
   ``{"session", "seq", "entry": {...}}`` — the hop's signed entry for the step, sent once the step
   has gone on: its signature is off the token's path through the route.
@@ -35,15 +39,16 @@ import asyncio
 import functools
 import json
 import struct
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Generic, TypeGuard, TypeVar
 
-from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.errors import InvalidRequest, MeshnetError, PayloadTooLarge, SeamMismatch
 from meshnet.httputil import error_body
-from meshnet.protocol import http_binding
-from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, answer_from_json
+from meshnet.ids import SessionId
+from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, Payload, Verb, answer_from_json
+from meshnet.protocol.wire import DTYPES, frame_of
 
 K = TypeVar("K")
 
@@ -54,7 +59,6 @@ __all__ = [
     "ChannelFrame",
     "Credit",
     "Direct",
-    "Fields",
     "InOrder",
     "Kind",
     "Step",
@@ -69,7 +73,6 @@ __all__ = [
     "read_token",
     "relayed_of",
     "step_frame",
-    "step_frame_of",
     "step_ids",
     "token_frame",
     "ws_url",
@@ -77,10 +80,9 @@ __all__ = [
 
 CHANNEL_PATH = "/v1/channel"
 MAGIC = b"MN"
-VERSION = 2  # 2: the hops before the tail send their entries to the gateway (ENTRY)
+VERSION = 3  # 2: the hops before the tail send their entries to the gateway (ENTRY); 3: binary STEP headers
 MAX_HEADER_BYTES = 1 << 20
 _PREFIX = struct.Struct("<2sBBI")
-STEP_VERBS = {"decode-step": False, "verify": True}  # a STEP frame's verb -> is a verify chunk
 MAX_SESSION_ID = 128
 
 
@@ -95,44 +97,17 @@ class Kind(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class ChannelFrame:
+    """A frame: its JSON header (``{}`` for a ``STEP``, whose binary header is ``raw``) and body."""
+
     kind: Kind
     header: dict[str, Any]
     body: bytes = b""
+    raw: bytes = b""
 
 
 def encode_frame(kind: Kind, header: dict[str, Any], body: bytes = b"") -> bytes:
     raw = json.dumps(header, separators=(",", ":")).encode()
     return _PREFIX.pack(MAGIC, VERSION, int(kind), len(raw)) + raw + body
-
-
-class Fields(Mapping[str, str]):
-    """A ``STEP`` frame's ``X-Meshnet-*`` fields, looked up without regard to case as HTTP headers are
-    (the first of names that differ only in case wins, as in Starlette's ``Headers``). A dict of the
-    lowered names: ``Headers`` scans its whole list at every lookup, and reading a step takes about
-    twenty."""
-
-    __slots__ = ("_fields",)
-
-    def __init__(self, raw: Mapping[str, str]) -> None:
-        fields: dict[str, str] = {}
-        for name, value in raw.items():
-            fields.setdefault(name.lower(), value)
-        self._fields = fields
-
-    def __getitem__(self, name: str) -> str:
-        return self._fields[name.lower()]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self._fields.get(name.lower(), default)
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._fields
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._fields)
-
-    def __len__(self) -> int:
-        return len(self._fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +160,9 @@ def decode_frame(data: bytes) -> ChannelFrame:
         raise InvalidRequest(f"unknown channel frame kind {kind}")
     if size > MAX_HEADER_BYTES or _PREFIX.size + size > len(data):
         raise InvalidRequest(f"channel frame header of {size} bytes does not fit the {len(data)}-byte frame")
+    if kind == Kind.STEP:  # a binary header, read by read_step
+        end = _PREFIX.size + size
+        return ChannelFrame(Kind.STEP, {}, bytes(data[end:]), bytes(data[_PREFIX.size : end]))
     try:
         header = json.loads(data[_PREFIX.size : _PREFIX.size + size])
     except (ValueError, UnicodeDecodeError) as exc:
@@ -194,59 +172,172 @@ def decode_frame(data: bytes) -> ChannelFrame:
     return ChannelFrame(Kind(kind), header, bytes(data[_PREFIX.size + size :]))
 
 
-@dataclass(frozen=True, slots=True)
 class Step:
-    """A ``STEP`` frame, read and checked: the session, the step's number, whether it is a verify
-    chunk, its ``X-Meshnet-*`` fields, the return ids of the receiving hop and every hop after it,
-    and the body (the tensor, as the HTTP binding sends it)."""
+    """A ``STEP`` frame whose header was read and checked (``read_step``): the session, the step's
+    number, the return ids of the receiving hop and every hop after it; ``request`` checks the body
+    and gives the request (a decode step or a verify chunk)."""
 
-    session: str
-    seq: int
-    verify: bool
-    headers: dict[str, str]
-    returns: tuple[str, ...]
-    body: bytes
+    __slots__ = ("_build", "returns", "seq", "session")
 
+    def __init__(
+        self, session: str, seq: int, returns: tuple[str, ...], build: Callable[[int], HopRequest]
+    ) -> None:  # fmt: skip
+        self.session, self.seq, self.returns, self._build = session, seq, returns, build
 
-def step_frame(
-    session: str, seq: int, *, verb: str, headers: dict[str, str], body: bytes, returns: Sequence[str]
-) -> bytes:
-    """A ``STEP`` frame: from the gateway to the head, or from a hop to the next."""
-    header = {"session": session, "seq": seq, "verb": verb, "headers": headers, "returns": list(returns)}
-    return encode_frame(Kind.STEP, header, body)
+    def request(self, max_body_bytes: int) -> HopRequest:
+        """The request, its body checked against its shape and dtype and against ``max_body_bytes``."""
+        return self._build(max_body_bytes)
 
 
-def step_frame_of(request: HopRequest, seq: int, returns: Sequence[str]) -> bytes:
-    """``request`` (a decode step or verify chunk) as a ``STEP`` frame: its HTTP binding's fields and body."""
-    headers, body = http_binding.encode_step(request)
-    return step_frame(request.session, seq, verb=str(request.verb), headers=headers, body=body, returns=returns)
+# A STEP frame's binary header, little-endian (docs/protocol.md, "Decode channel"):
+#   seq u64 | session: u8 length + ASCII | flags u8 | position u32 | guess u32 | dtype u8 | rank u8 |
+#   drafts u16 | shape u32 x rank | drafted ids u32 x drafts | returns: u8 count, each u8 length + ASCII |
+#   model, route id, ticket, sampling, next hops (comma-separated): each u32 length + UTF-8, _ABSENT: none
+_STEP_SEQ = struct.Struct("<Q")
+_STEP_FIXED = struct.Struct("<BIIBBH")
+_VERIFY, _REWIND, _GUESS, _TOKEN_IDS = 1, 2, 4, 8
+_FLAGS = _VERIFY | _REWIND | _GUESS | _TOKEN_IDS
+_DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
+_DTYPE_NAMES = tuple(DTYPES)
+_ABSENT = 0xFFFFFFFF
+_U32 = struct.Struct("<I")
+
+
+def _short(text: str) -> bytes:
+    raw = text.encode("ascii")
+    return bytes((len(raw),)) + raw
+
+
+def _long(text: str | None) -> bytes:
+    if text is None:
+        return _U32.pack(_ABSENT)
+    raw = text.encode()
+    return _U32.pack(len(raw)) + raw
+
+
+def step_frame(request: HopRequest, seq: int, returns: Sequence[str]) -> bytes:
+    """``request`` (a decode step or verify chunk) as a ``STEP`` frame: from the gateway to the head,
+    or from a hop to the next. What only a prefill or a replay carries has no place in one."""
+    if request.verb not in (Verb.DECODE, Verb.VERIFY):
+        raise ValueError(f"a STEP frame carries a decode step or a verify chunk, not a {request.verb}")
+    if request.replay or request.chunks is not None or request.sample or request.prefix is not None:
+        raise ValueError("a STEP frame carries no replay, compute chunks, prompt end or prefix claim")
+    frame, ids = request.payload.frame, request.payload.token_ids
+    flags = (
+        (_VERIFY if request.verb is Verb.VERIFY else 0)
+        | (_REWIND if request.rewind else 0)
+        | (_GUESS if request.guess is not None else 0)
+        | (_TOKEN_IDS if ids is not None else 0)
+    )
+    rank, drafts = len(frame.shape), request.drafts
+    header = b"".join((
+        _STEP_SEQ.pack(seq), _short(request.session),
+        _STEP_FIXED.pack(flags, request.start, request.guess or 0, _DTYPE_CODES[frame.dtype], rank, len(drafts)),
+        struct.pack(f"<{rank}I{len(drafts)}I", *frame.shape, *drafts),
+        bytes((len(returns),)), *map(_short, returns),
+        _long(request.model), _long(request.route_id), _long(request.ticket), _long(request.sampling),
+        _long(None if request.next_hops is None else ",".join(request.next_hops)),
+    ))  # fmt: skip
+    body = frame.body if ids is None else ids + frame.body
+    return _PREFIX.pack(MAGIC, VERSION, Kind.STEP, len(header)) + header + body
+
+
+class _Reader:
+    """Reads a STEP header field by field; running past its end is an ``InvalidRequest``."""
+
+    __slots__ = ("at", "data")
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.at = data, 0
+
+    def take(self, size: int, what: str) -> bytes:
+        end = self.at + size
+        if end > len(self.data):
+            raise InvalidRequest(f"a STEP frame's header ends before its {what} ({len(self.data)} bytes)")
+        chunk, self.at = self.data[self.at : end], end
+        return chunk
+
+    def unpack(self, layout: struct.Struct, what: str) -> tuple[Any, ...]:
+        return layout.unpack(self.take(layout.size, what))
+
+    def short(self, what: str) -> str:
+        raw = self.take(self.take(1, what)[0], what)
+        try:
+            return raw.decode("ascii")
+        except UnicodeDecodeError:
+            raise InvalidRequest(f"a STEP frame's {what} is not ASCII") from None
+
+    def long(self, what: str) -> str | None:
+        (size,) = self.unpack(_U32, what)
+        if size == _ABSENT:
+            return None
+        try:
+            return self.take(size, what).decode()
+        except UnicodeDecodeError:
+            raise InvalidRequest(f"a STEP frame's {what} is not UTF-8") from None
 
 
 def read_step(frame: ChannelFrame) -> Step:
-    """A ``STEP`` frame's fields, or ``InvalidRequest`` saying which is wrong."""
+    """A ``STEP`` frame's header, every field checked as the HTTP binding checks the same request's
+    headers (``InvalidRequest`` or ``SeamMismatch`` saying what is wrong); its body is checked when
+    the request is taken (``Step.request``)."""
     if frame.kind is not Kind.STEP:
         raise InvalidRequest(f"a node takes STEP frames on its channel, got {frame.kind.name}")
-    header = frame.header
-    session, seq = header.get("session"), header.get("seq")
-    if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_ID:
-        raise InvalidRequest(f'a STEP frame needs "session": the session id, a string of 1..{MAX_SESSION_ID}')
-    if not _is_seq(seq):
-        raise InvalidRequest('a STEP frame needs "seq": the step\'s number, an integer >= 0')
-    returns = header.get("returns")
-    if not isinstance(returns, list) or not returns or not all(isinstance(r, str) for r in returns):
-        raise InvalidRequest('a STEP frame needs "returns": the return ids of this hop and every hop after it')
-    verb = header.get("verb")
-    if verb not in STEP_VERBS:
-        raise InvalidRequest(f'a STEP frame\'s "verb" is one of {", ".join(STEP_VERBS)}, got {verb!r}')
-    raw = header.get("headers")
-    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
-        raise InvalidRequest('a STEP frame\'s "headers" are the X-Meshnet-* fields, an object of strings')
-    return Step(session, seq, STEP_VERBS[verb], raw, tuple(returns), frame.body)
+    r = _Reader(frame.raw)
+    (seq,) = r.unpack(_STEP_SEQ, "step number")
+    session = r.short("session id")
+    if not 0 < len(session) <= MAX_SESSION_ID:
+        raise InvalidRequest(f"a STEP frame's session id is 1..{MAX_SESSION_ID} characters, got {len(session)}")
+    flags, start, guess, dtype, rank, n_drafts = r.unpack(_STEP_FIXED, "fields")
+    if flags & ~_FLAGS:
+        raise InvalidRequest(f"a STEP frame's flags {flags:#04x} set bits this node does not know ({_FLAGS:#04x})")
+    if dtype >= len(_DTYPE_NAMES):
+        raise SeamMismatch(f"a STEP frame's dtype {dtype} is not one of 0..{len(_DTYPE_NAMES) - 1} "
+                           f"({', '.join(_DTYPE_NAMES)})")  # fmt: skip
+    verify = bool(flags & _VERIFY)
+    if verify != (n_drafts > 0):
+        raise InvalidRequest("a verify chunk carries its drafted token ids, and a decode step none")
+    shape = struct.unpack(f"<{rank}I", r.take(4 * rank, "shape"))
+    drafts = struct.unpack(f"<{n_drafts}I", r.take(4 * n_drafts, "drafted token ids"))
+    returns = tuple(r.short("return ids") for _ in range(r.take(1, "return ids")[0]))
+    if not returns:
+        raise InvalidRequest("a STEP frame needs the return ids of this hop and every hop after it")
+    model, route_id, ticket = r.long("model"), r.long("route id"), r.long("ticket")
+    sampling, hops = r.long("sampling"), r.long("next hops")
+    if r.at != len(frame.raw):
+        raise InvalidRequest(f"a STEP frame's header has {len(frame.raw) - r.at} bytes after its last field")
+    n = 1 + n_drafts
+
+    def build(max_body_bytes: int) -> HopRequest:
+        body, ids = frame.body, None
+        if len(body) > max_body_bytes:
+            raise PayloadTooLarge(f"step body of {len(body)} bytes exceeds this node's limit of {max_body_bytes} bytes")
+        if flags & _TOKEN_IDS:
+            if len(body) < 4 * n:
+                raise SeamMismatch(f"a STEP frame's body is shorter than the {n} token ids its flags announce")
+            ids, body = body[: 4 * n], body[4 * n :]
+        return HopRequest(
+            Verb.VERIFY if verify else Verb.DECODE, SessionId(session), start, n,
+            Payload(frame_of(body, shape, _DTYPE_NAMES[dtype]), ids), model, route_id,
+            None if hops is None else tuple(h.strip().rstrip("/") for h in hops.split(",") if h.strip()),
+            sampling or None, None, False, drafts, 0, bool(flags & _REWIND), guess if flags & _GUESS else None, ticket,
+        )  # fmt: skip
+
+    return Step(session, seq, returns, build)
 
 
 def step_ids(frame: ChannelFrame) -> tuple[str | None, int | None]:
     """The session and step number a frame names, each where it is well-formed (else ``None``): what
     an error about the rest of the frame is reported under."""
+    if frame.kind is Kind.STEP:
+        raw = frame.raw
+        if len(raw) < _STEP_SEQ.size:
+            return None, None
+        (seq,) = _STEP_SEQ.unpack_from(raw)
+        size = raw[_STEP_SEQ.size] if len(raw) > _STEP_SEQ.size else 0
+        name = raw[_STEP_SEQ.size + 1 : _STEP_SEQ.size + 1 + size]
+        ok = 0 < size <= MAX_SESSION_ID and len(name) == size and name.isascii()
+        return (name.decode("ascii") if ok else None), seq
     session, seq = frame.header.get("session"), frame.header.get("seq")
     return (session if isinstance(session, str) else None), (seq if _is_seq(seq) else None)
 

@@ -50,7 +50,7 @@ from meshnet.protocol.channel import (
     step_frame,
     ws_url,
 )
-from meshnet.protocol.messages import HopAnswer, HopEntry
+from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest
 
 __all__ = ["ChannelUnavailable", "Channels", "Probe", "StepSlot", "no_entry", "silent_hop"]
 
@@ -270,16 +270,14 @@ class Channels:
     async def start(
         self,
         urls: Sequence[str],
-        session: str,
+        request: HopRequest,
         *,
-        verb: str,
-        headers: dict[str, str],
-        body: bytes,
         timeout_s: float,
         probe: Probe,
         slot: StepSlot | None = None,
     ) -> asyncio.Future[HopAnswer]:
-        """Send a step to the route of nodes at ``urls`` (head first), as ``slot``'s step if given
+        """Send ``request`` (a decode step or verify chunk) to the route of nodes at ``urls`` (head
+        first), as ``slot``'s step if given
         (``reserve``); once it is sent, the future of the tail's answer (cancel it when the answer is
         of no more use). A session's steps reach every hop in the order they were started, so
         several can be in flight (pipelined speculation rounds).
@@ -294,9 +292,9 @@ class Channels:
         head that takes no more bytes for ``timeout_s`` is located the same way (part of the frame
         may have gone out, so it is no ``ChannelUnavailable``)."""
         channels = [await self._channel(url) for url in urls]
+        session = request.session
         waiter = slot if slot is not None else await self.reserve(urls, session, timeout_s=timeout_s, probe=probe)
-        frame = step_frame(session, waiter.seq, verb=verb, headers=headers, body=body,
-                           returns=[c.return_id for c in channels])  # fmt: skip
+        frame = step_frame(request, waiter.seq, [c.return_id for c in channels])
         try:
             for channel in channels:  # one that closed before the waiter was registered never tells it
                 if channel.closed:

@@ -231,14 +231,12 @@ class HttpTransport:
     ) -> asyncio.Future[HopAnswer] | None:
         if self.channels is None:
             return None
-        headers, body = http_binding.encode_step(request)
         sid = request.session
         try:
             # no hop waits for another here, so no nesting: one hop timeout bounds the walk, as it
             # bounds the innermost HTTP hop's wait for everything below it
-            return await self.channels.start(list(route), sid, verb=str(request.verb), headers=headers, body=body,
-                                             timeout_s=timeout_s, probe=seq_probe(self, sid, timeout_s),
-                                             slot=slot)  # fmt: skip
+            return await self.channels.start(list(route), request, timeout_s=timeout_s,
+                                             probe=seq_probe(self, sid, timeout_s), slot=slot)  # fmt: skip
         except ChannelUnavailable:
             if slot is not None:
                 slot.answer.cancel()

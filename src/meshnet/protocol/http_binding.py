@@ -4,9 +4,9 @@
 headers and a raw body and back; ``encode_reroute`` / ``decode_reroute`` do the same for
 ``.../reroute`` and ``encode_prefix`` / ``decode_prefix`` for ``.../prefix``; answers travel as
 JSON (an answer record's ``to_json`` / ``answer_from_response``), and an error answer becomes the
-``MeshnetError`` it means to the sender (``error_from_response``). The decode channel
-(``node.channel``) carries the same headers and body inside its frames, so this is the only place
-that reads or writes an ``X-Meshnet-*`` hop header.
+``MeshnetError`` it means to the sender (``error_from_response``). This is the only place that
+reads or writes an ``X-Meshnet-*`` hop header; the decode channel's ``STEP`` frames carry the same
+fields in binary (``protocol.channel``), checked the same way.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ __all__ = [
     "encode_request",
     "encode_reroute",
     "encode_restore",
-    "encode_step",
     "error_from_response",
     "request_path",
 ]
@@ -96,14 +95,6 @@ def encode_request(request: HopRequest) -> tuple[str, dict[str, str], bytes]:
         body = request.payload.token_ids + body
     headers["Content-Type"] = OCTETS
     return request_path(request.session, request.verb), headers, body
-
-
-def encode_step(request: HopRequest) -> tuple[dict[str, str], bytes]:
-    """The ``X-Meshnet-*`` headers and the body that a decode-channel ``STEP`` frame carries for
-    ``request``: those of its HTTP request, without the HTTP-only content type."""
-    _path, headers, body = encode_request(request)
-    del headers["Content-Type"]
-    return headers, body
 
 
 def decode_request(

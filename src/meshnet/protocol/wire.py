@@ -24,6 +24,7 @@ __all__ = [
     "decode_tensor",
     "encode_tensor",
     "format_shape",
+    "frame_of",
     "frame_values",
     "parse_range",
     "parse_shape",
@@ -94,7 +95,14 @@ def read_frame(body: bytes, shape_header: str | None, dtype_header: str | None, 
     dtype = (dtype_header or "").strip().lower()
     if dtype not in DTYPES:
         raise SeamMismatch(f"X-Meshnet-Dtype {dtype_header!r} is not supported; use one of {', '.join(DTYPES)}")
-    shape = parse_shape(shape_header)
+    return frame_of(body, parse_shape(shape_header), dtype)
+
+
+def frame_of(body: bytes, shape: tuple[int, ...], dtype: str) -> TensorFrame:
+    """``body`` as a frame of ``shape`` and ``dtype`` (one of ``DTYPES``), its size checked against
+    them (the body's own limit is the caller's)."""
+    if not 1 <= len(shape) <= _MAX_RANK or any(d <= 0 for d in shape):
+        raise SeamMismatch(f"a tensor shape {format_shape(shape)!r} must have 1-{_MAX_RANK} positive dimensions")
     expected = math.prod(shape) * DTYPES[dtype][0]
     if len(body) != expected:
         raise SeamMismatch(
