@@ -74,7 +74,7 @@ def test_frames_have_the_documented_bytes() -> None:
 
 
 def test_a_step_frame_carries_every_field_of_a_decode_step_or_verify_chunk() -> None:
-    values = np.arange(2 * 3 * 4, dtype=np.float32).reshape(1, 6, 4)[:, :3]
+    values = np.arange(12, dtype=np.float32).reshape(1, 3, 4)
     ids = np.asarray([5, 6, 7], dtype="<i4").tobytes()
     request = HopRequest(
         Verb.VERIFY, SessionId("ses-2"), 40, 3, Payload(encode_tensor(values, "bfloat16"), ids),

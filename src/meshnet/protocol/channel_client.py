@@ -277,10 +277,9 @@ class Channels:
         slot: StepSlot | None = None,
     ) -> asyncio.Future[HopAnswer]:
         """Send ``request`` (a decode step or verify chunk) to the route of nodes at ``urls`` (head
-        first), as ``slot``'s step if given
-        (``reserve``); once it is sent, the future of the tail's answer (cancel it when the answer is
-        of no more use). A session's steps reach every hop in the order they were started, so
-        several can be in flight (pipelined speculation rounds).
+        first), as ``slot``'s step if given (``reserve``); once it is sent, the future of the tail's
+        answer (cancel it when the answer is of no more use). A session's steps reach every hop in
+        the order they were started, so several can be in flight (pipelined speculation rounds).
 
         Raises ``ChannelUnavailable`` (before anything was sent) when a node takes no channel; the
         future raises ``HopFailed`` naming the hop that failed, ``BadGateway`` for an error of the
