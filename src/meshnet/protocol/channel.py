@@ -47,6 +47,7 @@ from typing import Any, Generic, TypeGuard, TypeVar
 from meshnet.errors import InvalidRequest, MeshnetError, PayloadTooLarge, SeamMismatch
 from meshnet.httputil import error_body
 from meshnet.ids import SessionId
+from meshnet.protocol.http_binding import parse_hops
 from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest, Payload, Verb, answer_from_json
 from meshnet.protocol.wire import DTYPES, frame_of
 
@@ -319,7 +320,7 @@ def read_step(frame: ChannelFrame) -> Step:
         return HopRequest(
             Verb.VERIFY if verify else Verb.DECODE, SessionId(session), start, n,
             Payload(frame_of(body, shape, _DTYPE_NAMES[dtype]), ids), model, route_id,
-            None if hops is None else tuple(h.strip().rstrip("/") for h in hops.split(",") if h.strip()),
+            None if hops is None else parse_hops(hops),
             sampling or None, None, False, drafts, 0, bool(flags & _REWIND), guess if flags & _GUESS else None, ticket,
         )  # fmt: skip
 

@@ -45,6 +45,7 @@ __all__ = [
     "encode_reroute",
     "encode_restore",
     "error_from_response",
+    "parse_hops",
     "request_path",
 ]
 
@@ -124,7 +125,7 @@ def decode_request(
         payload=Payload(frame, token_ids),
         model=headers.get(H.MODEL),
         route_id=headers.get(H.ROUTE_ID),
-        next_hops=None if raw_hops is None else _hops(raw_hops),
+        next_hops=None if raw_hops is None else parse_hops(raw_hops),
         sampling=headers.get(H.SAMPLING) or None,
         chunks=_chunks(headers, n) if verb is Verb.PREFILL else None,
         sample=verb is Verb.PREFILL and headers.get(H.SAMPLE) == "1",
@@ -165,7 +166,7 @@ def decode_prefix(session: SessionId, headers: Mapping[str, str]) -> PrefixReque
         reuse=int(raw),
         route_id=route_id,
         model=headers.get(H.MODEL),
-        next_hops=_hops(headers.get(H.NEXT_HOPS, "")),
+        next_hops=parse_hops(headers.get(H.NEXT_HOPS, "")),
         sampling=headers.get(H.SAMPLING) or None,
         ticket=headers.get(H.TICKET),
     )
@@ -191,7 +192,7 @@ def encode_reroute(request: RerouteRequest) -> tuple[str, dict[str, str]]:
 
 
 def decode_reroute(session: SessionId, headers: Mapping[str, str]) -> RerouteRequest:
-    hops = _hops(headers.get(H.NEXT_HOPS, ""))
+    hops = parse_hops(headers.get(H.NEXT_HOPS, ""))
     raw = headers.get(H.REPLAY, "0")
     if not (raw.isascii() and raw.isdigit()):
         raise InvalidRequest(f"header {H.REPLAY} must be 0..{len(hops)} (hops to rebuild), got {raw!r}")
@@ -280,7 +281,8 @@ def _prefix(headers: Mapping[str, str]) -> PrefixClaim | None:
     return PrefixClaim(block, hashes)
 
 
-def _hops(raw: str) -> tuple[str, ...]:
+def parse_hops(raw: str) -> tuple[str, ...]:
+    """``X-Meshnet-Next-Hops``: comma-separated URLs, each without its trailing slash."""
     return tuple(h.strip().rstrip("/") for h in raw.split(",") if h.strip())
 
 
