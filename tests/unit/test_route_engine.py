@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -884,32 +885,43 @@ def test_a_leave_to_relay_is_for_one_step_of_the_tails_own_session_route_and_hea
     assert relayed == 0  # the step it named never came
 
 
-def test_a_tail_that_takes_no_leave_gets_three_and_then_the_gateway_sends_every_step(tmp_path: Path) -> None:
-    """A tail that refuses every ``CREDIT`` (an older node, one that cannot reach its head) costs the
-    generation nothing but three refused credits: then the gateway stops offering them and sends each
-    step itself, with the same tokens."""
-    expected = reference(tmp_path, 12)
-    swarm = LocalSwarm(tmp_path / "refusing", channels=True)
-    offered: list[int] = []
+@pytest.mark.parametrize("refused", [3, 1000])
+def test_a_tail_that_leaves_three_leaves_unused_gets_none_for_a_while_then_again(tmp_path: Path, refused: int) -> None:
+    """A tail that refuses ``CREDIT`` frames (an older node, one that cannot reach its head, a leave
+    that came after its step on a loaded machine) costs the generation three refused credits, then
+    none for 8 tokens, then three more and none for 16: the gateway sends those steps itself, with
+    the same tokens. Once the tail takes leaves again (``refused=3``), it relays the steps after."""
+    expected = reference(tmp_path, 40)
+    swarm = LocalSwarm(tmp_path / f"refusing-{refused}", channels=True)
+    offered: list[int] = []  # the step each leave followed
     try:
 
         async def run() -> list[int]:
             await swarm.layout()
             tail = swarm.nodes["c"]
+            take = tail.take_credit
 
             def refuse(credit: Credit, caller: str | None = None) -> None:
-                offered.append(credit.seq)
-                raise InvalidRequest("this node takes no CREDIT frames")
+                offered.append(credit.after)
+                if len(offered) <= refused:
+                    raise InvalidRequest("this node takes no CREDIT frames")
+                take(credit, caller)
 
             tail.take_credit = refuse  # type: ignore[method-assign]
-            return (await generate(swarm.engine(), 12))[0]
+            return (await generate(swarm.engine(), 40))[0]
 
         tokens = swarm.run(run)
         relayed = swarm.nodes["c"].metrics.relayed.value
     finally:
         swarm.close()
-    assert tokens == expected and relayed == 0
-    assert len(offered) == 3
+    assert tokens == expected
+    # step numbers: an unused leave's step number is skipped, a relayed step's is the next leave's
+    gaps = [b - a for a, b in itertools.pairwise(offered)]
+    if refused == 3:
+        assert gaps[:2] == [2, 2] and gaps[2] > 8, f"{offered}"  # the gateway sent 8 steps, then gave leave again
+        assert relayed == len(offered) - 3 > 25 and set(gaps[3:]) == {1}, f"{offered}"
+    else:
+        assert relayed == 0 and gaps[:2] == [2, 2] == gaps[3:5] and 8 < gaps[2] < 16 < gaps[5], f"{offered}"
 
 
 def test_a_step_ahead_the_consumer_never_takes_is_drained_and_the_route_closes(tmp_path: Path) -> None:

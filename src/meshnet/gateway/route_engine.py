@@ -138,9 +138,12 @@ ROOM_WAIT_MAX_STEP_S = 4.0
 # Pipelined speculation: verify rounds in flight at most, each sent before the verdict on the one
 # before it while the measured acceptance makes that pay (WalkCosts.chain_pays)
 PIPELINE_ROUNDS = 4
-# leaves to relay the tail left unused in a row before a generation stops giving them (an older tail
-# that takes no CREDIT, one that cannot reach the head: each miss costs a frame each way, nothing more)
+# leaves to relay the tail left unused in a row before a generation pauses giving them (an older tail
+# that takes no CREDIT, one that cannot reach the head, a leave that came after its step on a loaded
+# machine: each miss costs a frame each way, nothing more); the pause is this many tokens, doubled at
+# each pause after it, so a tail that relays again soon gets leaves again
 _UNUSED_LEAVES = 3
+_LEAVE_PAUSE_TOKENS = 8
 AUDIT_MAX_POSITIONS = 16384  # a longer session is not audited: every hop's seam log would cross the network
 _LOGPROB_SLACK = 1e-3  # a logprob is <= 0; float32 rounding may put the top one a hair above
 
@@ -222,6 +225,8 @@ class _Run:
     # the tail's leave to relay the step after the round in flight (_grant): its slot, and that round's seq
     credit: tuple[StepSlot, int] | None = None
     unused: int = 0  # leaves in a row the tail did not use (it takes no CREDIT, or cannot reach the head)
+    pauses: int = 0  # times leaves were paused since the tail last used one (_leave_unused)
+    leave_at: int = 0  # no leave until the consumer has taken this many tokens (generated)
 
     @functools.cached_property
     def sampling(self) -> str:
@@ -301,7 +306,7 @@ class RouteEngine:
         self.outbox = outbox if outbox is not None else BillingOutbox(self.tracker_url, tls=client_tls)
         self.decode_channel = decode_channel
         self.relay = relay  # the tail sends a plain step's next step to the head itself (_grant)
-        self._stop_ids: frozenset[int] | None = None  # the tokens a generation ends with (a tail relays none)
+        self._stop_ids: asyncio.Future[frozenset[int]] | None = None  # the tokens a generation ends with (_find_stops)
         self._hops_client, self._tracker_client = hops, tracker
         self.closer = SessionCloser()  # every close retried until acknowledged
         self.room_wait_s = room_wait_s  # how long a generation waits for a hop with room (HopFull)
@@ -432,10 +437,7 @@ class RouteEngine:
             raise InvalidRequest("a route engine generates only on a planned route")
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization")
-        run = _Run(plan, sampler.params, Usage(), ChunkLedger(sends=False), grammar=bool(sampler.params.grammar),
-                   budget=plan.max_tokens)  # fmt: skip
-        run.audited = self.audits is not None and self.audits.chosen()
-        run.emit = emit
+        run = self._new_run(plan, sampler, emit)
         tokens = list(prompt)  # everything the route has seen, for a fresh re-prefill
         hashes = block_hashes(tokens, self.prefill_chunk, namespace=plan.prefix_namespace) if self.prefix_cache else []
         run.prefix = PrefixClaim(self.prefill_chunk, tuple(hashes)) if hashes else None
@@ -478,6 +480,15 @@ class RouteEngine:
         finally:
             await self._drain(run)  # rounds still in flight end first: the route frees the session at once
             await self._finish(run, outcome)
+
+    def _new_run(self, plan: RoutePlan, sampler: Sampler, emit: Emit) -> _Run:
+        """A generation's state on ``plan``; audited when the audit sampling picks it. A generation
+        that may relay starts finding the end-of-generation ids beside its prefill (``_find_stops``)."""
+        audited = self.audits is not None and self.audits.chosen()
+        if self.relay and self.decode_channel:
+            self._find_stops()
+        return _Run(plan, sampler.params, Usage(), ChunkLedger(sends=False), grammar=bool(sampler.params.grammar),
+                    budget=plan.max_tokens, audited=audited, emit=emit)  # fmt: skip
 
     async def _finish(self, run: _Run, outcome: str) -> None:
         """A generation ended: take what its audit needs (if it is audited) while its route still
@@ -761,9 +772,9 @@ class RouteEngine:
             return None
         (slot, after), run.credit = run.credit, None
         if after == seq and slot.launched:
-            run.unused = 0
+            run.unused = run.pauses = 0
             return slot
-        run.unused += 1
+        _leave_unused(run)
         self._void_slot(run, slot)
         return None
 
@@ -792,7 +803,7 @@ class RouteEngine:
         stops (a stop string, a client gone) leaves no more steps computed than without relaying."""
         if not self.relay or run.credit is not None or len(run.rounds) != 1 or run.surplus:
             return
-        if run.unused >= _UNUSED_LEAVES:  # this route's tail does not relay: the gateway sends every step
+        if run.generated < run.leave_at:  # the tail left leaves unused in a row: paused (_leave_unused)
             return
         flight = run.rounds[0]
         if flight.seq is None or len(flight.chunk) != 1 or run.audited or run.grammar:
@@ -808,9 +819,9 @@ class RouteEngine:
         if slot is None:
             return
         given = await self.hops.credit(slot, after=flight.seq, model=self.info.model_id, route_id=run.plan.route_id,
-                                       stop=await self._stops())  # fmt: skip
+                                       stop=await asyncio.shield(self._find_stops()))  # fmt: skip
         if not given:
-            run.unused += 1
+            _leave_unused(run)
             slot.answer.cancel()
             return
         run.credit = (slot, flight.seq)
@@ -827,12 +838,17 @@ class RouteEngine:
         """How many drafts may follow the step after ``length`` tokens: every hop's limit, the context."""
         return min(*(h.max_verify for h in plan.hops), self._context(plan) - length)
 
-    async def _stops(self) -> frozenset[int]:
-        """The tokens a generation ends with (the vocabulary's end-of-generation ids), found once."""
-        if self._stop_ids is None:
+    def _find_stops(self) -> asyncio.Future[frozenset[int]]:
+        """The tokens a generation ends with (the vocabulary's end-of-generation ids), found once on a
+        worker thread. A generation that may relay starts it, so its first leave does not wait for it
+        and come after the step it follows."""
+        found = self._stop_ids
+        if found is None or (found.done() and (found.cancelled() or found.exception() is not None)):
             n, eog = self.info.n_vocab, self.is_end_of_generation
-            self._stop_ids = await asyncio.to_thread(lambda: frozenset(t for t in range(n) if eog(t)))
-        return self._stop_ids
+            found = asyncio.ensure_future(asyncio.to_thread(lambda: frozenset(t for t in range(n) if eog(t))))
+            self._stop_ids = found
+            found.add_done_callback(_consume)  # a failure is raised where it is awaited
+        return found
 
     def _void(self, run: _Run) -> None:
         """The rounds in flight are void: their answers are of no use (the tail voids them, every
@@ -1309,6 +1325,18 @@ def _sent(run: _Run, chunk: Sequence[int]) -> None:
     run.surplus = False
     for token in chunk:  # a verify chunk's positions compute as one-position steps (ShardInfo)
         run.add([token])
+
+
+def _leave_unused(run: _Run) -> None:
+    """The tail did not use a leave to relay (or it could not be sent): after ``_UNUSED_LEAVES`` in a
+    row, no leaves for the next ``_LEAVE_PAUSE_TOKENS`` tokens, twice as many at each pause after
+    that until the tail uses one again."""
+    run.unused += 1
+    if run.unused < _UNUSED_LEAVES:
+        return
+    run.leave_at = run.generated + (_LEAVE_PAUSE_TOKENS << min(run.pauses, 16))
+    run.pauses += 1
+    run.unused = 0
 
 
 def _consume(task: asyncio.Future[Any]) -> None:
