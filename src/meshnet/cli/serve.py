@@ -210,11 +210,13 @@ def serve_app(
     try:
         import uvicorn
 
-        extra: dict[str, Any] = {}
+        from meshnet.node.direct_ws import websocket_protocol
+
+        extra: dict[str, Any] = {"ws": websocket_protocol()}
         if tls is not None:
             from meshnet.security.transport import peer_protocols
 
-            http, ws = peer_protocols()
+            http, ws = peer_protocols(websocket_protocol())
             extra = {"http": http, "ws": ws, "ssl_context_factory": lambda *_: tls, "proxy_headers": False}
         config = uvicorn.Config(
             app,
@@ -224,9 +226,10 @@ def serve_app(
             timeout_keep_alive=SERVER_KEEP_ALIVE_S,
             # a session's first hop request carries its grammar in a header (sampling.MAX_GRAMMAR_BYTES)
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-            # the decode channel (nodes): websockets' sans-I/O protocol, no compression (tensors do not compress)
+            # the decode channel (nodes): websockets' sans-I/O protocol with direct messages (node.direct_ws),
+            # no compression (tensors do not compress)
             ws_per_message_deflate=False,
-            **{"ws": "websockets-sansio", **extra},
+            **extra,
         )
         server = uvicorn.Server(config)
         if on_start is not None:  # e.g. an auto-placed node's drain sets server.should_exit to move (node.placement)

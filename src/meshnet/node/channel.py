@@ -33,6 +33,7 @@ from websockets.exceptions import WebSocketException
 from websockets.protocol import State
 
 from meshnet.errors import HopFailed, InvalidRequest, MeshnetError
+from meshnet.node.direct_ws import DIRECT_EXTENSION, DirectMessages
 from meshnet.protocol.channel import (
     MAX_HEADER_BYTES,
     VERSION,
@@ -52,6 +53,7 @@ from meshnet.protocol.channel import (
     ws_url,
 )
 from meshnet.protocol.messages import HopEntry, HopRequest
+from meshnet.protocol.ws_send import send_now
 
 __all__ = ["CreditHandler", "Dialer", "Direct", "Peer", "StepHandler", "serve"]
 
@@ -71,14 +73,18 @@ CreditHandler = Callable[[Credit], None]  # raises MeshnetError to refuse it
 
 
 class Peer:
-    """One accepted channel: frames to it go out one at a time."""
+    """One accepted channel: frames to it go out one at a time, straight to its transport where
+    the server offers that (``node.direct_ws``) and nothing is waiting to go before them."""
 
-    def __init__(self, websocket: WebSocket) -> None:
+    def __init__(self, websocket: WebSocket, direct: DirectMessages | None = None) -> None:
         self.websocket = websocket
+        self.direct = direct
         self._lock = asyncio.Lock()
 
     async def send(self, data: bytes) -> bool:
         """False when the other side is gone (a report to nobody is dropped, not raised)."""
+        if self.direct is not None and not self._lock.locked() and self.direct.write(data):
+            return True
         async with self._lock:
             try:
                 await self.websocket.send_bytes(data)
@@ -87,55 +93,84 @@ class Peer:
         return True
 
 
+class _Channel:
+    """What one accepted channel does with each binary message it reads (``take``): a ``CREDIT`` is
+    taken at once, a step starts on a task of its own, after the session's steps before it."""
+
+    def __init__(
+        self, peer: Peer, peers: dict[str, Peer], max_body_bytes: int, on_step: StepHandler,
+        on_credit: CreditHandler | None,
+    ) -> None:  # fmt: skip
+        self.peer, self.peers, self.max_body_bytes = peer, peers, max_body_bytes
+        self.on_step, self.on_credit = on_step, on_credit
+        self.tasks: set[asyncio.Future[None]] = set()
+        self.in_order: InOrder[str] = InOrder()  # a session's steps, one after another
+
+    def take(self, data: bytes | None) -> None:
+        if data is None:
+            text = InvalidRequest("channel frames are binary messages, not text")
+            self._later(self.peer.send(error_frame(None, None, text)))
+            return
+        try:
+            frame: ChannelFrame | InvalidRequest = decode_frame(data)
+        except InvalidRequest as exc:
+            frame = exc
+        if not isinstance(frame, InvalidRequest) and frame.kind is Kind.CREDIT:
+            self._credit(frame)
+            return
+        session = step_ids(frame)[0] if not isinstance(frame, InvalidRequest) else None
+        step = _one_step(frame, self.peer, self.peers, self.max_body_bytes, self.on_step)
+        self._track(asyncio.ensure_future(step) if session is None else self.in_order.start(session, step))
+
+    def _credit(self, frame: ChannelFrame) -> None:
+        """Take a ``CREDIT``; a refused one is an ``ERROR`` for its session (no step: ``seq`` null)."""
+        session, _ = step_ids(frame)
+        try:
+            if self.on_credit is None:
+                raise InvalidRequest("this node takes no CREDIT frames")
+            self.on_credit(read_credit(frame))
+        except MeshnetError as exc:
+            self._later(self.peer.send(error_frame(session, None, exc)))
+
+    def _later(self, send: Awaitable[bool]) -> None:
+        async def sent() -> None:
+            await send
+
+        self._track(asyncio.ensure_future(sent()))
+
+    def _track(self, task: asyncio.Future[None]) -> None:
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+
 async def serve(
     websocket: WebSocket, *, node_id: str, peers: dict[str, Peer], max_body_bytes: int, on_step: StepHandler,
     on_credit: CreditHandler | None = None,
 ) -> None:  # fmt: skip
-    """Run one accepted channel until the other side closes it."""
-    await websocket.accept()
+    """Run one accepted channel until the other side closes it. Where the server offers direct
+    messages (``node.direct_ws``: uvicorn with ``cli.serve.serve_app``), each binary message is
+    taken as the server reads it, before the next; otherwise through ASGI's ``receive``, the same way."""
+    direct = (websocket.scope.get("extensions") or {}).get(DIRECT_EXTENSION)
+    direct = direct if isinstance(direct, DirectMessages) else None
     channel_id = secrets.token_urlsafe(16)
-    peer = Peer(websocket)
+    peer = Peer(websocket, direct)
+    channel = _Channel(peer, peers, max_body_bytes, on_step, on_credit)
+    if direct is not None:
+        direct.take(channel.take)  # before the accept: no message can come ahead of it
+    await websocket.accept()
     peers[channel_id] = peer
-    tasks: set[asyncio.Task[None]] = set()
-    in_order: InOrder[str] = InOrder()  # a session's steps, one after another
     try:
         await peer.send(encode_frame(Kind.HELLO, {"channel": channel_id, "node": node_id, "version": VERSION}))
         while True:
             message = await websocket.receive()
             if message["type"] == "websocket.disconnect":
                 break
-            data = message.get("bytes")
-            if data is None:
-                await peer.send(error_frame(None, None, InvalidRequest("channel frames are binary messages, not text")))
-                continue
-            try:
-                frame: ChannelFrame | InvalidRequest = decode_frame(data)
-            except InvalidRequest as exc:
-                frame = exc
-            if not isinstance(frame, InvalidRequest) and frame.kind is Kind.CREDIT:
-                await _credit(frame, peer, on_credit)
-                continue
-            session = step_ids(frame)[0] if not isinstance(frame, InvalidRequest) else None
-            step = _one_step(frame, peer, peers, max_body_bytes, on_step)
-            task = asyncio.create_task(step) if session is None else in_order.start(session, step)
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            channel.take(message.get("bytes"))
     except WebSocketDisconnect:
         pass
     finally:
         peers.pop(channel_id, None)
         # steps already taken run to the end: their reports go to their own return channels
-
-
-async def _credit(frame: ChannelFrame, peer: Peer, on_credit: CreditHandler | None) -> None:
-    """Take a ``CREDIT``; a refused one is an ``ERROR`` for its session (no step: ``seq`` null)."""
-    session, _ = step_ids(frame)
-    try:
-        if on_credit is None:
-            raise InvalidRequest("this node takes no CREDIT frames")
-        on_credit(read_credit(frame))
-    except MeshnetError as exc:
-        await peer.send(error_frame(session, None, exc))
 
 
 async def _one_step(
@@ -189,7 +224,8 @@ class Dialer:
         try:
             connection = await self._dial(url)
             if _fits(connection, len(data)):  # written at once: websockets waits only while the transport is paused
-                await connection.send(data)
+                if not send_now(connection, data):
+                    await connection.send(data)
             else:
                 async with asyncio.timeout(timeout_s):  # in this task: wait_for's task of its own cost a loop turn
                     await connection.send(data)

@@ -51,6 +51,7 @@ from meshnet.protocol.channel import (
     ws_url,
 )
 from meshnet.protocol.messages import HopAnswer, HopEntry, HopRequest
+from meshnet.protocol.ws_send import send_now
 
 __all__ = ["ChannelUnavailable", "Channels", "Probe", "StepSlot", "no_entry", "silent_hop"]
 
@@ -200,8 +201,9 @@ class _NodeChannel:
     async def send(self, data: bytes) -> None:
         """Nothing went out when this fails: the caller can still send the step another way."""
         try:
-            async with self._send_lock:
-                await self.connection.send(data)
+            if self._send_lock.locked() or not send_now(self.connection, data):
+                async with self._send_lock:
+                    await self.connection.send(data)
         except (OSError, WebSocketException) as exc:
             raise ChannelUnavailable(f"node {self.url}: decode channel lost: {exc}") from None
 

@@ -81,10 +81,10 @@ def _peer_aware(base: type[Any]) -> type[asyncio.Protocol]:
     return PeerAware
 
 
-def peer_protocols() -> tuple[type[asyncio.Protocol], type[asyncio.Protocol]]:
-    """uvicorn's HTTP protocol (httptools when installed, else h11) and its sans-I/O websockets
-    protocol, each filling in the "tls" extension: pass them as ``Config(http=..., ws=...)``."""
+def peer_protocols(ws: type[Any]) -> tuple[type[asyncio.Protocol], type[asyncio.Protocol]]:
+    """uvicorn's HTTP protocol (httptools when installed, else h11) and the WebSocket protocol ``ws``
+    (a subclass of uvicorn's sans-I/O one), each filling in the "tls" extension: pass them as
+    ``Config(http=..., ws=...)``."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
-    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-    return _peer_aware(AutoHTTPProtocol), _peer_aware(WebSocketsSansIOProtocol)
+    return _peer_aware(AutoHTTPProtocol), _peer_aware(ws)
