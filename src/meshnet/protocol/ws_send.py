@@ -15,8 +15,9 @@ def send_now(connection: ClientConnection, data: bytes) -> bool:
     paused or closing): then ``await connection.send(data)``."""
     if connection.protocol.state is not State.OPEN or getattr(connection, "send_in_progress", True) is not None:
         return False
-    if getattr(connection, "paused", True) or connection.transport.is_closing():
+    send_data = getattr(connection, "send_data", None)  # (websockets' own write of what its protocol made)
+    if send_data is None or getattr(connection, "paused", True) or connection.transport.is_closing():
         return False
     connection.protocol.send_binary(data)
-    connection.send_data()
+    send_data()
     return True
