@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import socket
 import ssl
 import threading
@@ -579,19 +580,44 @@ def test_a_peer_that_does_tls_but_never_answers_the_upgrade_costs_the_open_timeo
             conn.close()
 
 
-def test_a_node_without_a_channel_is_unavailable_and_not_redialed_at_every_step() -> None:
-    async def scenario(url: str) -> None:
+def test_a_node_without_a_channel_is_unavailable_and_redialed_after_a_wait_that_doubles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node that refuses its channel gets HTTP steps (``ChannelUnavailable``) without a dial at
+    every step: it is dialed again after a wait (2 s; 0.2 here), twice as long after each refusal in
+    a row, up to ``_RETRY_S`` (30 s; 0.5 here). So a channel that failed to open once on a loaded
+    machine is back within seconds, and one that never opens costs a dial every 30 s."""
+    monkeypatch.setattr(channel_client, "_RETRY_FIRST_S", 0.2)
+    monkeypatch.setattr(channel_client, "_RETRY_S", 0.5)
+    dials: list[float] = []
+
+    async def endpoint(websocket: WebSocket) -> None:  # counts the dials, refuses each
+        dials.append(time.monotonic())
+        await websocket.close(code=1008)
+
+    async def scenario(url: str) -> tuple[int, set[str]]:
         channels = Channels()
+        steps, waits = 0, set()
         try:
-            with pytest.raises(ChannelUnavailable, match="refused its decode channel"):
-                await _step(channels, url, "ok-1")
-            with pytest.raises(ChannelUnavailable, match="less than 30 s ago"):
-                await _step(channels, url, "ok-1")
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:  # a step every ~20 ms, each refused
+                with pytest.raises(ChannelUnavailable, match="refused its decode channel") as refused:
+                    await _step(channels, url, "ok-1")
+                steps += 1
+                if "less than" in str(refused.value):  # an HTTP step: no dial
+                    waits.add(str(refused.value).split("less than ")[1])
+                await asyncio.sleep(0.02)
         finally:
             await channels.aclose()
+        return steps, waits
 
-    with serve_in_thread(Starlette(routes=[])) as url:  # an HTTP server that takes no WebSocket
-        asyncio.run(scenario(url))
+    app = Starlette(routes=[WebSocketRoute(CHANNEL_PATH, endpoint)])
+    with serve_in_thread(app) as url:
+        steps, waits = asyncio.run(scenario(url))
+    assert waits == {"0.2 s ago", "0.4 s ago", "0.5 s ago"}, waits
+    gaps = [b - a for a, b in itertools.pairwise(dials)]
+    assert 4 <= len(dials) <= 6 < steps, (len(dials), steps)  # dialed after each wait, not at every step
+    assert all(gap >= wait for gap, wait in zip(gaps, (0.2, 0.4, 0.5, 0.5), strict=False)), gaps
 
 
 def test_a_credit_frame_reads_back_and_a_bad_one_says_what_is_wrong() -> None:

@@ -58,7 +58,10 @@ __all__ = ["ChannelUnavailable", "Channels", "Probe", "StepSlot", "no_entry", "s
 log = logging.getLogger("meshnet.gateway")
 
 _OPEN_TIMEOUT_S = 5.0
-_RETRY_S = 30.0  # a node that refused its channel gets HTTP steps this long before it is dialed again
+# a node that refused its channel (or did not open it in time: a loaded machine, a node starting)
+# gets HTTP steps this long before it is dialed again, twice as long after each refusal in a row
+_RETRY_FIRST_S = 2.0
+_RETRY_S = 30.0  # at most
 _MAX_FRAME_BYTES = 64 * 2**20 + MAX_HEADER_BYTES
 _CLOSE_TIMEOUT_S = 3.0  # websockets' closing handshake waits close_timeout (2 s); past this the socket is cut
 
@@ -247,14 +250,16 @@ class Channels:
         self._dialing: dict[str, asyncio.Lock] = {}
         self._waiters: dict[tuple[str, int], StepSlot] = {}
         self._seq = itertools.count()
-        self._refused: dict[str, float] = {}  # url -> when its channel was refused: HTTP until then + _RETRY_S
+        # url -> (when its channel was last refused, HTTP steps for this long from then): _channel
+        self._refused: dict[str, tuple[float, float]] = {}
 
     async def _channel(self, url: str) -> _NodeChannel:
         channel = self._open.get(url)
         if channel is not None and not channel.closed:
             return channel
-        if time.monotonic() - self._refused.get(url, -_RETRY_S) < _RETRY_S:
-            raise ChannelUnavailable(f"node {url} refused its decode channel less than {_RETRY_S:.0f} s ago")
+        refused_at, wait_s = self._refused.get(url, (0.0, 0.0))
+        if wait_s and time.monotonic() - refused_at < wait_s:
+            raise ChannelUnavailable(f"node {url} refused its decode channel less than {wait_s:g} s ago")
         async with self._dialing.setdefault(url, asyncio.Lock()):
             channel = self._open.get(url)
             if channel is not None and not channel.closed:
@@ -262,8 +267,9 @@ class Channels:
             try:
                 channel = await _NodeChannel.open(self, url)
             except ChannelUnavailable as exc:
-                self._refused[url] = time.monotonic()
-                log.warning("%s; its routes get HTTP decode steps, the channel is tried again in %.0f s", exc, _RETRY_S)
+                wait_s = min(_RETRY_S, 2 * wait_s) if wait_s else _RETRY_FIRST_S
+                self._refused[url] = (time.monotonic(), wait_s)
+                log.warning("%s; its routes get HTTP decode steps, the channel is tried again in %g s", exc, wait_s)
                 raise
             self._open[url] = channel
             self._refused.pop(url, None)
