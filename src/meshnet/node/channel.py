@@ -103,7 +103,7 @@ class _Channel:
     ) -> None:  # fmt: skip
         self.peer, self.peers, self.max_body_bytes = peer, peers, max_body_bytes
         self.on_step, self.on_credit = on_step, on_credit
-        self.tasks: set[asyncio.Future[None]] = set()
+        self.tasks: set[asyncio.Future[Any]] = set()
         self.in_order: InOrder[str] = InOrder()  # a session's steps, one after another
 
     def take(self, data: bytes | None) -> None:
@@ -133,12 +133,9 @@ class _Channel:
             self._later(self.peer.send(error_frame(session, None, exc)))
 
     def _later(self, send: Awaitable[bool]) -> None:
-        async def sent() -> None:
-            await send
+        self._track(asyncio.ensure_future(send))
 
-        self._track(asyncio.ensure_future(sent()))
-
-    def _track(self, task: asyncio.Future[None]) -> None:
+    def _track(self, task: asyncio.Future[Any]) -> None:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 

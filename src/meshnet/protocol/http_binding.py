@@ -101,8 +101,8 @@ def encode_request(request: HopRequest) -> tuple[str, dict[str, str], bytes]:
 def decode_request(
     verb: Verb, session: SessionId, headers: Mapping[str, str], body: bytes, *, max_body_bytes: int
 ) -> HopRequest:
-    """The request a ``POST .../{verb}`` (or a decode-channel ``STEP``) stands for; every malformed
-    header or body is a 4xx here, before anything on the node changes."""
+    """The request a ``POST .../{verb}`` stands for; every malformed header or body is a 4xx here,
+    before anything on the node changes."""
     if verb is Verb.PREFILL:
         start, stop = parse_range(headers.get(H.TOKEN_RANGE))
         n = stop - start
