@@ -156,13 +156,15 @@ def measure(
     *,
     layout: Sequence[str] | None = None,
     model_args: Sequence[str] = (),
+    node_args: Sequence[str] = (),
     gateways: Mapping[str, Sequence[str]] | None = None,
     prompts: Mapping[str, str] = PROMPTS,
 ) -> Measured:
     """Start the cell's nodes behind their proxies and its gateways, and measure them in alternating rounds
     (the first round warms every gateway's route up and is not counted); every process is stopped after.
     By default the bundled model in ``LAYOUTS``; else ``layout`` of the model ``model_args`` name (to
-    nodes and gateways), ``gateways`` by name with their own flags, on ``prompts``."""
+    nodes and gateways), ``gateways`` by name with their own flags, on ``prompts``; ``node_args`` go to
+    every node (``--gpu-layers all``: benchmarks/device_check.py)."""
     measured = Measured(_measured_leg_ms(cell.one_way_s))  # before any node runs: the proxy on an idle machine
     flags = gateways or {name: GATEWAYS[name] for name in cell.gateways}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -170,7 +172,7 @@ def measure(
         for layers in layout or LAYOUTS[cell.seams]:
             port = _free_port()
             proxy = stack.enter_context(delay_proxy(port, cell.one_way_s))
-            nodes.append([*model_args, "--layers", layers, "--threads", str(threads), "--port", str(port),
+            nodes.append([*model_args, *node_args, "--layers", layers, "--threads", str(threads), "--port", str(port),
                           "--public-url", f"http://127.0.0.1:{proxy.port}"])  # fmt: skip
         urls, model = gateway_swarm(stack, tmp, nodes, {name: (*model_args, *f) for name, f in flags.items()})
         for i in range(cell.rounds + 1):

@@ -9,6 +9,11 @@ as a 2-shard route (``LlamaShard.from_model`` + ``ChainSession``), both with ``-
 
 ``--gpu-layers 0`` runs the same check on the CPU (what a machine without a GPU can check of it).
 Exit status 1 when tokens differ.
+
+``--wan``: instead, the goal cell of ``bench wan`` (3 seams x 20 ms round trip, the bundled model)
+with every node's layers offloaded: autoregressive ÷ its floor, and pipelined speculation on
+open-ended and copy-heavy text, where a verify chunk costs a GPU about what a step does. Its section
+is printed in the format of benchmarks/RESULTS.md; exit status 1 when a gateway's text differs.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import decode_rate
+from benchmarks.common import Section, decode_rate
 from meshnet.artifacts.bundled import bundled_gguf
 from meshnet.backends.base import TokenStep
 from meshnet.backends.chain import ChainSession
@@ -95,13 +100,38 @@ def _rounds(args: argparse.Namespace, cache: Path) -> tuple[list[tuple[Run, Run]
             shard.close()
 
 
+def wan(gpu_layers: int) -> int:
+    """``--wan`` (module docstring)."""
+    from benchmarks import bench_wan
+
+    flag = gpu_layers_flag(gpu_layers)
+    rtt, seams = bench_wan.BASELINE
+    gateways = ("off", "no-relay", "ngram", "ngram-sync")
+    cell = bench_wan.Cell(rtt, seams, bench_wan.BASELINE_TOKENS, bench_wan.BASELINE_ROUNDS, gateways)
+    threads = max(1, (os.cpu_count() or 1) // seams)
+    section = Section(
+        f"WAN links on the GPU: {cell.label} round trip, every node --gpu-layers {flag}",
+        f"python -m benchmarks.device_check --wan --gpu-layers {flag}  (bench wan's goal cell: one node per seam, "
+        f"{threads} threads each, behind user-space delay proxies; gateways {', '.join(gateways)}; "
+        f"{cell.tokens} greedy tokens of an open-ended and a copy-heavy request, median of {cell.rounds} "
+        "alternating rounds after a warm-up round)",
+    )
+    measured = bench_wan.measure(cell, threads, node_args=("--gpu-layers", flag))
+    bench_wan.report(section, cell, measured)
+    print(section.markdown())
+    return 0 if all(len(texts) == 1 for texts in measured.texts.values()) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-layers", type=gpu_layers_arg, default=-1, metavar="N|all", help="default all")
     parser.add_argument("--tokens", type=int, default=128, help="greedy tokens generated (default 128)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating (default 3)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--wan", action="store_true", help="bench wan's goal cell on offloaded nodes instead")
     args = parser.parse_args(argv)
+    if args.wan:
+        return wan(args.gpu_layers)
     import llama_cpp
 
     print(f"llama-cpp-python {llama_cpp.__version__}, GPU offload supported: {llama_cpp.llama_supports_gpu_offload()}")
