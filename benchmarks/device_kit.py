@@ -75,21 +75,7 @@ def build_llama(cuda_archs: str) -> Path:
     built = sorted(out.glob("llama_cpp_python-*.whl"))
     if built:
         return built[-1]
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        raise SystemExit("device kit: nvcc is not on PATH: install the CUDA toolkit, or give --llama-wheel")
-    flags = ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_archs}", f"-DCMAKE_CUDA_COMPILER={nvcc}",
-             "-DGGML_CUDA_NCCL=OFF", "-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON",
-             # the device's CPU is not known here: AVX2 runs on any x86-64 server of the last decade
-             "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]  # fmt: skip
-    env = dict(os.environ)
-    toolkit = Path(os.path.realpath(nvcc)).parents[1]
-    if not any(toolkit.glob("lib*/libcublas.so*")):  # a pip-installed toolkit: cuBLAS from its wheel
-        lib, include = _cublas()
-        flags += [f"-DCUDA_cublas_LIBRARY={lib / 'libcublas.so'}", f"-DCUDA_cublasLt_LIBRARY={lib / 'libcublasLt.so'}"]
-        env["CPATH"] = f"{include}:{env['CPATH']}" if env.get("CPATH") else str(include)
-    if not any(toolkit.glob("lib*/**/libcuda.so")):  # no driver stub to link: no CUDA virtual memory pool
-        flags.append("-DGGML_CUDA_NO_VMM=ON")
+    flags, env = _cuda_build(cuda_archs)
     env["CMAKE_ARGS"] = " ".join(flags)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -99,6 +85,40 @@ def build_llama(cuda_archs: str) -> Path:
     subprocess.run(command, env=env, check=True)
     partial.rename(out)
     return next(out.glob("llama_cpp_python-*.whl"))
+
+
+def _cuda_build(cuda_archs: str) -> tuple[list[str], dict[str, str]]:
+    """The CMake flags and the environment of a CUDA build for ``cuda_archs`` with this toolkit."""
+    toolkit = _toolkit()
+    nvcc = toolkit / "bin" / "nvcc"
+    flags = ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_archs}", f"-DCMAKE_CUDA_COMPILER={nvcc}",
+             "-DGGML_CUDA_NCCL=OFF", "-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON",
+             # the device's CPU is not known here: AVX2 runs on any x86-64 server of the last decade
+             "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]  # fmt: skip
+    env = dict(os.environ)
+    libraries = [toolkit / "lib64", toolkit / "lib", *toolkit.glob("targets/*/lib")]
+
+    def found(pattern: str) -> bool:
+        return any(path.exists() for folder in libraries for path in folder.glob(pattern))
+
+    if not found("libcublas.so*"):  # a pip-installed toolkit: cuBLAS from its wheel
+        lib, include = _cublas()
+        flags += [f"-DCUDA_cublas_LIBRARY={lib / 'libcublas.so'}", f"-DCUDA_cublasLt_LIBRARY={lib / 'libcublasLt.so'}"]
+        env["CPATH"] = f"{include}:{env['CPATH']}" if env.get("CPATH") else str(include)
+    if not found("**/libcuda.so"):  # no driver stub to link (lib64/stubs): no CUDA virtual memory pool
+        flags.append("-DGGML_CUDA_NO_VMM=ON")
+    return flags, env
+
+
+def _toolkit() -> Path:
+    """The CUDA toolkit's folder: CUDA_HOME, CUDA_PATH, /usr/local/cuda, or the one of the nvcc on PATH."""
+    for folder in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if folder and (Path(folder) / "bin" / "nvcc").is_file():
+            return Path(folder)
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise SystemExit("device kit: no CUDA toolkit (nvcc): install one, or give --llama-wheel")
+    return Path(os.path.realpath(nvcc)).parents[1]
 
 
 def _cublas() -> tuple[Path, Path]:
