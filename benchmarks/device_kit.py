@@ -133,7 +133,7 @@ def _cublas() -> tuple[Path, Path]:
         (target / "ok").touch()
     lib = next(target.glob("nvidia/*/lib"))
     for name in ("libcublas.so", "libcublasLt.so"):  # the linker's names for the versioned files
-        if not (lib / name).exists():
+        if not (lib / name).is_symlink():
             (lib / name).symlink_to(f"{name}.13")
     return lib, lib.parent / "include"
 
@@ -141,9 +141,9 @@ def _cublas() -> tuple[Path, Path]:
 def slim_wheel(wheel: Path, out: Path) -> None:
     """``wheel`` (llama-cpp-python) with each shared library once, at ``out``. A wheel holds no
     symbolic links, so its build's ``libggml-cuda.so``, ``.so.0`` and ``.so.0.25.3`` are three copies
-    (six with the headers' ``lib/`` beside the package): 267 MB for one CUDA architecture. Kept: the
-    package, each library under its soname (``libX.so.N``: what the libraries load one another by)
-    and under the names Python loads (``LOADED``)."""
+    (six with the build's install copy in the wheel's top-level ``lib/``): 267 MB for one CUDA
+    architecture. Kept: the package, each library under its soname (``libX.so.N``: what the libraries
+    load one another by) and under the names Python loads (``LOADED``)."""
     with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as target:
         kept = [
             info for info in source.infolist()
