@@ -66,7 +66,9 @@ def sha256(path: Path) -> str:
 
 
 def cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshnet" / "device-kit"
+    from meshnet.cli.paths import cache_home  # here: ``unpack`` runs before Meshnet is on the path
+
+    return cache_home() / "device-kit"
 
 
 def build_llama(cuda_archs: str) -> Path:

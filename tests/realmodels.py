@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshnet.cli.paths import cache_home
+
 __all__ = ["MODELS", "RealModel", "cache_dir", "real_model"]
 
 
@@ -56,7 +58,7 @@ MODELS: dict[str, RealModel] = {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshnet" / "models"
+    return cache_home() / "models"
 
 
 def real_model(name: str) -> Path:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshnet.cli.paths import cache_home
 from meshnet.models.families import LLAMA_CERTIFIED_ON, installed_llama_cpp
 
 # The converter of the llama.cpp the shards run: that of the installed llama-cpp-python release.
@@ -51,7 +52,7 @@ SPECIAL_TOKENS = (
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshnet" / "certify"
+    return cache_home() / "certify"
 
 
 def converter_dir() -> Path:

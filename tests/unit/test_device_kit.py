@@ -16,16 +16,21 @@ from benchmarks import device_kit
 PIECE = 1000  # the pieces' size in these tests (8 MiB in a real kit)
 
 
-def _wheel(folder: Path) -> Path:
-    path = folder / "kitprobe-1.0-py3-none-any.whl"
+def _wheel(path: Path, files: dict[str, str], *, tag: str = "py3-none-any") -> Path:
+    """A wheel at ``path`` (its name says the distribution and version) holding ``files``, with the
+    metadata pip reads and a RECORD that lists every file."""
+    name, version = path.name.split("-")[:2]
+    info = f"{name}-{version}.dist-info"
+    purelib = "true" if tag == "py3-none-any" else "false"
+    members = {
+        **files,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: {purelib}\nTag: {tag}\n",
+    }
     with zipfile.ZipFile(path, "w") as wheel:
-        wheel.writestr("kitprobe.py", "ANSWER = 42\n")
-        wheel.writestr("kitprobe-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: kitprobe\nVersion: 1.0\n")
-        wheel.writestr(
-            "kitprobe-1.0.dist-info/WHEEL",
-            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        )
-        wheel.writestr("kitprobe-1.0.dist-info/RECORD", "kitprobe.py,,\nkitprobe-1.0.dist-info/METADATA,,\n")
+        for member, text in members.items():
+            wheel.writestr(member, text)
+        wheel.writestr(f"{info}/RECORD", "".join(f"{member},,\n" for member in members))
     return path
 
 
@@ -35,7 +40,7 @@ def kit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
     monkeypatch.setattr(device_kit, "PIECE_BYTES", PIECE)
     staging = tmp_path / "staging"
     staging.mkdir()
-    _wheel(staging)
+    _wheel(staging / "kitprobe-1.0-py3-none-any.whl", {"kitprobe.py": "ANSWER = 42\n"})
     converter = tmp_path / "llama-convert-test"
     converter.mkdir()
     (converter / "convert_hf_to_gguf.py").write_text("print('converter')\n")
@@ -102,15 +107,7 @@ def test_a_llama_wheel_keeps_each_library_once_under_the_names_it_is_loaded_by(t
             "libllama.so.0.5.0", "libggml-base.so", "libggml-base.so.0")  # fmt: skip
     files = [*(f"llama_cpp/lib/{name}" for name in libs), "llama_cpp/__init__.py", "lib/libllama.so.0",
              "include/llama.h"]  # fmt: skip
-    with zipfile.ZipFile(source, "w") as wheel:
-        for name in files:
-            wheel.writestr(name, name)
-        wheel.writestr("llama_cpp_python-0.3.36.dist-info/METADATA", "Metadata-Version: 2.1\nName: llama_cpp_python\n"
-                       "Version: 0.3.36\n")  # fmt: skip
-        wheel.writestr("llama_cpp_python-0.3.36.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"
-                       "Tag: py3-none-linux_x86_64\n")  # fmt: skip
-        record = [*files, "llama_cpp_python-0.3.36.dist-info/METADATA", "llama_cpp_python-0.3.36.dist-info/WHEEL"]
-        wheel.writestr("llama_cpp_python-0.3.36.dist-info/RECORD", "".join(f"{n},,\n" for n in record))
+    _wheel(source, {name: name for name in files}, tag="py3-none-linux_x86_64")
     slim = tmp_path / "slim" / source.name
     slim.parent.mkdir()
     device_kit.slim_wheel(source, slim)

@@ -206,9 +206,9 @@ def tracker_peers(tracker_url: str, digest: str, wanted: set[str]) -> list[tuple
 
 
 def default_artifacts_dir() -> Path:
-    from meshnet.cli.paths import default_cache_dir
+    from meshnet.cli.paths import cache_home
 
-    return default_cache_dir().parent / "artifacts"
+    return cache_home() / "artifacts"
 
 
 def fetch_node_shard(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:

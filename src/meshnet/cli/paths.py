@@ -1,15 +1,22 @@
-"""Where a node keeps what it caches on disk: its shard files and their load-time bit checks."""
+"""Where Meshnet keeps what it caches on disk (``cache_home``): a node's shard files and their
+load-time bit checks here; fetched artifacts, the tests' real models and certification models, and
+the device check's kit beside them."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-__all__ = ["default_cache_dir", "load_checks_dir"]
+__all__ = ["cache_home", "default_cache_dir", "load_checks_dir"]
+
+
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME/meshnet`` (``~/.cache/meshnet``): every Meshnet cache is a folder in it."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshnet"
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshnet" / "shards"
+    return cache_home() / "shards"
 
 
 def load_checks_dir(cache_dir: Path | None) -> Path:
